@@ -1,0 +1,36 @@
+"""What each collective computes, given every member's op (in group order). Backend-neutral data."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from simcluster.numerics import tensor as T
+from simcluster.program.comm import CommKind, CommOp
+
+
+def execute(kind: CommKind, ops: Sequence[CommOp]) -> list[Any]:
+    """The result each member gets, in the same order as `ops`."""
+    n = len(ops)
+    xs = [op.tensor for op in ops]
+    if kind is CommKind.ALL_REDUCE:
+        total = T.reduce(xs, ops[0].op)
+        return [T.copy(total) for _ in range(n)]
+    if kind is CommKind.REDUCE_SCATTER:
+        return T.split(T.reduce(xs, ops[0].op), n, ops[0].dim)
+    if kind is CommKind.ALL_GATHER:
+        full = T.concat(xs, ops[0].dim)
+        return [T.copy(full) for _ in range(n)]
+    if kind is CommKind.ALL_TO_ALL:
+        chunks = [T.split(x, n, ops[0].split_dim) for x in xs]
+        return [T.concat([chunks[i][j] for i in range(n)], ops[0].concat_dim) for j in range(n)]
+    if kind is CommKind.BROADCAST:
+        src = next(op for op in ops if op.rank == op.peer)
+        return [T.copy(src.tensor) for _ in range(n)]
+    if kind is CommKind.REDUCE:
+        total = T.reduce(xs, ops[0].op)
+        return [total if op.rank == op.peer else None for op in ops]
+    if kind is CommKind.BARRIER:
+        return [None] * n
+    if kind is CommKind.SEND:  # ops = (send, recv)
+        return [None, T.copy(ops[0].tensor)]
+    raise AssertionError(kind)

@@ -1,0 +1,249 @@
+"""The three kinds of value that flow through a program, and the data movement collectives need.
+
+- `numpy.ndarray`: a real tensor (exact and fast modes).
+- `Partial`: an unrounded exact sum, held as integer limbs (exact mode). Its `dtype` is the logical
+  dtype it will be rounded to; communication and memory are charged in that dtype, never in limbs.
+- `MetaTensor`: shape and dtype only (meta mode).
+
+Collectives are written against the helpers at the bottom (`split`, `concat`, `reduce`), so that one
+definition of each collective serves all three kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+import numpy as np
+
+from simcluster.numerics import limbs as _limbs
+
+# Logical dtypes by name, with their size in bytes. numpy has no bfloat16; a bf16 tensor is timed
+# and charged as 2 bytes whatever holds its numbers.
+ITEMSIZE: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+_NUMPY_NAMES = {
+    np.dtype(np.float64): "fp64",
+    np.dtype(np.float32): "fp32",
+    np.dtype(np.float16): "fp16",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.bool_): "bool",
+}
+_NUMPY_OF = {name: dt for dt, name in _NUMPY_NAMES.items()}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The logical name ('fp32', 'bf16', ...) of a numpy dtype or a name."""
+    if isinstance(dtype, str):
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(ITEMSIZE)}")
+        return dtype
+    dt = np.dtype(dtype)
+    if dt not in _NUMPY_NAMES:
+        raise TypeError(f"unsupported dtype {dt}; valid: {', '.join(str(d) for d in _NUMPY_NAMES)}")
+    return _NUMPY_NAMES[dt]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name not in _NUMPY_OF:
+        raise ValueError(f"dtype {name!r} has no numpy storage here; valid: {', '.join(_NUMPY_OF)}")
+    return _NUMPY_OF[name]
+
+
+class Partial:
+    """An exact, unrounded sum: limbs of shape (*shape, LIMBS), to be rounded once by `finalize`."""
+
+    __slots__ = ("limbs", "dtype")
+
+    def __init__(self, limbs: np.ndarray, dtype: str = "fp32") -> None:
+        assert limbs.dtype == np.int64 and limbs.shape[-1] == _limbs.LIMBS, limbs.shape
+        self.limbs = limbs
+        self.dtype = dtype_name(dtype)
+
+    @classmethod
+    def from_terms(cls, terms: np.ndarray, axis: int, dtype: str = "fp32") -> "Partial":
+        return cls(_limbs.sum_terms(terms, axis), dtype)
+
+    @classmethod
+    def from_values(cls, values: np.ndarray, dtype: str = "fp32") -> "Partial":
+        """A partial that holds `values` exactly (a sum of one term each)."""
+        return cls(_limbs.normalize(_limbs.from_float64(values)), dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.limbs.shape[:-1]
+
+    @property
+    def ndim(self) -> int:
+        return self.limbs.ndim - 1
+
+    def __add__(self, other: "Partial") -> "Partial":
+        if not isinstance(other, Partial) or other.shape != self.shape:
+            raise TypeError(f"can only add a Partial of shape {self.shape} to a Partial, got {describe(other)}")
+        return Partial(_limbs.normalize(self.limbs + other.limbs), self.dtype)
+
+    def finalize(self, dtype: Any = np.float32) -> np.ndarray:
+        """Round the exact value once, to `dtype`."""
+        return _limbs.to_float(self.limbs, dtype)
+
+    def __repr__(self) -> str:
+        return f"Partial(shape={self.shape}, dtype={self.dtype})"
+
+
+@dataclass(frozen=True)
+class MetaTensor:
+    """Shape and dtype only; `partial` marks an unrounded sum (charged in `dtype`)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "fp32"
+    partial: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"negative dimension in shape {self.shape}")
+        dtype_name(self.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+class ReduceOp(Enum):
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+# --- what collectives need, for every kind of value -------------------------------------------
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def logical_dtype(x: Any) -> str:
+    if isinstance(x, (Partial, MetaTensor)):
+        return x.dtype
+    return dtype_name(x.dtype)
+
+
+def nbytes(x: Any) -> int:
+    """Bytes of `x` in its logical dtype (a partial's limbs are not charged)."""
+    return int(np.prod(shape_of(x), dtype=np.int64)) * ITEMSIZE[logical_dtype(x)]
+
+
+def kind_of(x: Any) -> str:
+    if isinstance(x, Partial):
+        return "partial"
+    if isinstance(x, MetaTensor):
+        return "meta-partial" if x.partial else "meta"
+    if isinstance(x, np.ndarray):
+        return "array"
+    raise TypeError(f"expected a numpy array, a Partial or a MetaTensor, got {type(x).__name__}")
+
+
+def describe(x: Any) -> str:
+    """A short description for error messages: 'fp32(4, 8)', 'partial fp32(4, 8)'."""
+    if x is None:
+        return "nothing"
+    try:
+        k = kind_of(x)
+    except TypeError:
+        return type(x).__name__
+    prefix = "partial " if k in ("partial", "meta-partial") else ""
+    return f"{prefix}{logical_dtype(x)}{shape_of(x)}"
+
+
+def is_partial(x: Any) -> bool:
+    return isinstance(x, Partial) or (isinstance(x, MetaTensor) and x.partial)
+
+
+def signature(x: Any) -> tuple[bool, str, tuple[int, ...]]:
+    """What must agree across ranks for a collective on `x`: partial or not, dtype, shape."""
+    kind_of(x)  # type check
+    return (is_partial(x), logical_dtype(x), shape_of(x))
+
+
+def describe_signature(sig: tuple[bool, str, tuple[int, ...]]) -> str:
+    partial, dtype, shape = sig
+    return f"{'partial ' if partial else ''}{dtype}{shape}"
+
+
+def _check_dim(x: Any, dim: int) -> int:
+    nd = len(shape_of(x))
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim {dim} out of range for a tensor of {nd} dims ({describe(x)})")
+    return dim % nd
+
+
+def split(x: Any, parts: int, dim: int) -> list[Any]:
+    """Split along `dim` into `parts` equal chunks."""
+    dim = _check_dim(x, dim)
+    size = shape_of(x)[dim]
+    if size % parts:
+        raise ValueError(f"dim {dim} of size {size} does not split into {parts} equal parts ({describe(x)})")
+    if isinstance(x, MetaTensor):
+        shape = list(x.shape)
+        shape[dim] = size // parts
+        return [MetaTensor(tuple(shape), x.dtype, x.partial) for _ in range(parts)]
+    if isinstance(x, Partial):
+        return [Partial(np.ascontiguousarray(c), x.dtype) for c in np.split(x.limbs, parts, axis=dim)]
+    return [np.ascontiguousarray(c) for c in np.split(x, parts, axis=dim)]
+
+
+def concat(xs: Sequence[Any], dim: int) -> Any:
+    dim = _check_dim(xs[0], dim)
+    first = xs[0]
+    if isinstance(first, MetaTensor):
+        shape = list(first.shape)
+        shape[dim] = sum(x.shape[dim] for x in xs)
+        return MetaTensor(tuple(shape), first.dtype, first.partial)
+    if isinstance(first, Partial):
+        return Partial(np.concatenate([x.limbs for x in xs], axis=dim), first.dtype)
+    return np.concatenate(xs, axis=dim)
+
+
+def reduce(xs: Sequence[Any], op: ReduceOp) -> Any:
+    """Reduce equal-shaped values, in the order given.
+
+    Partials add exactly (any order gives the same limbs); arrays fold left in their own dtype
+    (fast mode: the order is the group's rank order, documented and deterministic).
+    """
+    first = xs[0]
+    if isinstance(first, MetaTensor):
+        return first
+    if isinstance(first, Partial):
+        if op is not ReduceOp.SUM:
+            raise ValueError(f"a Partial can only be reduced with SUM, not {op.name}")
+        total = np.sum(np.stack([x.limbs for x in xs]), axis=0)
+        return Partial(_limbs.normalize(total), first.dtype)
+    if op is ReduceOp.SUM:
+        out = np.array(xs[0], copy=True)
+        for x in xs[1:]:
+            out = out + x
+        return out
+    fold = np.maximum if op is ReduceOp.MAX else np.minimum
+    out = np.array(xs[0], copy=True)
+    for x in xs[1:]:
+        out = fold(out, x)
+    return out
+
+
+def copy(x: Any) -> Any:
+    """An independent copy (each rank owns its result)."""
+    if isinstance(x, MetaTensor) or x is None:
+        return x
+    if isinstance(x, Partial):
+        return Partial(x.limbs.copy(), x.dtype)
+    return np.array(x, copy=True)
+
+
+def zeros_of(sig: tuple[bool, str, tuple[int, ...]]) -> Any:
+    """A real value of the given signature (a receive buffer)."""
+    partial, dtype, shape = sig
+    if partial:
+        return Partial(np.zeros(tuple(shape) + (_limbs.LIMBS,), dtype=np.int64), dtype)
+    return np.zeros(shape, dtype=numpy_dtype(dtype))

@@ -1,0 +1,221 @@
+"""Communication requests, as a program issues them. Names and semantics follow torch.distributed.
+
+`ctx.comm.all_reduce(x, group=g)` checks its arguments, builds a `CommOp` and hands it to the backend,
+which returns a `Work`. The program yields the work to get the result:
+
+    total = yield ctx.comm.all_reduce(partial, group=ctx.mesh.tp)          # wait now
+    h = ctx.comm.all_gather(shard, group=ctx.mesh.dp, async_op=True)        # issue, overlap ...
+    full = yield h                                                          # ... wait later
+
+A sync request (the default) must be yielded before the rank does anything else; an async one must
+be yielded before the program ends. A list of works may be yielded at once (results in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable
+
+from simcluster.numerics.tensor import ReduceOp, describe, describe_signature, shape_of, signature
+from simcluster.program.mesh import ProcessGroup
+
+
+class ProgramError(RuntimeError):
+    """A program used the API wrongly (not a mismatch between ranks: those are SimulationErrors)."""
+
+
+class CommKind(Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    SEND = "send"
+    RECV = "recv"
+    BARRIER = "barrier"
+
+
+COLLECTIVES = frozenset(k for k in CommKind if k not in (CommKind.SEND, CommKind.RECV))
+
+
+@dataclass(frozen=True, eq=False)
+class CommOp:
+    """One rank's side of a communication. `peer` is the root/src/dst, a global rank."""
+
+    kind: CommKind
+    rank: int
+    group: ProcessGroup | None
+    tensor: Any = None
+    op: ReduceOp | None = None
+    peer: int | None = None
+    dim: int = 0
+    split_dim: int = 0
+    concat_dim: int = 0
+    spec: tuple | None = None  # recv: the signature of the value expected
+    tag: int = 0
+    stream: str = ""
+
+    @property
+    def sig(self) -> tuple | None:
+        """The (partial, dtype, shape) of the data this op moves, if any."""
+        if self.kind is CommKind.RECV:
+            return self.spec
+        return None if self.tensor is None else signature(self.tensor)
+
+    def match_key(self) -> tuple:
+        """What every rank's op of one collective call must agree on."""
+        return (self.kind, self.op, self.peer, self.dim, self.split_dim, self.concat_dim, self.sig)
+
+    def describe(self) -> str:
+        k = self.kind.value
+        if self.kind is CommKind.SEND:
+            return f"send of {describe_signature(self.sig)} to rank {self.peer}" + (f" (tag {self.tag})" if self.tag else "")
+        if self.kind is CommKind.RECV:
+            return f"recv of {describe_signature(self.sig)} from rank {self.peer}" + (f" (tag {self.tag})" if self.tag else "")
+        args = []
+        if self.op is not None:
+            args.append(self.op.value)
+        if self.kind in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER) and self.dim:
+            args.append(f"dim={self.dim}")
+        if self.kind is CommKind.ALL_TO_ALL:
+            args.append(f"split_dim={self.split_dim}, concat_dim={self.concat_dim}")
+        if self.kind is CommKind.BROADCAST:
+            args.append(f"src={self.peer}")
+        if self.kind is CommKind.REDUCE:
+            args.append(f"dst={self.peer}")
+        data = "" if self.tensor is None else f" of {describe(self.tensor)}"
+        return f"{k}({', '.join(args)}){data}"
+
+
+class Work:
+    """A handle on an issued request; yield it to wait. Backends fill in `done` and `value`."""
+
+    __slots__ = ("op", "sync", "done", "value", "waited", "backend")
+
+    def __init__(self, op: CommOp, sync: bool) -> None:
+        self.op = op
+        self.sync = sync
+        self.done = False
+        self.value: Any = None
+        self.waited = False
+        self.backend: Any = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "pending"
+        return f"<Work {self.op.describe()} on rank {self.op.rank}, {state}>"
+
+
+Issue = Callable[[CommOp, bool], Work]
+
+
+def _check_group(group: Any, rank: int, what: str) -> ProcessGroup:
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup (e.g. ctx.mesh.tp), got {type(group).__name__}")
+    if rank not in group:
+        raise ValueError(f"{what}: rank {rank} is not a member of group {group}")
+    return group
+
+
+def _check_dim(tensor: Any, dim: int, what: str, divisor: int | None = None) -> None:
+    shape = shape_of(tensor)
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"{what}: dim {dim} out of range for {describe(tensor)}")
+    if divisor is not None and shape[dim] % divisor:
+        raise ValueError(f"{what}: dim {dim} of {describe(tensor)} has size {shape[dim]}, "
+                         f"not divisible by the group size {divisor}")
+
+
+class Comm:
+    """The communication API a program sees; the same for every backend."""
+
+    def __init__(self, issue: Issue, rank: int, world_size: int) -> None:
+        self._issue = issue
+        self.rank = rank
+        self.world_size = world_size
+        self.pending_sync: Work | None = None  # a sync request not yet yielded
+
+    def _submit(self, op: CommOp, async_op: bool, default_stream: str) -> Work:
+        if self.pending_sync is not None and not self.pending_sync.waited:
+            raise ProgramError(
+                f"rank {self.rank}: {self.pending_sync.op.describe()} is a synchronous request that was "
+                f"never yielded; write `x = yield ctx.comm.{self.pending_sync.op.kind.value}(...)` "
+                f"or pass async_op=True")
+        if not op.stream:
+            object.__setattr__(op, "stream", default_stream)
+        work = self._issue(op, not async_op)
+        self.pending_sync = None if async_op else work
+        return work
+
+    def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None, **kw: Any) -> Work:
+        what = kind.value
+        g = _check_group(group, self.rank, what)
+        if tensor is not None:
+            signature(tensor)  # type check with a clear message
+        op = CommOp(kind, self.rank, g, tensor, stream=stream or "", **kw)
+        return self._submit(op, async_op, f"comm:{g.name}")
+
+    def all_reduce(self, tensor: Any, *, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM,
+                   async_op: bool = False, stream: str | None = None) -> Work:
+        """Every rank gets the reduction (SUM, MAX, MIN) of all ranks' tensors."""
+        return self._group_op(CommKind.ALL_REDUCE, tensor, group, async_op, stream, op=ReduceOp(op))
+
+    def reduce_scatter(self, tensor: Any, *, group: ProcessGroup, dim: int = 0, op: ReduceOp = ReduceOp.SUM,
+                       async_op: bool = False, stream: str | None = None) -> Work:
+        """Group rank i gets chunk i (along `dim`) of the reduction of all ranks' tensors."""
+        _check_dim(tensor, dim, "reduce_scatter", _check_group(group, self.rank, "reduce_scatter").size)
+        return self._group_op(CommKind.REDUCE_SCATTER, tensor, group, async_op, stream, op=ReduceOp(op), dim=dim)
+
+    def all_gather(self, tensor: Any, *, group: ProcessGroup, dim: int = 0,
+                   async_op: bool = False, stream: str | None = None) -> Work:
+        """Every rank gets all ranks' tensors concatenated along `dim`, in group order."""
+        _check_dim(tensor, dim, "all_gather")
+        return self._group_op(CommKind.ALL_GATHER, tensor, group, async_op, stream, dim=dim)
+
+    def all_to_all(self, tensor: Any, *, group: ProcessGroup, split_dim: int = 0, concat_dim: int = 0,
+                   async_op: bool = False, stream: str | None = None) -> Work:
+        """Chunk j (along split_dim) goes to group rank j; received chunks are concatenated along concat_dim."""
+        _check_dim(tensor, split_dim, "all_to_all", _check_group(group, self.rank, "all_to_all").size)
+        _check_dim(tensor, concat_dim, "all_to_all")
+        return self._group_op(CommKind.ALL_TO_ALL, tensor, group, async_op, stream,
+                              split_dim=split_dim, concat_dim=concat_dim)
+
+    def broadcast(self, tensor: Any, *, group: ProcessGroup, src: int,
+                  async_op: bool = False, stream: str | None = None) -> Work:
+        """Every rank gets rank `src`'s tensor (src is a global rank; all ranks pass a same-shaped tensor)."""
+        g = _check_group(group, self.rank, "broadcast")
+        if src not in g:
+            raise ValueError(f"broadcast: src rank {src} is not in group {g}")
+        return self._group_op(CommKind.BROADCAST, tensor, group, async_op, stream, peer=src)
+
+    def reduce(self, tensor: Any, *, group: ProcessGroup, dst: int, op: ReduceOp = ReduceOp.SUM,
+               async_op: bool = False, stream: str | None = None) -> Work:
+        """Rank `dst` gets the reduction; the others get None."""
+        g = _check_group(group, self.rank, "reduce")
+        if dst not in g:
+            raise ValueError(f"reduce: dst rank {dst} is not in group {g}")
+        return self._group_op(CommKind.REDUCE, tensor, group, async_op, stream, op=ReduceOp(op), peer=dst)
+
+    def barrier(self, *, group: ProcessGroup, async_op: bool = False, stream: str | None = None) -> Work:
+        return self._group_op(CommKind.BARRIER, None, group, async_op, stream)
+
+    def _check_peer(self, peer: Any, what: str) -> int:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
+            raise ValueError(f"{what}: peer rank {peer!r} is not in 0..{self.world_size - 1}")
+        if peer == self.rank:
+            raise ValueError(f"{what}: rank {self.rank} cannot send to or receive from itself")
+        return peer
+
+    def send(self, tensor: Any, *, dst: int, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
+        """Point to point; a synchronous send waits until the matching recv is posted."""
+        dst = self._check_peer(dst, "send")
+        signature(tensor)
+        op = CommOp(CommKind.SEND, self.rank, None, tensor, peer=dst, tag=tag, stream=stream or "")
+        return self._submit(op, async_op, f"send->{dst}")
+
+    def recv(self, *, src: int, like: Any, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
+        """Receive a value shaped like `like` (any value or MetaTensor of the expected partial/dtype/shape)."""
+        src = self._check_peer(src, "recv")
+        op = CommOp(CommKind.RECV, self.rank, None, None, peer=src, spec=signature(like), tag=tag, stream=stream or "")
+        return self._submit(op, async_op, f"recv<-{src}")

@@ -1,0 +1,143 @@
+"""The device mesh: ranks laid out on named axes (dp, pp, cp, tp), innermost axis fastest.
+
+The mesh is plain data passed to each rank, never global. A process group is the set of ranks that
+share every coordinate except the axes named: `mesh.group(rank, "tp")` is this rank's tensor-parallel
+group, `mesh.group(rank, "dp", "cp")` its data+context group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+AXES: tuple[str, ...] = ("dp", "pp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Ranks (global ids, in group order) named by the mesh axes they span."""
+
+    name: str
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        """This rank's index inside the group."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"rank {global_rank} is not in group {self}") from None
+
+    def __contains__(self, global_rank: object) -> bool:
+        return global_rank in self.ranks
+
+    def __str__(self) -> str:
+        return f"{self.name}{list(self.ranks)}"
+
+
+def _check_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+    for a in axes:
+        if a not in AXES:
+            raise ValueError(f"unknown mesh axis {a!r}; valid axes: {', '.join(AXES)}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"mesh axes repeated in {axes}")
+    return tuple(a for a in AXES if a in axes)  # canonical (mesh) order
+
+
+class DeviceMesh:
+    """`np.arange(world).reshape(dp, pp, cp, tp)` with the process groups along any axes."""
+
+    def __init__(self, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> None:
+        sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        for axis, n in sizes.items():
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"mesh axis {axis} must be a positive integer, got {n!r}")
+        self.sizes: dict[str, int] = {a: int(sizes[a]) for a in AXES}
+        self.world_size = int(np.prod(list(self.sizes.values())))
+        self.ranks = np.arange(self.world_size).reshape(tuple(self.sizes[a] for a in AXES))
+        self._groups: dict[tuple[int, tuple[str, ...]], ProcessGroup] = {}
+
+    def __repr__(self) -> str:
+        return "DeviceMesh(" + ", ".join(f"{a}={n}" for a, n in self.sizes.items()) + ")"
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for a mesh of {self.world_size} ranks")
+        idx = np.unravel_index(rank, self.ranks.shape)
+        return {a: int(i) for a, i in zip(AXES, idx)}
+
+    def group(self, rank: int, *axes: str) -> ProcessGroup:
+        """The group of `rank` along `axes` (all four axes, or none given: the whole world)."""
+        axes = _check_axes(axes) if axes else AXES
+        key = (rank, axes)
+        if key not in self._groups:
+            c = self.coords(rank)
+            index = tuple(slice(None) if a in axes else c[a] for a in AXES)
+            members = tuple(int(r) for r in self.ranks[index].reshape(-1))
+            name = "world" if axes == AXES else "+".join(axes)
+            self._groups[key] = ProcessGroup(name, members)
+        return self._groups[key]
+
+    def groups(self, *axes: str) -> list[ProcessGroup]:
+        """Every group along `axes`, ordered by their lowest rank."""
+        seen: dict[tuple[int, ...], ProcessGroup] = {}
+        for r in range(self.world_size):
+            g = self.group(r, *axes)
+            seen.setdefault(g.ranks, g)
+        return [seen[k] for k in sorted(seen)]
+
+    def all_groups(self) -> list[ProcessGroup]:
+        """Every group along every non-empty combination of axes, in a fixed order."""
+        out: list[ProcessGroup] = []
+        for n in range(1, len(AXES) + 1):
+            for axes in combinations(AXES, n):
+                out.extend(self.groups(*axes))
+        return out
+
+    def view(self, rank: int) -> "MeshView":
+        return MeshView(self, rank)
+
+
+class MeshView:
+    """One rank's view of the mesh: `view.tp` is its tensor-parallel group, `view.coord('tp')` its index."""
+
+    def __init__(self, mesh: DeviceMesh, rank: int) -> None:
+        self.mesh = mesh
+        self.rank = rank
+        self._coords = mesh.coords(rank)
+
+    def group(self, *axes: str) -> ProcessGroup:
+        return self.mesh.group(self.rank, *axes)
+
+    def coord(self, axis: str) -> int:
+        _check_axes((axis,))
+        return self._coords[axis]
+
+    def size(self, axis: str) -> int:
+        _check_axes((axis,))
+        return self.mesh.sizes[axis]
+
+    @property
+    def dp(self) -> ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def pp(self) -> ProcessGroup:
+        return self.group("pp")
+
+    @property
+    def cp(self) -> ProcessGroup:
+        return self.group("cp")
+
+    @property
+    def tp(self) -> ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def world(self) -> ProcessGroup:
+        return self.group()

@@ -1,0 +1,54 @@
+"""A cluster built from a spec: which node holds a rank, which links a transfer crosses, kernel cost.
+
+Links are numbered `rank * 4 + port`, one per direction: a transfer inside a node leaves through the
+sender's NVLink port and enters the receiver's (the NVSwitch itself does not block); a transfer
+between nodes leaves through the sender's NIC and enters the receiver's (a non-blocking fabric).
+"""
+
+from __future__ import annotations
+
+import math
+
+from simcluster.topology.presets import ClusterSpec
+
+NVLINK_OUT, NVLINK_IN, NIC_OUT, NIC_IN = range(4)
+PORT_NAMES = ("nvlink-out", "nvlink-in", "nic-out", "nic-in")
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.world_size = spec.world_size
+        self.gpus_per_node = spec.gpus_per_node
+        nvlink = spec.nvlink_gbyte_per_s  # GB/s == bytes/ns
+        nic = spec.nic_gbit_per_s / 8.0
+        # capacity in bytes per ns, by link id
+        self.capacity: list[float] = [nvlink, nvlink, nic, nic] * self.world_size
+        self._flops_per_ns = {
+            "bf16": spec.peak_tflops * 1e3 * spec.compute_efficiency,
+            "fp16": spec.peak_tflops * 1e3 * spec.compute_efficiency,
+            "fp32": spec.peak_tflops_fp32 * 1e3 * spec.compute_efficiency,
+            "fp64": spec.peak_tflops_fp32 * 1e3 * spec.compute_efficiency / 2,
+        }
+        self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.gpus_per_node == b // self.gpus_per_node
+
+    def route(self, src: int, dst: int) -> tuple[tuple[int, int], int]:
+        """(link ids, per-step latency in ns) of a transfer from src to dst."""
+        if self.same_node(src, dst):
+            return (src * 4 + NVLINK_OUT, dst * 4 + NVLINK_IN), self.spec.nvlink_latency_ns
+        return (src * 4 + NIC_OUT, dst * 4 + NIC_IN), self.spec.nic_latency_ns
+
+    def link_name(self, link: int) -> str:
+        return f"rank{link // 4}:{PORT_NAMES[link % 4]}"
+
+    def kernel_ns(self, flops: float, nbytes: float, dtype: str) -> int:
+        """max(compute-bound, memory-bound) time plus the per-kernel overhead, in whole ns."""
+        rate = self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
+        t = max(flops / rate, nbytes / self._bytes_per_ns)
+        return int(math.ceil(t)) + self.spec.kernel_overhead_ns

@@ -1,0 +1,99 @@
+"""How each collective moves bytes: a sequence of phases, each a set of concurrent flows.
+
+A phase starts after `steps` link latencies, then its flows share the links (see engine/network.py);
+it ends when its last flow ends. With one flow per link, the phases reproduce the textbook forms:
+
+    ring all_reduce of S bytes over n ranks      2(n-1) * (alpha + S / (n B))
+    ring reduce_scatter / all_gather (S = full)   (n-1) * (alpha + S / (n B))
+    direct all_to_all (S per rank)                alpha + (n-1) S / (n B)
+    pipelined chain broadcast / reduce            (n-1) alpha + S / B
+    send / recv                                   alpha + S / B
+
+A group spread evenly over several nodes, with more than one member per node, is hierarchical as in
+NCCL's tree/2-D algorithms: reduce_scatter inside each node, the cross-node step on 1/k of the data
+(k members per node, one ring per local index), then all_gather inside each node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simcluster.program.comm import CommKind
+from simcluster.topology.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Phase:
+    steps: int  # link latencies paid before the flows start
+    flows: tuple[tuple[int, int, float], ...]  # (src rank, dst rank, bytes)
+
+
+def _ring(ranks: tuple[int, ...], steps: int, per_flow: float) -> Phase:
+    n = len(ranks)
+    flows = tuple((ranks[i], ranks[(i + 1) % n], per_flow) for i in range(n)) if n > 1 else ()
+    return Phase(steps if n > 1 else 0, flows)
+
+
+def _merge(phases: list[Phase]) -> Phase:
+    """Concurrent phases (e.g. one ring per node) as one."""
+    return Phase(max((p.steps for p in phases), default=0), tuple(f for p in phases for f in p.flows))
+
+
+def _by_node(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """Members per node if the group is spread evenly with more than one per node, else None."""
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(cluster.node_of(r), []).append(r)
+    if len(nodes) < 2:
+        return None
+    sizes = {len(v) for v in nodes.values()}
+    if len(sizes) != 1 or sizes == {1}:
+        return None
+    return [tuple(nodes[k]) for k in sorted(nodes)]
+
+
+def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, peer: int | None = None) -> list[Phase]:
+    """Phases of a collective over `ranks` (group order). `nbytes`: see the module docstring."""
+    n = len(ranks)
+    S = float(nbytes)
+    if kind in (CommKind.SEND, CommKind.RECV):
+        return [Phase(1, ((ranks[0], ranks[1], S),))]
+    if n == 1:
+        return []
+    if kind is CommKind.BARRIER:
+        return [_ring(ranks, 2 * (n - 1), 0.0)]
+    if kind is CommKind.ALL_TO_ALL:
+        flows = tuple((a, b, S / n) for a in ranks for b in ranks if a != b)
+        return [Phase(1, flows)]
+    if kind in (CommKind.BROADCAST, CommKind.REDUCE):
+        start = ranks.index(peer)
+        chain = ranks[start:] + ranks[:start]
+        if kind is CommKind.REDUCE:
+            chain = chain[::-1]
+        return [Phase(n - 1, tuple((chain[i], chain[i + 1], S) for i in range(n - 1)))]
+
+    nodes = _by_node(cluster, ranks)
+    if nodes is None:
+        if kind is CommKind.ALL_REDUCE:
+            return [_ring(ranks, 2 * (n - 1), 2 * (n - 1) / n * S)]
+        return [_ring(ranks, n - 1, (n - 1) / n * S)]
+
+    k, m = len(nodes[0]), len(nodes)
+    intra_rs = _merge([_ring(node, k - 1, (k - 1) / k * S) for node in nodes])
+    intra_ag = intra_rs
+    rails = [tuple(node[j] for node in nodes) for j in range(k)]  # one cross-node ring per local index
+    if kind is CommKind.ALL_REDUCE:
+        inter = _merge([_ring(rail, 2 * (m - 1), 2 * (m - 1) / m * S / k) for rail in rails])
+        return [intra_rs, inter, intra_ag]
+    inter = _merge([_ring(rail, m - 1, (m - 1) / m * S / k) for rail in rails])
+    if kind is CommKind.REDUCE_SCATTER:
+        return [intra_rs, inter]
+    assert kind is CommKind.ALL_GATHER, kind
+    return [inter, intra_ag]
+
+
+def semantic_bytes(kind: CommKind, in_bytes: int, group_size: int) -> int:
+    """The S of the closed forms from one rank's input size."""
+    if kind is CommKind.ALL_GATHER:
+        return in_bytes * group_size
+    return in_bytes

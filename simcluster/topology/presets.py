@@ -1,0 +1,78 @@
+"""Hardware presets. Datasheet figures are marked as such; the rest are modelling assumptions.
+
+Units are in the field names. Bandwidths are per direction per GPU (NVLink: through the NVSwitch;
+NIC: one InfiniBand port per GPU, rail-optimised, through a non-blocking fabric).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    preset: str
+    device: str
+    nodes: int = 1
+    gpus_per_node: int = 8
+    peak_tflops: float = 312.0  # dense 16-bit tensor-core peak (bf16/fp16)
+    peak_tflops_fp32: float = 19.5  # plain fp32 (no tensor cores)
+    hbm_gbyte_per_s: float = 2039.0
+    memory_gbyte: float = 80.0
+    nvlink_gbyte_per_s: float = 300.0  # each way
+    nic_gbit_per_s: float = 200.0  # each way
+    nvlink_latency_ns: int = 1000  # per ring step; assumption
+    nic_latency_ns: int = 3000  # per ring step; assumption
+    kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
+    compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s; assumption
+    memory_efficiency: float = 0.8  # achievable fraction of HBM bandwidth; assumption
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("preset", "device"):
+                if not isinstance(v, str) or not v:
+                    raise ValueError(f"cluster.{f.name} must be a non-empty string, got {v!r}")
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"cluster.{f.name} must be a number, got {type(v).__name__} {v!r}")
+            if f.name in ("nodes", "gpus_per_node") and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"cluster.{f.name} must be a positive integer, got {v!r}")
+            if f.name.endswith("_ns") and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"cluster.{f.name} must be a non-negative integer (ns), got {v!r}")
+            if f.name.endswith("efficiency") and not 0 < v <= 1:
+                raise ValueError(f"cluster.{f.name} must be in (0, 1], got {v!r}")
+            if not f.name.endswith("_ns") and v <= 0:
+                raise ValueError(f"cluster.{f.name} must be positive, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_overrides(self, **kw: Any) -> "ClusterSpec":
+        valid = {f.name for f in fields(self)} - {"preset"}
+        for k in kw:
+            if k not in valid:
+                raise ValueError(f"unknown cluster field {k!r}; valid: {', '.join(sorted(valid))}")
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, ClusterSpec] = {
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2,039 GB/s HBM2e,
+    # NVLink 3 600 GB/s total (300 each way); DGX A100: 8 GPUs, one 200 Gb/s HDR InfiniBand NIC each.
+    "dgx-a100": ClusterSpec(preset="dgx-a100", device="A100-SXM4-80GB"),
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 3.35 TB/s HBM3,
+    # NVLink 4 900 GB/s total (450 each way); DGX H100: 8 GPUs, one 400 Gb/s NDR NIC each.
+    "dgx-h100": ClusterSpec(preset="dgx-h100", device="H100-SXM5-80GB", peak_tflops=989.0, peak_tflops_fp32=67.0,
+                            hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0),
+}
+
+
+def preset(name: str, **overrides: Any) -> ClusterSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name].with_overrides(**overrides) if overrides else PRESETS[name]
