@@ -1,0 +1,110 @@
+"""The report of a run: plain data (JSON-ready) derived from the trace and the verification.
+
+Renderers (viz/) and `--json` read this; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from simcluster.engine import RunResult
+from simcluster.engine.trace import Trace
+from simcluster.scenario import Scenario
+
+
+def communication(trace: Trace) -> list[dict[str, Any]]:
+    """Per (group axis, collective): calls, bytes sent and time, per rank (the busiest rank)."""
+    per: dict[tuple[str, str], dict[int, list[int]]] = {}
+    for e in trace:
+        if not e.group:
+            continue
+        group = e.group.split("[", 1)[0]
+        acc = per.setdefault((group, e.kind), {}).setdefault(e.rank, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += e.bytes
+        acc[2] += e.duration
+    rows = []
+    for (group, kind), ranks in sorted(per.items()):
+        rows.append({"group": group, "collective": kind,
+                     "calls_per_rank": max(v[0] for v in ranks.values()),
+                     "bytes_per_rank": max(v[1] for v in ranks.values()),
+                     "time_ns_per_rank": max(v[2] for v in ranks.values())})
+    return rows
+
+
+def busy(trace: Trace) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for e in trace:
+        lane = out.setdefault(str(e.rank), {})
+        lane[e.stream] = lane.get(e.stream, 0) + e.duration
+    return out
+
+
+def first_mismatches(expected: dict[str, Any], got: dict[str, Any], limit: int = 5) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in list(expected) + [k for k in got if k not in expected]:
+        if len(out) >= limit:
+            break
+        if name not in expected or name not in got:
+            out.append({"output": name, "problem": "missing from the reference" if name not in expected
+                        else "missing from the parallel run"})
+            continue
+        a, b = np.asarray(expected[name]), np.asarray(got[name])
+        if a.shape != b.shape:
+            out.append({"output": name, "problem": f"shape {list(b.shape)} instead of {list(a.shape)}"})
+            continue
+        if a.tobytes() == b.tobytes():
+            continue
+        bad = np.argwhere((a != b) | (np.isnan(a) != np.isnan(b)) if a.dtype.kind == "f" else a != b)
+        if not len(bad):  # equal values, different bytes (e.g. -0.0 against 0.0)
+            bad = np.argwhere(np.signbit(a) != np.signbit(b)) if a.dtype.kind == "f" else bad
+        index = [int(i) for i in bad[0]] if len(bad) else []
+        out.append({"output": name, "index": index,
+                    "expected": float(a[tuple(index)]) if a.ndim else float(a),
+                    "got": float(b[tuple(index)]) if b.ndim else float(b),
+                    "elements_differing": int(len(bad))})
+    return out
+
+
+def verification(mode: str, expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Byte equality with the single-device run (exact mode), or the largest error (fast mode)."""
+    same = [k for k in expected if k in got and np.asarray(expected[k]).tobytes() == np.asarray(got[k]).tobytes()]
+    bit_exact = len(same) == len(expected) == len(got)
+    out: dict[str, Any] = {"mode": mode, "reference": "the same program on one device",
+                           "outputs_compared": len(expected), "outputs": list(expected),
+                           "bit_exact": bit_exact, "mismatches": [] if bit_exact else first_mismatches(expected, got)}
+    if mode == "fast":
+        err = max((float(np.max(np.abs(np.asarray(expected[k], np.float64) - np.asarray(got[k], np.float64))
+                                / (np.max(np.abs(np.asarray(expected[k], np.float64))) + 1e-30)))
+                   for k in expected if k in got), default=0.0)
+        out["max_relative_error"] = err
+        out["passed"] = err <= 1e-4 and set(expected) == set(got)
+    else:
+        out["passed"] = bit_exact
+    return out
+
+
+def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops: float,
+          verdict: dict[str, Any]) -> dict[str, Any]:
+    spec = result.cluster.spec
+    steps = scenario.run["steps"] if scenario.run["program"] == "mlp" else 1
+    makespan = result.trace.end
+    peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
+    mfu = model_flops / (makespan * 1e-9 * result.mesh.world_size * peak) if makespan else 0.0
+    return {
+        "scenario": scenario.as_dict(),
+        "world_size": result.mesh.world_size,
+        "mesh": dict(result.mesh.sizes),
+        "cluster": spec.as_dict(),
+        "parameters": parameters,
+        "steps": steps,
+        "step_time_ns": makespan // steps,
+        "total_time_ns": makespan,
+        "mfu": round(mfu, 6),
+        "busy_ns": busy(result.trace),
+        "communication": communication(result.trace),
+        "trace_events": len(result.trace),
+        "verification": verdict,
+    }

@@ -1,0 +1,181 @@
+"""Scenarios: a TOML document of [model], [cluster], [parallel] and [run], plus `--set` overrides.
+
+Every key is declared once in SCHEMA with its type, default and valid choices; loading checks each
+value where it enters and names the key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from simcluster.topology.presets import PRESETS, ClusterSpec
+
+
+class ScenarioError(ValueError):
+    """A scenario document or override that cannot be used (one line, for the user)."""
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+
+
+_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node")}
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "model": {
+        "hidden": Key(int, 64, "hidden size h", minimum=1),
+        "ffn_hidden": Key(int, 256, "MLP inner size", minimum=1),
+        "seq": Key(int, 16, "sequence length s", minimum=1),
+        "global_batch": Key(int, 8, "sequences per step, over all data-parallel ranks", minimum=1),
+        "dtype": Key(str, "bf16", "working dtype that kernels and communication are timed in",
+                     choices=("bf16", "fp16", "fp32")),
+    },
+    "cluster": {
+        "preset": Key(str, "dgx-a100", "hardware preset", choices=tuple(sorted(PRESETS))),
+        "nodes": Key(int, 1, "number of nodes", minimum=1),
+        "gpus_per_node": Key(int, 8, "GPUs per node (NVLink/NVSwitch domain)", minimum=1),
+        **{name: Key(float if f.type in ("float", float) else int, None, f"override of the preset's {name}", minimum=0)
+           for name, f in _CLUSTER_FIGURES.items()},
+    },
+    "parallel": {
+        "dp": Key(int, 2, "data-parallel degree", minimum=1),
+        "pp": Key(int, 1, "pipeline-parallel degree", minimum=1),
+        "cp": Key(int, 1, "context-parallel degree", minimum=1),
+        "tp": Key(int, 4, "tensor-parallel degree", minimum=1),
+    },
+    "run": {
+        "program": Key(str, "mlp", "what to run", choices=("mlp", "collectives")),
+        "steps": Key(int, 3, "training steps", minimum=1),
+        "numerics": Key(str, "exact", "exact (bit-exact), fast (BLAS) or meta (shapes only)",
+                        choices=("exact", "fast", "meta")),
+        "verify": Key(bool, True, "compare every output with a single-device run"),
+        "seed": Key(int, 0, "seed of weights and data", minimum=0),
+        "lr": Key(float, 0.05, "learning rate", minimum=0),
+    },
+}
+TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}
+
+
+def all_keys() -> list[str]:
+    return list(TOP_LEVEL) + [f"{s}.{k}" for s, keys in SCHEMA.items() for k in keys]
+
+
+def _suggest(name: str) -> str:
+    close = difflib.get_close_matches(name, all_keys(), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check(where: str, key: Key, value: Any) -> Any:
+    want = key.type
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if want is int and isinstance(value, float) and value.is_integer() and where.startswith("cluster."):
+        value = int(value)
+    if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
+        raise ScenarioError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    if key.choices is not None and value not in key.choices:
+        raise ScenarioError(f"{where} = {value!r} is not valid; valid: {', '.join(map(str, key.choices))}")
+    if key.minimum is not None and value < key.minimum:
+        raise ScenarioError(f"{where} = {value!r} must be at least {key.minimum:g}")
+    return value
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    model: dict[str, Any]
+    cluster: dict[str, Any]
+    parallel: dict[str, Any]
+    run: dict[str, Any]
+    source: str = "built-in default"
+    overrides: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p["dp"] * p["pp"] * p["cp"] * p["tp"]
+
+    def cluster_spec(self) -> ClusterSpec:
+        c = self.cluster
+        figures = {k: v for k, v in c.items() if k in _CLUSTER_FIGURES and v is not None}
+        try:
+            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], **figures)
+        except (TypeError, ValueError) as exc:
+            raise ScenarioError(str(exc)) from None
+        if spec.world_size != self.world_size:
+            p = self.parallel
+            raise ScenarioError(
+                f"parallel degrees dp={p['dp']} x pp={p['pp']} x cp={p['cp']} x tp={p['tp']} = {self.world_size} "
+                f"ranks, but the cluster has cluster.nodes={spec.nodes} x cluster.gpus_per_node={spec.gpus_per_node}"
+                f" = {spec.world_size} GPUs; they must be equal")
+        return spec
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "model": dict(self.model),
+                "cluster": {k: v for k, v in self.cluster.items() if v is not None},
+                "parallel": dict(self.parallel), "run": dict(self.run)}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'parallel.tp=4' -> ('parallel.tp', 4). Values are TOML; a bare word is a string."""
+    if "=" not in text:
+        raise ScenarioError(f"override {text!r} must look like section.key=value, e.g. parallel.tp=4")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "built-in default") -> Scenario:
+    """A checked Scenario from a parsed document and `--set` overrides."""
+    values: dict[str, dict[str, Any]] = {s: {k: key.default for k, key in keys.items()} for s, keys in SCHEMA.items()}
+    top = {k: key.default for k, key in TOP_LEVEL.items()}
+
+    def put(path: str, value: Any) -> None:
+        if path in TOP_LEVEL:
+            top[path] = _check(path, TOP_LEVEL[path], value)
+            return
+        section, _, name = path.partition(".")
+        if section not in SCHEMA or name not in SCHEMA[section]:
+            raise ScenarioError(f"unknown key {path!r}{_suggest(path)}")
+        values[section][name] = _check(path, SCHEMA[section][name], value)
+
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            if k not in SCHEMA:
+                raise ScenarioError(f"unknown section [{k}]{_suggest(k)}; sections: {', '.join(SCHEMA)}")
+            for name, value in v.items():
+                put(f"{k}.{name}", value)
+        else:
+            put(k, v)
+    for text in overrides:
+        put(*parse_override(text))
+    return Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
+                    values["run"], source, tuple(overrides))
+
+
+def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Scenario:
+    """Load a scenario file (None: the built-in default) and apply overrides."""
+    if path is None:
+        return build({}, overrides)
+    p = Path(path)
+    if not p.is_file():
+        raise ScenarioError(f"scenario file {str(p)!r} not found")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{p}: not valid TOML: {exc}") from None
+    doc.setdefault("name", p.stem)
+    return build(doc, overrides, source=str(p))

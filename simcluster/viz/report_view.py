@@ -1,0 +1,90 @@
+"""The report as rich tables (and as plain text through a no-colour console)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.table import Table
+
+from simcluster.viz.timeline import format_ns
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+class ReportView:
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report = report
+
+    def _summary(self) -> Table:
+        r = self.report
+        sc, c = r["scenario"], r["cluster"]
+        t = Table(title=f"scenario {sc['name']!r}: {sc['run']['program']}, {sc['run']['numerics']} numerics",
+                  show_header=False, title_justify="left")
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items())
+        t.add_row("cluster", f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}")
+        t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
+        t.add_row("parameters", f"{r['parameters']:,}")
+        t.add_row("step time", f"{format_ns(r['step_time_ns'])} ({r['steps']} step(s), {format_ns(r['total_time_ns'])} in all)")
+        t.add_row("MFU", f"{100 * r['mfu']:.2f} %")
+        return t
+
+    def _comm(self) -> Table:
+        t = Table(title="communication per rank", title_justify="left")
+        for col in ("group", "collective", "calls", "bytes sent", "time"):
+            t.add_column(col, justify="left" if col in ("group", "collective") else "right")
+        for row in self.report["communication"]:
+            t.add_row(row["group"], row["collective"], str(row["calls_per_rank"]), _bytes(row["bytes_per_rank"]),
+                      format_ns(row["time_ns_per_rank"]))
+        return t
+
+    def _busy(self) -> Table:
+        t = Table(title="busy time per stream", title_justify="left")
+        t.add_column("stream")
+        t.add_column("busy", justify="right")
+        t.add_column("of step", justify="right")
+        streams: dict[str, int] = {}
+        for lanes in self.report["busy_ns"].values():
+            for s, v in lanes.items():
+                streams[s] = max(streams.get(s, 0), v)
+        total = max(self.report["total_time_ns"], 1)
+        for s, v in streams.items():
+            t.add_row(s, format_ns(v), f"{100 * v / total:.0f} %")
+        return t
+
+    def _verdict(self) -> Table:
+        v = self.report["verification"]
+        t = Table(title="verification", show_header=False, title_justify="left")
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        if "status" in v:
+            t.add_row("verdict", v["status"])
+            return t
+        ok = v["passed"]
+        word = "bit-exact" if v.get("bit_exact") else ("within tolerance" if ok else "MISMATCH")
+        t.add_row("verdict", f"[{'green' if ok else 'bold red'}]{'PASS' if ok else 'FAIL'}[/]: {word} "
+                  f"against {v['reference']}")
+        t.add_row("outputs compared", f"{v['outputs_compared']} ({', '.join(v['outputs'])})")
+        if "max_relative_error" in v:
+            t.add_row("max relative error", f"{v['max_relative_error']:.3g}")
+        for m in v["mismatches"]:
+            t.add_row("mismatch", ", ".join(f"{k}={val}" for k, val in m.items()))
+        return t
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Group(self._summary(), self._busy(), self._comm(), self._verdict())
+
+
+def plain(renderable: Any, width: int = 120) -> str:
+    """Render to plain text at a fixed width (no colour): what golden tests compare."""
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False).print(renderable)
+    return buf.getvalue()
