@@ -34,7 +34,7 @@ def from_float64(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if not np.all(np.isfinite(x)):
         bad = np.argwhere(~np.isfinite(x))[0]
-        raise FloatingPointError(f"non-finite term {x[tuple(bad)]!r} at index {tuple(int(i) for i in bad)}")
+        raise FloatingPointError(f"non-finite term {float(x[tuple(bad)])!r} at index {tuple(int(i) for i in bad)}")
     if x.size and np.max(np.abs(x)) >= 2.0**TERM_LIMIT_EXP:
         big = float(np.max(np.abs(x)))
         raise OverflowError(
@@ -77,7 +77,10 @@ def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarr
     exactness contract needs is a deterministic function of the exact value, which this is.)
     """
     limbs = normalize(limbs)
-    acc = limbs[..., 0].astype(np.float64)
+    # Work on the magnitude: with every limb non-negative, Horner's sum has no cancellation.
+    negative = limbs[..., LIMBS - 1] < 0
+    mag = normalize(np.where(negative[..., None], -limbs, limbs))
+    acc = mag[..., 0].astype(np.float64)
     for i in range(1, LIMBS):
-        acc = acc / _RADIX + limbs[..., i].astype(np.float64)
-    return np.ldexp(acc, WINDOW_HI).astype(dtype)
+        acc = acc / _RADIX + mag[..., i].astype(np.float64)
+    return np.ldexp(np.where(negative, -acc, acc), WINDOW_HI).astype(dtype)

@@ -1,0 +1,51 @@
+"""Exact partial sums: any split, any order, same bytes; clear errors outside the window."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simcluster.numerics import limbs
+from simcluster.numerics.tensor import Partial, reduce, ReduceOp
+
+floats32 = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
+
+
+@given(st.lists(floats32, min_size=1, max_size=40), st.data())
+def test_any_split_and_order_gives_identical_limbs(values, data):
+    x = np.array(values, dtype=np.float32).astype(np.float64)
+    whole = limbs.sum_terms(x, axis=0)
+    perm = np.array(data.draw(st.permutations(range(len(x)))))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(x)), max_size=5)))
+    parts = [Partial(limbs.sum_terms(p, axis=0)) for p in np.split(x[perm], cuts)]
+    order = data.draw(st.permutations(range(len(parts))))
+    total = reduce([parts[i] for i in order], ReduceOp.SUM)
+    assert total.limbs.tobytes() == whole.tobytes()
+
+
+@given(st.lists(st.integers(-2**30, 2**30), min_size=1, max_size=30))
+def test_integer_valued_terms_sum_exactly(ints):
+    # integers below 2**53 are exact in float64; their exact sum is known independently
+    got = limbs.to_float(limbs.sum_terms(np.array(ints, dtype=np.float64), axis=0), np.float64)
+    assert got == float(sum(ints))
+
+
+def test_sum_that_float64_gets_wrong_is_exact_in_limbs():
+    terms = np.array([1.0, 2.0**-60, -1.0], dtype=np.float64)
+    assert float(np.sum(terms)) == 0.0  # float64 loses the small term
+    assert limbs.to_float(limbs.sum_terms(terms, axis=0), np.float64) == 2.0**-60
+
+
+def test_out_of_window_term_raises_overflow():
+    with pytest.raises(OverflowError, match="outside the exact window"):
+        limbs.from_float64(np.array([2.0**40]))
+
+
+def test_non_finite_term_is_reported():
+    with pytest.raises(FloatingPointError, match="non-finite term nan at index \\(1,\\)"):
+        limbs.from_float64(np.array([1.0, np.nan]))
+
+
+def test_negative_values_round_trip():
+    x = np.array([-3.5, -2.0**-90, 7.25, -1e9], dtype=np.float64)
+    assert limbs.to_float(limbs.normalize(limbs.from_float64(x)), np.float64).tolist() == x.tolist()

@@ -1,0 +1,30 @@
+import numpy as np
+import pytest
+
+from simcluster.program.mesh import DeviceMesh
+
+
+def test_groups_follow_the_layout_innermost_axis_fastest():
+    mesh = DeviceMesh(dp=2, pp=1, cp=3, tp=2)
+    grid = np.arange(12).reshape(2, 1, 3, 2)
+    for r in range(12):
+        d, p, c, t = np.argwhere(grid == r)[0]
+        assert mesh.group(r, "tp").ranks == tuple(grid[d, p, c, :])
+        assert mesh.group(r, "dp").ranks == tuple(grid[:, p, c, t])
+        assert mesh.group(r, "dp", "cp").ranks == tuple(grid[:, p, :, t].reshape(-1))
+        assert mesh.coords(r) == {"dp": d, "pp": p, "cp": c, "tp": t}
+    assert mesh.group(5).ranks == tuple(range(12)) and mesh.group(5).name == "world"
+
+
+def test_groups_partition_the_world():
+    mesh = DeviceMesh(dp=3, tp=2, cp=2)
+    for axes in (("dp",), ("tp",), ("cp", "tp"), ("dp", "cp")):
+        members = sorted(r for g in mesh.groups(*axes) for r in g.ranks)
+        assert members == list(range(mesh.world_size))
+
+
+def test_bad_mesh_and_axis_errors_name_the_value():
+    with pytest.raises(ValueError, match="mesh axis tp must be a positive integer, got 0"):
+        DeviceMesh(tp=0)
+    with pytest.raises(ValueError, match="unknown mesh axis 'ep'; valid axes: dp, pp, cp, tp"):
+        DeviceMesh(dp=2).group(0, "ep")

@@ -1,0 +1,158 @@
+"""Simulated times equal the closed forms; links are shared; streams overlap; kernels are costed."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simcluster.engine import simulate
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.program.mesh import DeviceMesh
+from simcluster.topology.presets import preset
+
+A100 = preset("dgx-a100")
+ALPHA_NVL, ALPHA_IB = A100.nvlink_latency_ns, A100.nic_latency_ns
+B_NVL, B_IB = A100.nvlink_gbyte_per_s, A100.nic_gbit_per_s / 8  # bytes per ns
+
+
+def lone(kind, n, nbytes, *, nodes=1, per_node=None, cluster_kw=None, **kw):
+    """Time of one collective over all n ranks (fp32 meta tensor of nbytes per rank)."""
+    per_node = per_node or n // nodes
+    spec = preset("dgx-a100", nodes=nodes, gpus_per_node=per_node, **(cluster_kw or {}))
+
+    def prog(ctx):
+        x = MetaTensor((nbytes // 4,), "fp32")
+        g = ctx.mesh.world
+        extra = {"broadcast": {"src": 0}, "reduce": {"dst": 0}}.get(kind, {})
+        yield getattr(ctx.comm, kind)(x, group=g, **extra, **kw)
+
+    run = simulate(prog, mesh=DeviceMesh(dp=n), cluster=spec, mode="meta")
+    spans = {(e.start, e.end) for e in run.trace}
+    assert len(spans) == 1, "every member of a collective starts and ends together"
+    (start, end), = spans
+    return end - start
+
+
+@given(st.integers(2, 8), st.integers(1, 2**22).map(lambda k: 4 * k * 8 * 105))
+def test_ring_all_reduce_matches_closed_form(n, nbytes):
+    want = 2 * (n - 1) * ALPHA_NVL + 2 * (n - 1) * nbytes / (n * B_NVL)
+    assert abs(lone("all_reduce", n, nbytes) - want) <= 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_ring_reduce_scatter_all_gather_all_to_all_broadcast_closed_forms(n):
+    S = 4 * 840 * 1000  # divisible by every n here
+    assert abs(lone("reduce_scatter", n, S) - ((n - 1) * ALPHA_NVL + (n - 1) * S / (n * B_NVL))) <= 1
+    # all_gather's S is the gathered size: n inputs of S/n
+    assert abs(lone("all_gather", n, S // n) - ((n - 1) * ALPHA_NVL + (n - 1) * S / (n * B_NVL))) <= 1
+    assert abs(lone("all_to_all", n, S) - (ALPHA_NVL + (n - 1) * S / (n * B_NVL))) <= 1
+    assert abs(lone("broadcast", n, S) - ((n - 1) * ALPHA_NVL + S / B_NVL)) <= 1
+
+
+@pytest.mark.parametrize("kind,factor", [("all_reduce", lambda n: 2 * (n - 1) / n),
+                                         ("reduce_scatter", lambda n: (n - 1) / n),
+                                         ("all_gather", lambda n: (n - 1) / n),
+                                         ("all_to_all", lambda n: (n - 1) / n)])
+@pytest.mark.parametrize("n", [2, 4, 6, 8])
+def test_bus_bandwidth_convention_of_nccl_tests(kind, factor, n):
+    """With latency zero, busbw = algbw * factor equals the link bandwidth."""
+    S = 4 * 2**20 * 3 * 5 * 7
+    per_rank = S // n if kind == "all_gather" else S  # all_gather: S is the output size
+    t = lone(kind, n, per_rank, cluster_kw={"nvlink_latency_ns": 0})
+    # busbw = algbw * factor = B, i.e. t = S * factor / B, up to the whole-ns rounding of t
+    assert abs(t - S * factor(n) / B_NVL) <= 1
+    assert S / t * factor(n) == pytest.approx(B_NVL, rel=1e-5)
+
+
+def test_cross_node_pair_is_slower_by_the_link_ratio():
+    S = 64 * 2**20
+    inside = lone("all_reduce", 2, S)  # one node of two
+    across = lone("all_reduce", 2, S, nodes=2, per_node=1)  # two nodes of one
+    assert inside == 2 * ALPHA_NVL + math.ceil(S / B_NVL)
+    assert across == 2 * ALPHA_IB + math.ceil(S / B_IB)
+    assert (across - 2 * ALPHA_IB) / (inside - 2 * ALPHA_NVL) == pytest.approx(B_NVL / B_IB, rel=1e-5)
+
+
+def test_group_spanning_nodes_is_hierarchical():
+    S, k, m = 4 * 2**22 * 3, 4, 2
+    t = lone("all_reduce", k * m, S, nodes=m, per_node=k)
+    want = (2 * ((k - 1) * ALPHA_NVL + (k - 1) * S / (k * B_NVL))
+            + 2 * (m - 1) * ALPHA_IB + 2 * (m - 1) * (S / k) / (m * B_IB))
+    assert abs(t - want) <= 3  # three phases, each rounded up to a whole ns
+
+
+def test_concurrent_transfers_share_a_link():
+    S = 30 * 2**20
+
+    def prog(ctx, two):
+        x = MetaTensor((S // 4,), "fp32")
+        if ctx.rank == 0:
+            works = [ctx.comm.send(x, dst=1, async_op=True)]
+            if two:
+                works.append(ctx.comm.send(x, dst=2, async_op=True))  # leaves by the same NVLink port
+            yield works
+        elif ctx.rank == 1 or two:
+            yield ctx.comm.recv(src=0, like=x)
+        else:
+            return None
+
+    spec = preset("dgx-a100", gpus_per_node=3)
+    one = simulate(prog, False, mesh=DeviceMesh(dp=3), cluster=spec, mode="meta").trace.end
+    two = simulate(prog, True, mesh=DeviceMesh(dp=3), cluster=spec, mode="meta").trace.end
+    assert one == ALPHA_NVL + math.ceil(S / B_NVL)
+    assert abs(two - (ALPHA_NVL + 2 * S / B_NVL)) <= 1
+
+
+def test_kernel_time_is_the_roofline_plus_overhead():
+    spec = preset("dgx-a100", gpus_per_node=1)
+
+    def prog(ctx):
+        ctx.ops.kernel("big", flops=1e12, nbytes=1e6)  # compute bound
+        ctx.ops.kernel("wide", flops=1e6, nbytes=1e10)  # memory bound
+        return None
+
+    events = simulate(prog, mesh=DeviceMesh(), cluster=spec, mode="meta", cost_dtype="bf16").trace.events
+    peak = spec.peak_tflops * 1e3 * spec.compute_efficiency
+    hbm = spec.hbm_gbyte_per_s * spec.memory_efficiency
+    assert events[0].duration == math.ceil(1e12 / peak) + spec.kernel_overhead_ns
+    assert events[1].duration == math.ceil(1e10 / hbm) + spec.kernel_overhead_ns
+    assert events[1].start == events[0].end  # a stream runs in order
+
+
+def test_async_communication_overlaps_compute_and_sync_does_not():
+    S = 64 * 2**20
+
+    def prog(ctx, async_op):
+        x = MetaTensor((S // 4,), "fp32")
+        h = ctx.comm.all_reduce(x, group=ctx.mesh.world, async_op=True)
+        if not async_op:
+            yield h
+        ctx.ops.kernel("work", flops=5e11, nbytes=0)
+        if async_op:
+            yield h
+
+    spec = preset("dgx-a100", gpus_per_node=2)
+    over = simulate(prog, True, mesh=DeviceMesh(dp=2), cluster=spec, mode="meta").trace
+    serial = simulate(prog, False, mesh=DeviceMesh(dp=2), cluster=spec, mode="meta").trace
+    comm = next(e for e in over if e.kind == "all_reduce")
+    work = next(e for e in over if e.name == "work")
+    assert comm.start < work.end and work.start < comm.end  # they run at the same time
+    assert over.end == max(comm.end, work.end)
+    assert serial.end == comm.duration + work.duration
+
+
+def test_a_stream_waits_for_the_data_it_uses():
+    def prog(ctx):
+        x = MetaTensor((1024,), "fp32")
+        ctx.ops.kernel("produce", flops=1e11, nbytes=0)
+        got = yield ctx.comm.all_reduce(x, group=ctx.mesh.world)  # after produce, before consume
+        ctx.ops.kernel("consume", flops=1e9, nbytes=0)
+        return got
+
+    trace = simulate(prog, mesh=DeviceMesh(dp=2), cluster=preset("dgx-a100", gpus_per_node=2), mode="meta").trace
+    for r in range(2):
+        produce, consume = trace.lane(r, "compute")
+        (ar,) = trace.lane(r, "comm:world")
+        assert produce.end <= ar.start and ar.end <= consume.start
