@@ -89,8 +89,9 @@ class Timeline:
         for i, ch in enumerate(left):
             line[i] = ch
         m0 = self.width // 2 - len(mid) // 2
-        for i, ch in enumerate(mid):
-            line[m0 + i] = ch
+        if len(left) < m0 and m0 + len(mid) < self.width - len(right):  # room for the middle label
+            for i, ch in enumerate(mid):
+                line[m0 + i] = ch
         for i, ch in enumerate(right):
             line[self.width - len(right) + i] = ch
         return " " * label_width + "".join(line)

@@ -1,0 +1,59 @@
+"""`simcluster run`: the default scenario, --json, --set, files, and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from simcluster.cli import main
+
+
+def test_default_run_prints_report_timeline_and_passes(capsys):
+    assert main(["run", "--width", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: bit-exact" in out
+    assert "r0 compute" in out and "r7 comm:dp" in out
+
+
+def test_json_report_has_the_contract_fields(capsys):
+    assert main(["run", "--json", "--set", "parallel.dp=4", "--set", "parallel.tp=2"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["world_size"] == 8 and rep["mesh"] == {"dp": 4, "pp": 1, "cp": 1, "tp": 2}
+    assert rep["verification"]["bit_exact"] is True and rep["verification"]["outputs_compared"] == 8
+    assert rep["step_time_ns"] > 0 and 0 < rep["mfu"] < 1
+    assert {(c["group"], c["collective"]) for c in rep["communication"]} == {("dp", "all_reduce"), ("tp", "all_reduce")}
+    assert set(rep["busy_ns"]) == {str(r) for r in range(8)}
+
+
+def test_json_is_deterministic(capsys):
+    main(["run", "--json", "--set", "run.steps=1"])
+    first = capsys.readouterr().out
+    main(["run", "--json", "--set", "run.steps=1"])
+    assert capsys.readouterr().out == first
+
+
+def test_scenario_file_and_meta_mode(tmp_path, capsys):
+    f = tmp_path / "big.toml"
+    f.write_text('description = "meta at scale"\n[model]\nhidden = 4096\nffn_hidden = 16384\nseq = 2048\n'
+                 'global_batch = 8\n[cluster]\nnodes = 2\n[parallel]\ndp = 2\ntp = 8\n[run]\nnumerics = "meta"\n')
+    assert main(["run", str(f), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["scenario"]["name"] == "big" and rep["world_size"] == 16
+    assert rep["verification"]["status"].startswith("not applicable")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--set", "paralel.tp=2"], "unknown key 'paralel.tp' (did you mean 'parallel.tp'?)"),
+    (["run", "--set", "parallel.tp=two"], "parallel.tp must be int, got str 'two'"),
+    (["run", "nope.toml"], "scenario file 'nope.toml' not found"),
+    (["run", "--set", "parallel.tp=2"], "= 4 ranks, but the cluster has"),
+    (["run", "--set", "run.numerics=slow"], "run.numerics = 'slow' is not valid; valid: exact, fast, meta"),
+    (["run", "--set", "parallel.tp=3", "--set", "parallel.dp=1", "--set", "cluster.gpus_per_node=3",
+      "--set", "model.ffn_hidden=256"], "tp=3 must divide ffn_hidden=256"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = subprocess.run([sys.executable, "-m", "simcluster.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert message in " ".join(proc.stderr.split())
