@@ -8,6 +8,7 @@ completion is scheduled. Times are whole nanoseconds (a flow ends at the first n
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, Sequence
 
@@ -70,9 +71,13 @@ class Network:
                 unfixed.setdefault(link, []).append(f)
         cap = {link: self.capacity[link] for link in unfixed}
         count = {link: len(fl) for link, fl in unfixed.items()}
-        while count:
-            link = min(count, key=lambda l: (cap[l] / count[l], l))
-            share = cap[link] / count[link]
+        version = dict.fromkeys(unfixed, 0)
+        heap = [(cap[link] / count[link], link, 0) for link in unfixed]
+        heapq.heapify(heap)  # ties broken by link id: deterministic
+        while heap:
+            share, link, ver = heapq.heappop(heap)
+            if ver != version[link] or count[link] == 0:
+                continue  # stale entry, or every flow on this link already has its rate
             for f in unfixed[link]:
                 if f.rate >= 0:
                     continue
@@ -80,8 +85,9 @@ class Network:
                 for other in f.links:
                     cap[other] -= share
                     count[other] -= 1
-                    if count[other] == 0:
-                        del count[other]
+                    if other != link and count[other]:
+                        version[other] += 1
+                        heapq.heappush(heap, (cap[other] / count[other], other, version[other]))
 
     def _reschedule(self) -> None:
         self._rates()
