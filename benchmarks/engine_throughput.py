@@ -1,10 +1,12 @@
 """Engine throughput: simulated trace events per second of wall time (not a test).
 
-A program of 64 ranks (dp=8 x tp=8 on 8 DGX nodes) in meta mode: per round, a few kernels, an
-all-reduce on tp, an async all-gather on dp overlapped with more kernels, and a send/recv ring.
-Prints a table: rounds, trace events, seconds for the data pass and the timed replay, events/s.
+A program of 64 ranks (dp=8 x tp=8 on 8 DGX nodes) in meta mode. Per round each rank issues
+`--kernels` kernels, an all-reduce on tp, an async all-gather on dp overlapped with `--kernels`
+more kernels, and a send/recv ring: per rank and round 2K kernel events and 4 communication events.
+Throughput counts trace events over the wall time of both passes (the interpreter that runs the
+programs and matches their communication, and the timed replay), best of `--repeat` runs.
 
-    python benchmarks/engine_throughput.py [--rounds N]
+    python benchmarks/engine_throughput.py [--rounds N] [--kernels K] [--repeat R]
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 
 
-def many_small(ctx, rounds):
+def many_small(ctx, rounds, kernels):
     x = MetaTensor((4096,), "bf16")
     n = ctx.world_size
-    for i in range(rounds):
-        for _ in range(4):
+    for _ in range(rounds):
+        for _ in range(kernels):
             ctx.ops.kernel("k", flops=2e8, nbytes=1e6)
         yield ctx.comm.all_reduce(x, group=ctx.mesh.tp)
         h = ctx.comm.all_gather(x, group=ctx.mesh.dp, async_op=True)
-        for _ in range(4):
+        for _ in range(kernels):
             ctx.ops.kernel("k", flops=2e8, nbytes=1e6)
         yield h
         s = ctx.comm.send(x, dst=(ctx.rank + 1) % n, async_op=True)
@@ -36,21 +38,34 @@ def many_small(ctx, rounds):
         yield [s, r]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=200)
-    args = p.parse_args()
+def measure(rounds: int, kernels: int, repeat: int) -> tuple[int, float, float]:
     mesh = DeviceMesh(dp=8, tp=8)
     cluster = Cluster(preset("dgx-a100", nodes=8, gpus_per_node=8))
-    t0 = time.perf_counter()
-    interp = Interpreter(mesh, "meta", cost_dtype="bf16")
-    interp.run(many_small, args.rounds)
-    t1 = time.perf_counter()
-    trace = Replay(interp.ranks, interp.calls, cluster, "bf16").run()
-    t2 = time.perf_counter()
-    n = len(trace)
-    print(f"{'ranks':>6} {'rounds':>7} {'events':>9} {'data pass s':>12} {'replay s':>9} {'events/s':>10}")
-    print(f"{mesh.world_size:>6} {args.rounds:>7} {n:>9} {t1 - t0:>12.2f} {t2 - t1:>9.2f} {n / (t2 - t0):>10,.0f}")
+    best = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        interp = Interpreter(mesh, "meta", cost_dtype="bf16")
+        interp.run(many_small, rounds, kernels)
+        t1 = time.perf_counter()
+        trace = Replay(interp.ranks, interp.calls, cluster, "bf16").run()
+        t2 = time.perf_counter()
+        if best is None or t2 - t0 < best[1] + best[2]:
+            best = (len(trace), t1 - t0, t2 - t1)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--kernels", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    print(f"{'ranks':>5} {'rounds':>6} {'kernels/comm':>12} {'events':>8} {'data pass s':>11} {'replay s':>8} "
+          f"{'events/s':>9}")
+    for k in args.kernels:
+        n, data, replay = measure(args.rounds, k, args.repeat)
+        print(f"{64:>5} {args.rounds:>6} {2 * k / 4:>12.0f} {n:>8} {data:>11.3f} {replay:>8.3f} "
+              f"{n / (data + replay):>9,.0f}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from simcluster.engine import collectives
 from simcluster.engine.errors import CollectiveMismatchError, DeadlockError
+from simcluster.engine.gcpause import gc_paused
 from simcluster.numerics.ops import Mode, make_ops
 from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
@@ -31,7 +32,7 @@ KERNEL, WAIT, COMM = 0, 1, 2
 
 
 class Stream:
-    """One rank's stream: items run in order. Kernel: (KERNEL, op, kind, label, flops, bytes);
+    """One rank's stream: items run in order. Kernel: (KERNEL, name, kind, flops, bytes);
     wait: (WAIT, stream, index); communication: (COMM, call, op, label)."""
 
     __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
@@ -56,7 +57,7 @@ class Call:
     """One collective call on a group, or one message on a (src, dst, tag) channel."""
 
     __slots__ = ("kind", "group", "channel", "seq", "members", "ops", "works",
-                 "arrived", "start", "end", "done", "sent")
+                 "arrived", "start", "end", "done", "sent", "where_text")
 
     def __init__(self, kind: CommKind, group: Any, channel: tuple, seq: int, members: tuple[int, ...]) -> None:
         self.kind = kind  # SEND for a message (members: sender, receiver)
@@ -122,7 +123,8 @@ class RankState:
 
     def kernel(self, name: str, flops: float, nbytes: float) -> None:
         kind, label = self.label
-        self.stream(self.current).items.append((KERNEL, name, kind or COMPUTE, label, flops, nbytes))
+        self.stream(self.current).items.append(
+            (KERNEL, f"{label}/{name}" if label else name, kind or COMPUTE, flops, nbytes))
 
 
 class Interpreter:
@@ -152,8 +154,9 @@ class Interpreter:
                 continue
             st.gen = gen
             self.ready.append(st.rank)
-        while self.ready:
-            self._advance(self.ranks[self.ready.popleft()])
+        with gc_paused():
+            while self.ready:
+                self._advance(self.ranks[self.ready.popleft()])
         self._check_end()
         return [st.result for st in self.ranks]
 

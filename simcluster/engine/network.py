@@ -1,84 +1,108 @@
 """Links shared by concurrent transfers: a fluid model with max-min fair rates.
 
-Each flow crosses a few links (sender's port out, receiver's port in). Whenever a flow starts or
-ends, the rates of all active flows are recomputed by progressive filling (the link whose capacity,
-split among its unfixed flows, is smallest fixes those flows at that share; repeat), and the next
-completion is scheduled. Times are whole nanoseconds (a flow ends at the first ns it is done by).
+Each flow crosses a few links (sender's port out, receiver's port in). When flows start or end, the
+rates of the flows connected to them through shared links (their component) are recomputed by
+progressive filling: the link whose remaining capacity, split among its unfixed flows, is smallest
+fixes those flows at that share; repeat. Components that share no link are independent under
+max-min fairness, so the rest keep their rates. Times are whole nanoseconds: a flow ends at the
+first nanosecond it is done by.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import simpy
 
-_EPS = 1e-6  # bytes: what is left of a flow from float rounding when it is done
-
 
 class _Flow:
-    __slots__ = ("links", "remaining", "rate", "transfer")
+    __slots__ = ("links", "remaining", "rate", "since", "transfer", "seq", "version")
 
-    def __init__(self, links: tuple[int, ...], nbytes: float, transfer: "_Transfer") -> None:
+    def __init__(self, links: tuple[int, ...], nbytes: float, transfer: "_Transfer", seq: int, now: int) -> None:
         self.links = links
         self.remaining = nbytes
         self.rate = 0.0
+        self.since = now  # when `remaining` was last brought up to date
         self.transfer = transfer
+        self.seq = seq  # creation order: breaks ties between flows ending at the same ns
+        self.version = 0
 
 
 class _Transfer:
-    __slots__ = ("pending", "event")
+    __slots__ = ("pending", "on_done")
 
-    def __init__(self, pending: int, event: Any) -> None:
+    def __init__(self, pending: int, on_done: Callable[[], None]) -> None:
         self.pending = pending
-        self.event = event
+        self.on_done = on_done
 
 
 class Network:
     def __init__(self, env: simpy.Environment, capacity: Sequence[float]) -> None:
         self.env = env
         self.capacity = capacity  # bytes per ns, by link id
-        self.active: list[_Flow] = []
-        self.last = 0
-        self.generation = 0
+        self.on_link: dict[int, list[_Flow]] = {}
+        self.ends: list[tuple[int, int, int, _Flow]] = []  # (end ns, seq, version, flow), lazily invalidated
+        self.wake_at: int | None = None
+        self.seq = 0
+        self.dirty: list[int] = []  # links of flows started at this instant, not yet given rates
+        self.dirty_at: int | None = None
 
-    def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]]) -> Any:
-        """Start flows (links, bytes) now; the returned event fires when all have arrived."""
-        event = self.env.event()
-        live = [(links, b) for links, b in flows if b > _EPS]
+    def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[], None]) -> None:
+        """Start flows (links, bytes) now; call `on_done` when all have arrived."""
+        live = [(links, b) for links, b in flows if b > 0]
         if not live:
-            event.succeed()
-            return event
-        self._advance()
-        t = _Transfer(len(live), event)
-        self.active.extend(_Flow(links, b, t) for links, b in live)
-        self._reschedule()
-        return event
+            on_done()
+            return
+        t = _Transfer(len(live), on_done)
+        now = self.env.now
+        if self.dirty_at != now:  # the first start at this instant: refill once, after the others
+            self.dirty_at = now
+            self.env.timeout(0).callbacks.append(self._refill_dirty)
+        for links, b in live:
+            f = _Flow(links, b, t, self.seq, now)
+            self.seq += 1
+            for link in links:
+                self.on_link.setdefault(link, []).append(f)
+            self.dirty.extend(links)
 
-    def _advance(self) -> None:
-        dt = self.env.now - self.last
-        if dt:
-            for f in self.active:
-                f.remaining -= f.rate * dt
-        self.last = self.env.now
+    def _refill_dirty(self, _event: Any) -> None:
+        touched, self.dirty, self.dirty_at = self.dirty, [], None
+        self._refill([link for link in touched if link in self.on_link])
 
-    def _rates(self) -> None:
-        unfixed: dict[int, list[_Flow]] = {}
-        for f in self.active:
+    def _component(self, links: list[int]) -> tuple[list[int], list[_Flow]]:
+        seen_links = set(links)
+        stack = list(links)
+        flows: dict[int, _Flow] = {}
+        while stack:
+            for f in self.on_link.get(stack.pop(), ()):
+                if f.seq not in flows:
+                    flows[f.seq] = f
+                    for other in f.links:
+                        if other not in seen_links:
+                            seen_links.add(other)
+                            stack.append(other)
+        return sorted(seen_links), [flows[k] for k in sorted(flows)]
+
+    def _refill(self, touched: list[int]) -> None:
+        """Recompute the rates of the flows connected to `touched` links and reschedule their ends."""
+        now = self.env.now
+        links, flows = self._component(touched)
+        for f in flows:
+            f.remaining -= f.rate * (now - f.since)
+            f.since = now
             f.rate = -1.0
-            for link in f.links:
-                unfixed.setdefault(link, []).append(f)
-        cap = {link: self.capacity[link] for link in unfixed}
-        count = {link: len(fl) for link, fl in unfixed.items()}
-        version = dict.fromkeys(unfixed, 0)
-        heap = [(cap[link] / count[link], link, 0) for link in unfixed]
+        cap = {link: float(self.capacity[link]) for link in links}
+        count = {link: len(self.on_link.get(link, ())) for link in links}
+        version = dict.fromkeys(links, 0)
+        heap = [(cap[link] / count[link], link, 0) for link in links if count[link]]
         heapq.heapify(heap)  # ties broken by link id: deterministic
         while heap:
             share, link, ver = heapq.heappop(heap)
             if ver != version[link] or count[link] == 0:
-                continue  # stale entry, or every flow on this link already has its rate
-            for f in unfixed[link]:
+                continue  # stale, or every flow on this link already has its rate
+            for f in self.on_link[link]:
                 if f.rate >= 0:
                     continue
                 f.rate = share
@@ -88,30 +112,50 @@ class Network:
                     if other != link and count[other]:
                         version[other] += 1
                         heapq.heappush(heap, (cap[other] / count[other], other, version[other]))
+        for f in flows:
+            f.version += 1
+            end = now + max(1, math.ceil(f.remaining / f.rate - 1e-9)) if f.remaining > 1e-6 else now
+            heapq.heappush(self.ends, (end, f.seq, f.version, f))
+        self._schedule()
 
-    def _reschedule(self) -> None:
-        self._rates()
-        self.generation += 1
-        if not self.active:
+    def _schedule(self) -> None:
+        ends = self.ends
+        while ends and ends[0][2] != ends[0][3].version:
+            heapq.heappop(ends)
+        if not ends:
             return
-        dt = min(max(1, math.ceil(f.remaining / f.rate - 1e-9)) for f in self.active)
-        gen = self.generation
-        self.env.timeout(dt).callbacks.append(lambda _ev: self._on_timer(gen))
+        at = ends[0][0]
+        if self.wake_at is not None and self.wake_at <= at:
+            return  # a wake-up at or before `at` is already pending
+        self.wake_at = at
+        self.env.timeout(at - self.env.now).callbacks.append(self._wake)
 
-    def _on_timer(self, gen: int) -> None:
-        if gen != self.generation:
-            return  # superseded by a later change
-        self._advance()
-        still: list[_Flow] = []
+    def _wake(self, _event: Any) -> None:
+        now = self.env.now
+        if self.wake_at != now:
+            return  # superseded by an earlier wake-up, which rescheduled
+        self.wake_at = None
+        ends = self.ends
+        done: list[_Flow] = []
+        while ends and ends[0][0] <= now:
+            _, _, version, f = heapq.heappop(ends)
+            if version == f.version:
+                done.append(f)
+        touched: list[int] = []
         finished: list[_Transfer] = []
-        for f in self.active:
-            if f.remaining <= _EPS or f.remaining / f.rate < 1e-9:
-                f.transfer.pending -= 1
-                if f.transfer.pending == 0:
-                    finished.append(f.transfer)
-            else:
-                still.append(f)
-        self.active = still
-        self._reschedule()
+        for f in done:
+            f.version += 1  # no longer scheduled
+            for link in f.links:
+                self.on_link[link].remove(f)
+                if not self.on_link[link]:
+                    del self.on_link[link]
+                touched.append(link)
+            f.transfer.pending -= 1
+            if f.transfer.pending == 0:
+                finished.append(f.transfer)
+        if touched:
+            self._refill([link for link in touched if link in self.on_link])
+        else:
+            self._schedule()
         for t in finished:
-            t.event.succeed()
+            t.on_done()

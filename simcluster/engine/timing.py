@@ -10,11 +10,13 @@ counter, and processes start in (rank, stream) order, so a scenario gives the sa
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Iterator
 
 import simpy
 
 from simcluster.engine.errors import DeadlockError
+from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import COMM, KERNEL, WAIT, Call, RankState, Stream
 from simcluster.engine.network import Network
 from simcluster.engine.trace import Trace, TraceEvent
@@ -34,6 +36,9 @@ class Replay:
         self.network = Network(self.env, cluster.capacity)
         self.events: list[TraceEvent] = []
         self.finished = 0
+        self.runnable: deque[Iterator[Any]] = deque()
+        self.route_cache: dict[tuple, tuple[list[tuple[int, list]], dict[int, float]]] = {}
+        self.draining = False
 
     def run(self) -> Trace:
         lanes: list[tuple[int, str]] = []
@@ -45,81 +50,145 @@ class Replay:
                     streams.append(s)
                     lanes.append((s.rank, s.name))
         for call in self.calls:
-            call.done = self.env.event()
-        for s in streams:
-            self.env.process(self._stream(s))
-        self.env.run()
+            call.done = []  # the streams waiting for it
+            call.where_text = call.where
+        lists = []
+        with gc_paused():
+            for s in streams:
+                events: list[TraceEvent] = []
+                lists.append(events)
+                self._resume(self._stream(s, events))
+            self.env.run()
         if self.finished != len(streams):
             self._report_stuck(streams)
-        return Trace(self.events, lanes)
+        # each stream emits its events in order, so lanes concatenated in order are already sorted
+        return Trace.from_lanes(lanes, lists)
 
-    def _stream(self, s: Stream) -> Iterator[Any]:
-        env, events, kernel_ns = self.env, self.events, self.cluster.kernel_ns
+    def _resume(self, gen: Iterator[Any]) -> None:
+        """Make a stream runnable now; run every runnable stream until it waits (FIFO, no recursion).
+
+        A lighter stand-in for simpy.Process: a stream yields the list of streams waiting for what
+        it needs (a call's end, another stream's item), and whatever completes that resumes them
+        here directly, without one scheduled event per waiter. SimPy keeps the clock and the queue.
+        """
+        self.runnable.append(gen)
+        if self.draining:
+            return
+        self.draining = True
+        runnable = self.runnable
+        while runnable:
+            g = runnable.popleft()
+            try:
+                waiting_list = g.send(None)
+            except StopIteration:
+                self.finished += 1
+                continue
+            waiting_list.append(g)
+        self.draining = False
+
+    def _stream(self, s: Stream, events: list[TraceEvent]) -> Iterator[Any]:
+        env, kernel_ns = self.env, self.cluster.kernel_ns
         dtype, rank, name = self.cost_dtype, s.rank, s.name
+        durations: dict[tuple[float, float], int] = {}
+        new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
             if tag == KERNEL:
-                _, op, kind, label, flops, nb = item
-                end = t + kernel_ns(flops, nb, dtype)
-                events.append(TraceEvent(rank, name, kind, f"{label}/{op}" if label else op, t, end))
-                t = end
+                _, op, kind, flops, nb = item
+                d = durations.get((flops, nb))
+                if d is None:
+                    d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
+                append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
+                t += d
             elif tag == WAIT:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]
                 if end is None:
-                    ev = dep.waiters.get(j)
-                    if ev is None:
-                        ev = dep.waiters[j] = env.event()
-                    yield ev
+                    yield dep.waiters.setdefault(j, [])
                     end = dep.end_times[j]
                 if end > t:
                     t = end
             else:
                 assert tag == COMM
                 call, op, label = item[1], item[2], item[3]
-                if t > env.now:
-                    yield env.timeout(t - env.now)
+                # No need to bring SimPy's clock up to ours: the call starts at the latest arrival.
+                if t > call.start:
+                    call.start = t
                 call.arrived += 1
                 if call.arrived == len(call.members):
-                    env.process(self._run_call(call))
-                yield call.done
+                    self._launch(call)
+                if call.done is not None:  # (a call of one member with nothing to move ends at once)
+                    yield call.done  # resumed when the call ends
                 t = call.end
                 kind = op.kind.value
-                events.append(TraceEvent(rank, name, kind, label or kind, call.start, call.end,
-                                         int(round(call.sent.get(rank, 0.0))), call.where))
-            s.end_times[i] = t
-            waiter = s.waiters.pop(i, None)
-            if waiter is not None:
-                waiter.succeed()
-        self.finished += 1
+                append(new(event, (rank, name, kind, label or kind, call.start, call.end,
+                                   int(round(call.sent.get(rank, 0.0))), call.where_text)))
+            end_times[i] = t
+            if s.waiters:
+                for waiter in s.waiters.pop(i, ()):
+                    self._resume(waiter)
 
-    def _run_call(self, call: Call) -> Iterator[Any]:
-        env, cluster = self.env, self.cluster
-        call.start = env.now
+    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], dict[int, float]]:
+        """The call's phases as (latency to wait, flows over links), and bytes sent per rank.
+
+        Calls of the same kind, members and size move the same bytes: computed once, then shared.
+        """
         ops = [call.ops[r] for r in call.members]
         if call.is_message:
-            nbytes = tensor_bytes(ops[0].tensor)
-            phases = plan(CommKind.SEND, call.members, nbytes, cluster)
+            key: tuple = (CommKind.SEND, call.members, tensor_bytes(ops[0].tensor), None)
         else:
             first = ops[0] if call.kind is not CommKind.BROADCAST else next(o for o in ops if o.rank == o.peer)
             size = 0 if first.tensor is None else tensor_bytes(first.tensor)
-            nbytes = semantic_bytes(call.kind, size, len(call.members))
-            phases = plan(call.kind, call.members, nbytes, cluster, peer=first.peer)
-        for phase in phases:
-            flows = []
-            latency = 0
-            for src, dst, b in phase.flows:
-                links, lat = cluster.route(src, dst)
-                latency = max(latency, lat)
-                flows.append((links, b))
-                call.sent[src] = call.sent.get(src, 0.0) + b
-            if phase.steps and latency:
-                yield env.timeout(phase.steps * latency)
-            if flows:
-                yield self.network.transfer(flows)
-        call.end = env.now
-        call.done.succeed()
+            key = (call.kind, call.members, semantic_bytes(call.kind, size, len(call.members)), first.peer)
+        cached = self.route_cache.get(key)
+        if cached is None:
+            kind, members, nbytes, peer = key
+            steps: list[tuple[int, list]] = []
+            sent: dict[int, float] = {}
+            for phase in plan(kind, members, nbytes, self.cluster, peer=peer):
+                flows = []
+                latency = 0
+                for src, dst, b in phase.flows:
+                    links, lat = self.cluster.route(src, dst)
+                    latency = max(latency, lat)
+                    flows.append((links, b))
+                    sent[src] = sent.get(src, 0.0) + b
+                steps.append((phase.steps * latency, flows))
+            cached = self.route_cache[key] = (steps, sent)
+        return cached
+
+    def _launch(self, call: Call) -> None:
+        """Run the call's plan from call.start: a chain of callbacks (no process per call)."""
+        env = self.env
+        assert call.start >= env.now  # every member's clock is at or ahead of SimPy's
+        steps, call.sent = self._routes(call)
+        wait = call.start - env.now  # folded into the first phase's latency
+
+        def run(index: int, wait: int) -> None:
+            if index == len(steps):
+                if wait:
+                    env.timeout(wait).callbacks.append(lambda _e: finish())
+                else:
+                    finish()
+                return
+            latency, flows = steps[index]
+            wait += latency
+            if wait:
+                env.timeout(wait).callbacks.append(lambda _e: transfer(index))
+            else:
+                transfer(index)
+
+        def transfer(index: int) -> None:
+            self.network.transfer(steps[index][1], lambda: run(index + 1, 0))
+
+        def finish() -> None:
+            call.end = env.now
+            waiting, call.done = call.done, None
+            for gen in waiting:
+                self._resume(gen)
+
+        run(0, wait)
 
     def _report_stuck(self, streams: list[Stream]) -> None:
         lines = ["deadlock in the timed replay (streams wait on each other in a cycle):"]

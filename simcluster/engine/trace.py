@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import astuple, dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 COMPUTE_KINDS = frozenset({"compute", "forward", "backward", "weight_grad", "optimizer", "recompute"})
 
 
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
+class TraceEvent(NamedTuple):
     """One kernel or one rank's part of a communication.
 
     kind: for kernels the label kind ("compute", "forward", "backward", ...), for communication the
@@ -42,8 +40,16 @@ class Trace:
     def __init__(self, events: Iterable[TraceEvent], streams: Iterable[tuple[int, str]]) -> None:
         self.lanes: tuple[tuple[int, str], ...] = tuple(streams)
         order = {lane: i for i, lane in enumerate(self.lanes)}
-        self.events: tuple[TraceEvent, ...] = tuple(
-            sorted(events, key=lambda e: (e.rank, order[(e.rank, e.stream)], e.start, e.end)))
+        keyed = sorted((e.rank, order[(e.rank, e.stream)], e.start, e.end, i, e) for i, e in enumerate(events))
+        self.events: tuple[TraceEvent, ...] = tuple(k[-1] for k in keyed)
+
+    @classmethod
+    def from_lanes(cls, lanes: list[tuple[int, str]], events: list[list[TraceEvent]]) -> "Trace":
+        """From per-lane lists already in start order (lanes in rank order)."""
+        trace = cls.__new__(cls)
+        trace.lanes = tuple(lanes)
+        trace.events = tuple(e for lane in events for e in lane)
+        return trace
 
     def __iter__(self) -> Iterator[TraceEvent]:
         return iter(self.events)
@@ -60,4 +66,4 @@ class Trace:
 
     def to_jsonl(self) -> str:
         """One JSON array per event: a byte-stable serialisation for determinism checks and diffs."""
-        return "".join(json.dumps(astuple(e), separators=(",", ":")) + "\n" for e in self.events)
+        return "".join(json.dumps(list(e), separators=(",", ":")) + "\n" for e in self.events)

@@ -11,6 +11,7 @@ definition of each collective serves all three kinds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
@@ -132,7 +133,7 @@ def logical_dtype(x: Any) -> str:
 
 def nbytes(x: Any) -> int:
     """Bytes of `x` in its logical dtype (a partial's limbs are not charged)."""
-    return int(np.prod(shape_of(x), dtype=np.int64)) * ITEMSIZE[logical_dtype(x)]
+    return math.prod(shape_of(x)) * ITEMSIZE[logical_dtype(x)]
 
 
 def kind_of(x: Any) -> str:

@@ -40,9 +40,13 @@ class CommKind(Enum):
 COLLECTIVES = frozenset(k for k in CommKind if k not in (CommKind.SEND, CommKind.RECV))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class CommOp:
-    """One rank's side of a communication. `peer` is the root/src/dst, a global rank."""
+    """One rank's side of a communication. `peer` is the root/src/dst, a global rank.
+
+    `sig` is the (partial, dtype, shape) of the data it moves: the tensor's, or for a recv the
+    signature expected. Treat an op as immutable once issued.
+    """
 
     kind: CommKind
     rank: int
@@ -53,16 +57,14 @@ class CommOp:
     dim: int = 0
     split_dim: int = 0
     concat_dim: int = 0
-    spec: tuple | None = None  # recv: the signature of the value expected
+    sig: tuple | None = None
     tag: int = 0
     stream: str = ""
 
     @property
-    def sig(self) -> tuple | None:
-        """The (partial, dtype, shape) of the data this op moves, if any."""
-        if self.kind is CommKind.RECV:
-            return self.spec
-        return None if self.tensor is None else signature(self.tensor)
+    def spec(self) -> tuple | None:
+        """What a recv expects (its signature)."""
+        return self.sig
 
     def match_key(self) -> tuple:
         """What every rank's op of one collective call must agree on."""
@@ -143,7 +145,7 @@ class Comm:
                 f"never yielded; write `x = yield ctx.comm.{self.pending_sync.op.kind.value}(...)` "
                 f"or pass async_op=True")
         if not op.stream:
-            object.__setattr__(op, "stream", default_stream)
+            op.stream = default_stream
         work = self._issue(op, not async_op)
         self.pending_sync = None if async_op else work
         return work
@@ -151,9 +153,8 @@ class Comm:
     def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None, **kw: Any) -> Work:
         what = kind.value
         g = _check_group(group, self.rank, what)
-        if tensor is not None:
-            signature(tensor)  # type check with a clear message
-        op = CommOp(kind, self.rank, g, tensor, stream=stream or "", **kw)
+        sig = None if tensor is None else signature(tensor)  # also a type check with a clear message
+        op = CommOp(kind, self.rank, g, tensor, sig=sig, stream=stream or "", **kw)
         return self._submit(op, async_op, f"comm:{g.name}")
 
     def all_reduce(self, tensor: Any, *, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM,
@@ -210,12 +211,12 @@ class Comm:
     def send(self, tensor: Any, *, dst: int, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
         """Point to point; a synchronous send waits until the matching recv is posted."""
         dst = self._check_peer(dst, "send")
-        signature(tensor)
-        op = CommOp(CommKind.SEND, self.rank, None, tensor, peer=dst, tag=tag, stream=stream or "")
+        op = CommOp(CommKind.SEND, self.rank, None, tensor, peer=dst, sig=signature(tensor), tag=tag,
+                    stream=stream or "")
         return self._submit(op, async_op, f"send->{dst}")
 
     def recv(self, *, src: int, like: Any, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
         """Receive a value shaped like `like` (any value or MetaTensor of the expected partial/dtype/shape)."""
         src = self._check_peer(src, "recv")
-        op = CommOp(CommKind.RECV, self.rank, None, None, peer=src, spec=signature(like), tag=tag, stream=stream or "")
+        op = CommOp(CommKind.RECV, self.rank, None, None, peer=src, sig=signature(like), tag=tag, stream=stream or "")
         return self._submit(op, async_op, f"recv<-{src}")

@@ -110,9 +110,13 @@ class MeshView:
         self.mesh = mesh
         self.rank = rank
         self._coords = mesh.coords(rank)
+        self._groups: dict[tuple[str, ...], ProcessGroup] = {}
 
     def group(self, *axes: str) -> ProcessGroup:
-        return self.mesh.group(self.rank, *axes)
+        g = self._groups.get(axes)
+        if g is None:
+            g = self._groups[axes] = self.mesh.group(self.rank, *axes)
+        return g
 
     def coord(self, axis: str) -> int:
         _check_axes((axis,))
