@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 LIMB_BITS = 32
-LIMBS = 4
-WINDOW_LO = -96  # weight of the lowest limb's unit: 2**-96
+LIMBS = 6
+WINDOW_LO = -160  # weight of the lowest limb's unit: 2**-160 (below float32's smallest, 2**-149)
 WINDOW_HI = WINDOW_LO + LIMB_BITS * (LIMBS - 1)  # weight of the top limb's unit: 2**0
 
 # The top limb's unit is 2**WINDOW_HI; a term may use the top limb's low 31 bits as well, so the
-# largest accepted term magnitude is 2**(WINDOW_HI + 31).
+# largest accepted term magnitude is 2**(WINDOW_HI + 31). Every float32 value fits exactly.
 TERM_LIMIT_EXP = WINDOW_HI + 31
 _RADIX = float(2**LIMB_BITS)
 _MASK = np.int64(2**LIMB_BITS - 1)
@@ -62,6 +62,32 @@ def normalize(limbs: np.ndarray) -> np.ndarray:
     return out
 
 
+def add_scaled_integers(acc: np.ndarray, r: np.ndarray, exponent: int) -> None:
+    """acc += r * 2**exponent exactly, for integer-valued `r` (|r| < 2**53) and exponent >= WINDOW_LO.
+
+    `acc` holds limbs, not necessarily normalized (carries stay pending until `normalize`).
+    """
+    e = exponent - WINDOW_LO
+    if e < 0:
+        raise OverflowError(f"a term of weight 2**{exponent} lies below the exact window 2**{WINDOW_LO}")
+    v = np.asarray(r).astype(np.int64)
+    i, o = divmod(e, LIMB_BITS)
+    top = LIMBS - 1
+    if i >= top:  # lands in the signed top limb as a whole
+        shift = LIMB_BITS * (i - top) + o
+        if v.size and (shift >= 62 or np.max(np.abs(v)) >= 2 ** (62 - shift)):
+            raise OverflowError(f"a sum of magnitude about 2**{exponent + int(np.log2(np.max(np.abs(v)) + 1))} "
+                                f"is outside the exact window [2**{WINDOW_LO}, 2**{TERM_LIMIT_EXP})")
+        acc[..., top] += v << shift
+        return
+    acc[..., i] += (v & ((1 << (LIMB_BITS - o)) - 1)) << o
+    v = v >> (LIMB_BITS - o)  # arithmetic shift: floor, so negative values carry correctly
+    for j in range(i + 1, top):
+        acc[..., j] += v & _MASK
+        v = v >> LIMB_BITS
+    acc[..., top] += v
+
+
 def sum_terms(terms: np.ndarray, axis: int) -> np.ndarray:
     """Exact sum of float64 terms along `axis`, as normalized limbs of the remaining shape."""
     limbs = from_float64(terms)
@@ -69,18 +95,50 @@ def sum_terms(terms: np.ndarray, axis: int) -> np.ndarray:
     return normalize(limbs.sum(axis=axis))
 
 
-def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """Round normalized limbs to `dtype`. Deterministic; a function of the exact value only.
+def _round_to_format(mag: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Correctly rounded (to nearest, ties to even) non-negative value of normalized magnitude limbs.
 
-    Horner's scheme from the lowest limb in float64 keeps the error below one float64 ulp before
-    the final cast. (Correct rounding in every halfway case is left to the numerics issue; what the
-    exactness contract needs is a deterministic function of the exact value, which this is.)
+    The leading 64 bits are kept, every bit below them folded into a sticky bit; the result, a
+    float64 with at least two bits more than the target's mantissa and the sticky bit last, rounds
+    to the target exactly as the exact value would.
+    """
+    top = LIMBS - 1
+    ext = np.concatenate([mag[..., :top], mag[..., top:] & _MASK, mag[..., top:] >> LIMB_BITS], axis=-1)
+    ext = ext.astype(np.uint64)  # every digit now below 2**32
+    n = ext.shape[-1]
+    nonzero = ext != 0
+    lead = n - 1 - np.argmax(nonzero[..., ::-1], axis=-1)  # index of the leading digit
+    lead = np.where(nonzero.any(axis=-1), lead, 0)
+    below = np.maximum(lead - 1, 0)
+    hi = np.take_along_axis(ext, lead[..., None], -1)[..., 0]
+    lo = np.where(lead > 0, np.take_along_axis(ext, below[..., None], -1)[..., 0], np.uint64(0))
+    top64 = (hi << np.uint64(LIMB_BITS)) | lo  # value = top64 * 2**(32*(lead-1)) + rest
+    index = np.arange(n)
+    sticky = ((ext != 0) & (index < (lead - 1)[..., None])).any(axis=-1)
+    bits = np.frexp(top64.astype(np.float64))[1].astype(np.int64)  # bit length, or one more
+    shift = np.maximum(bits - 27, 0).astype(np.uint64)
+    kept = top64 >> shift
+    sticky |= (top64 & ((np.uint64(1) << shift) - np.uint64(1))) != 0
+    m = (kept << np.uint64(1)) | sticky.astype(np.uint64)  # at most 28 bits: exact in float64
+    exponent = shift.astype(np.int64) - 1 + LIMB_BITS * (np.where(lead > 0, lead, 1) - 1) + WINDOW_LO
+    exponent = np.where(lead > 0, exponent, WINDOW_LO)
+    return np.ldexp(m.astype(np.float64), exponent).astype(dtype)
+
+
+def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """Round normalized limbs once to `dtype`: correctly rounded for float32 and float16.
+
+    float64 results (used only by fast mode and diagnostics) come from Horner's scheme on the
+    magnitude, within an ulp.
     """
     limbs = normalize(limbs)
-    # Work on the magnitude: with every limb non-negative, Horner's sum has no cancellation.
     negative = limbs[..., LIMBS - 1] < 0
-    mag = normalize(np.where(negative[..., None], -limbs, limbs))
+    mag = normalize(np.where(negative[..., None], -limbs, limbs))  # all digits non-negative
+    dt = np.dtype(dtype)
+    if dt in (np.dtype(np.float32), np.dtype(np.float16)):
+        out = _round_to_format(mag, dt)
+        return np.where(negative, -out, out).astype(dt)
     acc = mag[..., 0].astype(np.float64)
     for i in range(1, LIMBS):
         acc = acc / _RADIX + mag[..., i].astype(np.float64)
-    return np.ldexp(np.where(negative, -acc, acc), WINDOW_HI).astype(dtype)
+    return np.ldexp(np.where(negative, -acc, acc), WINDOW_HI).astype(dt)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from simcluster.numerics import exact as _exact
 from simcluster.numerics import random as _random
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
@@ -144,11 +145,7 @@ class ExactOps(Ops):
     mode = Mode.EXACT
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        a64 = np.asarray(a, dtype=np.float64)
-        b64 = np.asarray(b, dtype=np.float64)
-        # Products of float32 values are exact in float64; the sum over k is exact in limbs.
-        terms = a64[..., :, None] * b64  # (..., k, n)
-        p = Partial.from_terms(terms, axis=-2, dtype="fp32")
+        p = Partial(_exact.matmul(a, b), "fp32")  # the sum over k is exact (numerics/exact.py)
         return p if partial else p.finalize(np.float32)
 
     def _finalize(self, p: Partial, dtype: Any) -> np.ndarray:
@@ -157,10 +154,7 @@ class ExactOps(Ops):
         return p.finalize(dtype)
 
     def _sum(self, x: np.ndarray, axis: int | None, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        terms = np.asarray(x, dtype=np.float64)
-        if axis is None:
-            terms, axis = terms.reshape(-1), 0
-        p = Partial.from_terms(terms, axis=axis, dtype=dtype_name(x.dtype))
+        p = Partial(_exact.sum(x, axis), dtype_name(x.dtype))
         return p if partial else p.finalize(x.dtype)
 
 
