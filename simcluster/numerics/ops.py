@@ -15,8 +15,10 @@ from typing import Any, Callable
 import numpy as np
 
 from simcluster.numerics import exact as _exact
+from simcluster.numerics import kernels as _k
+from simcluster.numerics import transcendental as _tr
 from simcluster.numerics import random as _random
-from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
 
 Record = Callable[[str, float, float], None]
 
@@ -41,6 +43,7 @@ class Ops:
     """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs."""
 
     mode: Mode
+    _num: Any
 
     def __init__(self, record: Record | None = None, *, cost_dtype: str = "fp32") -> None:
         self._record = record if record is not None else (lambda name, flops, nbytes: None)
@@ -65,20 +68,23 @@ class Ops:
         self._record("matmul", 2.0 * n_out * k, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + n_out) * self._item)
         return self._matmul(a, b, partial, out_shape)
 
-    def finalize(self, p: Any, dtype: Any = np.float32) -> Any:
-        """Round a partial once to `dtype` (the semantic rounding point)."""
+    def finalize(self, p: Any, dtype: Any = None) -> Any:
+        """Round a partial once to `dtype` (default: its own logical dtype) at the semantic rounding point."""
         self._elementwise_cost("finalize", tuple(p.shape), 1)
+        if dtype is None:
+            dtype = p.dtype if isinstance(p, np.ndarray) else (
+                numpy_dtype(p.dtype) if p.dtype in ("fp32", "fp64", "fp16") else np.float32)
         return self._finalize(p, dtype)
 
-    def sum(self, x: Any, axis: int | None, *, partial: bool = False) -> Any:
-        """Sum over one axis (None: all elements); exact in exact mode (a Partial when partial=True)."""
+    def sum(self, x: Any, axis: int | tuple[int, ...] | None, *, partial: bool = False) -> Any:
+        """Sum over axes (None: all elements); exact in exact mode (a Partial when partial=True)."""
         shape = tuple(x.shape)
-        if axis is None:
-            out_shape: tuple[int, ...] = ()
-        else:
-            if not -len(shape) <= axis < len(shape):
-                raise ValueError(f"sum over axis {axis} of a tensor of shape {shape}")
-            out_shape = shape[: axis % len(shape)] + shape[axis % len(shape) + 1 :]
+        axes = tuple(range(len(shape))) if axis is None else ((axis,) if isinstance(axis, int) else tuple(axis))
+        for a in axes:
+            if not -len(shape) <= a < len(shape):
+                raise ValueError(f"sum over axis {a} of a tensor of shape {shape}")
+        axes = tuple(a % len(shape) for a in axes)
+        out_shape = tuple(n for i, n in enumerate(shape) if i not in axes)
         self._record("sum", float(_numel(shape)), (_numel(shape) + _numel(out_shape)) * self._item)
         return self._sum(x, axis, partial, out_shape)
 
@@ -95,9 +101,9 @@ class Ops:
         return self._binary(np.multiply, a, b)
 
     def scale(self, a: Any, s: float) -> Any:
-        """a * s with s rounded to float32 first (the same bits in every mode that has numbers)."""
+        """a * s, with s rounded to a's dtype first."""
         self._elementwise_cost("scale", tuple(a.shape), 1)
-        return self._unary(lambda x: x * np.float32(s), a)
+        return self._unary(lambda x: x * x.dtype.type(s), a)
 
     def relu(self, a: Any) -> Any:
         self._elementwise_cost("relu", tuple(a.shape), 1)
@@ -122,6 +128,207 @@ class Ops:
             return MetaTensor(tuple(shape), "fp32")
         return _random.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=low, high=high)
 
+    # -- the transformer's kernels (numerics/kernels.py), one cost each --------------------------
+    def _cost(self, name: str, shape: tuple[int, ...], flops_per: float, tensors: float) -> None:
+        n = _numel(tuple(shape))
+        self._record(name, flops_per * n, tensors * n * self._item)
+
+    def einsum(self, spec: str, a: Any, b: Any, *, partial: bool = False) -> Any:
+        """Two-operand einsum (letters only); exact over the summed letters in exact mode."""
+        ia, rest = spec.split(",")
+        ib, io = rest.split("->")
+        size = dict(zip(ia, a.shape)) | dict(zip(ib, b.shape))
+        out_shape = tuple(size[c] for c in io)
+        flops = 2.0 * float(np.prod([size[c] for c in size], dtype=np.float64))
+        self._record("einsum", flops, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
+        if self.mode is Mode.META:
+            return MetaTensor(out_shape, "fp32", partial)
+        return self._num.einsum(spec, a, b, partial)
+
+    def max(self, x: Any, axis: int = -1) -> Any:
+        """Max over one axis, keeping it (size 1): exact in any order."""
+        shape = tuple(x.shape)
+        self._cost("max", shape, 1, 1)
+        if self.mode is Mode.META:
+            out = list(shape)
+            out[axis] = 1
+            return MetaTensor(tuple(out), x.dtype)
+        return np.max(x, axis=axis, keepdims=True)
+
+    def exp(self, x: Any) -> Any:
+        self._cost("exp", tuple(x.shape), 10, 2)
+        return self._meta_like(x) if self.mode is Mode.META else self._num.exp(x)
+
+    def log(self, x: Any) -> Any:
+        self._cost("log", tuple(x.shape), 10, 2)
+        return self._meta_like(x) if self.mode is Mode.META else self._num.log(x)
+
+    def gelu(self, x: Any) -> Any:
+        self._cost("gelu", tuple(x.shape), 20, 2)
+        return self._meta_like(x) if self.mode is Mode.META else _k.gelu(self._num, x)
+
+    def gelu_backward(self, dy: Any, x: Any) -> Any:
+        self._cost("gelu_backward", tuple(x.shape), 30, 3)
+        return self._meta_like(x) if self.mode is Mode.META else _k.gelu_backward(self._num, dy, x)
+
+    def layer_norm(self, x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> Any:
+        """(y, mean, rstd)."""
+        self._cost("layer_norm", tuple(x.shape), 8, 2)
+        if self.mode is Mode.META:
+            stat = MetaTensor(tuple(x.shape[:-1]) + (1,), x.dtype)
+            return self._meta_like(x), stat, stat
+        return _k.layer_norm(self._num, x, gamma, beta, eps)
+
+    def layer_norm_backward(self, dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any) -> Any:
+        """(dx, dgamma partial, dbeta partial) over this shard's tokens."""
+        self._cost("layer_norm_backward", tuple(x.shape), 12, 3)
+        if self.mode is Mode.META:
+            g = MetaTensor(tuple(gamma.shape), gamma.dtype, True)
+            return self._meta_like(x), g, g
+        return _k.layer_norm_backward(self._num, dy, x, gamma, mean, rstd)
+
+    def rms_norm(self, x: Any, gamma: Any, eps: float = 1e-5) -> Any:
+        """(y, rstd)."""
+        self._cost("rms_norm", tuple(x.shape), 5, 2)
+        if self.mode is Mode.META:
+            return self._meta_like(x), MetaTensor(tuple(x.shape[:-1]) + (1,), x.dtype)
+        return _k.rms_norm(self._num, x, gamma, eps)
+
+    def rms_norm_backward(self, dy: Any, x: Any, gamma: Any, rstd: Any) -> Any:
+        """(dx, dgamma partial)."""
+        self._cost("rms_norm_backward", tuple(x.shape), 8, 3)
+        if self.mode is Mode.META:
+            return self._meta_like(x), MetaTensor(tuple(gamma.shape), gamma.dtype, True)
+        return _k.rms_norm_backward(self._num, dy, x, gamma, rstd)
+
+    def attention_scores(self, q: Any, k: Any, scale: float, allowed: Any = None) -> Any:
+        """(b, a, s, k) scores, -inf where `allowed` is False."""
+        b, a, sq, d = q.shape
+        sk = k.shape[2]
+        self._record("attention_scores", 2.0 * b * a * sq * sk * d, (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
+        if self.mode is Mode.META:
+            return MetaTensor((b, a, sq, sk), q.dtype)
+        return _k.attention_scores(self._num, q, k, scale, allowed)
+
+    def attention_weights(self, s: Any, row_max: Any) -> Any:
+        self._cost("attention_weights", tuple(s.shape), 10, 2)
+        return self._meta_like(s) if self.mode is Mode.META else _k.attention_weights(self._num, s, row_max)
+
+    def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = np.float32, drop_scale: float = 1.0) -> Any:
+        self._cost("attention_output", tuple(o_sum.shape), 2, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(o_sum.shape), dtype_name(dtype))
+        return _k.attention_output(self._num, o_sum, l_sum, dtype, drop_scale)
+
+    def attention_probs(self, e: Any, l_sum: Any) -> Any:
+        self._cost("attention_probs", tuple(e.shape), 1, 2)
+        return self._meta_like(e) if self.mode is Mode.META else _k.attention_probs(self._num, e, l_sum)
+
+    def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = np.float32) -> Any:
+        self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(sum_exp.shape), dtype_name(dtype))
+        return _k.log_sum_exp(self._num, row_max, sum_exp, dtype)
+
+    def embedding(self, ids: Any, table: Any, row_offset: int = 0) -> Any:
+        """table[ids - row_offset], zero for ids outside this shard's rows; (..., h)."""
+        out_shape = tuple(ids.shape) + (table.shape[-1],)
+        self._cost("embedding", out_shape, 0, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(out_shape, table.dtype)
+        local = ids - row_offset
+        mine = (local >= 0) & (local < table.shape[0])
+        return np.where(mine[..., None], table[np.where(mine, local, 0)], table.dtype.type(0))
+
+    def embedding_backward(self, ids: Any, dy: Any, rows: int, row_offset: int = 0) -> Any:
+        """Partial (rows, h): the exact sum of dy over the tokens of each row."""
+        self._cost("embedding_backward", tuple(dy.shape), 1, 3)
+        if self.mode is Mode.META:
+            return MetaTensor((rows, dy.shape[-1]), dy.dtype, True)
+        return _k.embedding_backward(self._num, ids, dy, rows, row_offset)
+
+    def dropout_keep(self, seed: int, name: str, shape: tuple[int, ...], p: float, *,
+                     offset: tuple[int, ...] | None = None, full_shape: tuple[int, ...] | None = None) -> Any:
+        """Boolean keep-mask of the block at `offset` of a full mask: a pure function of (seed, name, index)."""
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+        self._record("dropout_mask", float(_numel(tuple(shape))), float(_numel(tuple(shape))))  # 1 byte each
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(shape), "bool")
+        u = _random.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=0.0, high=1.0)
+        return u >= np.float32(p)
+
+    def where(self, mask: Any, a: Any, b: Any) -> Any:
+        shape = tuple(np.broadcast_shapes(tuple(mask.shape), tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))))
+        self._cost("where", shape, 1, 3)
+        if self.mode is Mode.META:
+            return MetaTensor(shape, getattr(a, "dtype", "fp32") if not np.isscalar(a) else getattr(b, "dtype", "fp32"))
+        return np.where(mask, a, b)
+
+    def div(self, a: Any, b: Any) -> Any:
+        self._elementwise_cost("div", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
+        return self._binary(np.divide, a, b)
+
+    def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
+             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> Any:
+        """AdamW on fp32 master weights: (param, m, v)."""
+        self._cost("adam", tuple(param.shape), 12, 7)
+        if self.mode is Mode.META:
+            return param, m, v
+        return _k.adam(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+    def sgd(self, param: Any, grad: Any, *, lr: float) -> Any:
+        self._cost("sgd", tuple(param.shape), 2, 3)
+        return param if self.mode is Mode.META else _k.sgd(param, grad, lr=lr)
+
+    def concat(self, xs: list[Any], dim: int) -> Any:
+        shape = list(xs[0].shape)
+        shape[dim] = sum(x.shape[dim] for x in xs)
+        self._cost("concat", tuple(shape), 0, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(shape), xs[0].dtype)
+        return np.concatenate(xs, axis=dim)
+
+    def expand_last(self, x: Any) -> Any:
+        """x[..., None] (a view: no kernel)."""
+        if isinstance(x, MetaTensor):
+            return MetaTensor(tuple(x.shape) + (1,), x.dtype)
+        return x[..., None]
+
+    def gather_last(self, x: Any, index: Any) -> Any:
+        """x[..., index] along the last dim, index shaped like x without it."""
+        self._cost("gather", tuple(index.shape), 0, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(index.shape), x.dtype)
+        return np.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+
+    def one_hot(self, index: Any, n: int, like: Any) -> Any:
+        shape = tuple(index.shape) + (n,)
+        self._cost("one_hot", shape, 0, 1)
+        if self.mode is Mode.META:
+            return MetaTensor(shape, like.dtype)
+        out = np.zeros(shape, dtype=like.dtype)
+        np.put_along_axis(out, index[..., None], 1, axis=-1)
+        return out
+
+    def add_partial(self, a: Any, b: Any) -> Any:
+        """Sum of two partials (exact in exact mode)."""
+        self._elementwise_cost("add", tuple(a.shape), 2)
+        if self.mode is Mode.META:
+            return a
+        return a + b
+
+    def transpose_partial(self, p: Any) -> Any:
+        """Swap the last two logical dims of a partial (a view)."""
+        if isinstance(p, MetaTensor):
+            return MetaTensor(p.shape[:-2] + (p.shape[-1], p.shape[-2]), p.dtype, p.partial)
+        if isinstance(p, Partial):
+            return Partial(np.swapaxes(p.limbs, -2, -3), p.dtype)
+        return np.swapaxes(p, -1, -2)
+
+    def _meta_like(self, x: Any) -> Any:
+        return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))
+
     # -- per-mode numbers ----------------------------------------------------------------------
     def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
         raise NotImplementedError
@@ -139,10 +346,57 @@ class Ops:
         return f(a)
 
 
+class _ExactNum:
+    """Exact mode's primitives: sums in limbs, transcendentals from correctly rounded operations."""
+
+    def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
+        p = Partial(_exact.einsum(spec, a, b), dtype_name(np.result_type(a, b)))
+        return p if partial else p.finalize(np.result_type(a, b))
+
+    def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any:
+        p = Partial(_exact.sum(x, axis), dtype_name(x.dtype))
+        return p if partial else p.finalize(x.dtype)
+
+    def round(self, p: Any, dtype: Any) -> np.ndarray:
+        return p.finalize(dtype)
+
+    def exp(self, x: np.ndarray) -> np.ndarray:
+        return _tr.exp(x).astype(x.dtype)
+
+    def log(self, x: np.ndarray) -> np.ndarray:
+        return _tr.log(x).astype(x.dtype)
+
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        return _tr.tanh(x).astype(x.dtype)
+
+
+class _FastNum:
+    """Fast mode's primitives: numpy in the arrays' own dtype (float64 for checking against torch)."""
+
+    def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
+        return np.einsum(spec, a, b, optimize=True)
+
+    def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any:
+        return np.asarray(np.sum(x, axis=axis), dtype=x.dtype)
+
+    def round(self, p: Any, dtype: Any) -> np.ndarray:
+        return np.asarray(p, dtype=dtype)
+
+    def exp(self, x: np.ndarray) -> np.ndarray:
+        return np.exp(x)
+
+    def log(self, x: np.ndarray) -> np.ndarray:
+        return np.log(x)
+
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        return np.tanh(x)
+
+
 class ExactOps(Ops):
     """Sums that an algorithm may split are exact (limbs); everything else is correctly rounded."""
 
     mode = Mode.EXACT
+    _num = _ExactNum()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
         p = Partial(_exact.matmul(a, b), "fp32")  # the sum over k is exact (numerics/exact.py)
@@ -162,6 +416,7 @@ class FastOps(Ops):
     """Plain numpy/BLAS float math; a 'partial' is just the unrounded-in-spirit float result."""
 
     mode = Mode.FAST
+    _num = _FastNum()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
         return np.matmul(a, b)
@@ -177,6 +432,7 @@ class MetaOps(Ops):
     """Shapes and costs only."""
 
     mode = Mode.META
+    _num: Any = None
 
     def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
         return MetaTensor(out_shape, "fp32", partial)

@@ -1,0 +1,369 @@
+"""The single-device reference: a GPT-style decoder with a hand-written backward pass.
+
+token + position embeddings (dropout) -> L pre-LN blocks -> final layer norm -> LM head (tied to the
+token embedding or not) -> mean cross-entropy. A block: x + drop(attn(ln1(x))), then
+x + drop(mlp(ln2(x))), attention with `heads` heads (causal or not, dropout on its weights), MLP
+h -> ffn_hidden -> h with GELU (tanh form).
+
+Everything goes through `ops` (numerics/ops.py), so the same code runs in exact, fast and meta mode,
+and every sum that data, tensor, sequence or context parallelism split is an exact partial in exact
+mode. Attention uses the two-pass form: out = round(sum_k e_k keep_k v_k) / round(sum_k e_k) / (1-p),
+e = exp(s - max s), which ring attention reproduces block by block.
+
+Recomputation: "selective" keeps q, k, v and recomputes the attention core (scores, weights, dropout
+mask) in the backward pass; "full" keeps only each block's input and recomputes the block.
+
+Shapes: b batch, s sequence, h hidden, a heads, d = h/a, F ffn_hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from simcluster.model.memory import MemoryLedger
+from simcluster.numerics.ops import Mode, Ops
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
+
+
+class Recompute(Enum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    ffn_hidden: int = 256
+    seq: int = 32
+    vocab: int = 128
+    causal: bool = True
+    tied_head: bool = True
+    dropout: float = 0.0
+    eps: float = 1e-5
+    seed: int = 0
+    recompute: Recompute = Recompute.NONE
+    dtype: str = "fp32"  # logical dtype of activations, for the memory ledger
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            valid = [a for a in range(1, self.hidden + 1) if self.hidden % a == 0]
+            raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}; valid: {', '.join(map(str, valid))}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, F, V = self.hidden, self.ffn_hidden, self.vocab
+        shapes: dict[str, tuple[int, ...]] = {"wte": (V, h), "wpe": (self.seq, h)}
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            shapes |= {p + "ln1.g": (h,), p + "ln1.b": (h,), p + "attn.w_qkv": (h, 3 * h), p + "attn.b_qkv": (3 * h,),
+                       p + "attn.w_proj": (h, h), p + "attn.b_proj": (h,), p + "ln2.g": (h,), p + "ln2.b": (h,),
+                       p + "mlp.w_fc": (h, F), p + "mlp.b_fc": (F,), p + "mlp.w_out": (F, h), p + "mlp.b_out": (h,)}
+        shapes |= {"lnf.g": (h,), "lnf.b": (h,)}
+        if not self.tied_head:
+            shapes["head"] = (h, V)
+        return shapes
+
+    @property
+    def parameters(self) -> int:
+        return sum(int(np.prod(s)) for s in self.parameter_shapes().values())
+
+
+def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
+    """Deterministic initial weights: counter-based uniform, a pure function of (seed, name, index)."""
+    params = {}
+    for name, shape in cfg.parameter_shapes().items():
+        if name.endswith(".g"):
+            params[name] = ops.uniform(cfg.seed, name, shape, low=0.8, high=1.2)
+        elif name.endswith(".b") or ".b_" in name:
+            params[name] = ops.uniform(cfg.seed, name, shape, low=-0.02, high=0.02)
+        else:
+            fan_in = shape[0] if name not in ("wte", "wpe") else shape[1]
+            bound = float(np.sqrt(3.0 / fan_in))
+            params[name] = ops.uniform(cfg.seed, name, shape, low=-bound, high=bound)
+    return params
+
+
+def batch(cfg: GPTConfig, seed: int, step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and next-token targets, (size, seq) each: a pure function of (seed, step)."""
+    from simcluster.numerics import random as _random
+
+    idx = np.arange(size * (cfg.seq + 1), dtype=np.int64).reshape(size, cfg.seq + 1)
+    toks = (_random.bits(seed, f"tokens.{step}", idx) % np.uint64(cfg.vocab)).astype(np.int64)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int) -> Any:
+    if cfg.dropout == 0.0:
+        return None
+    return ops.dropout_keep(cfg.seed + 7919 * step, name, shape, cfg.dropout)
+
+
+def _drop(ops: Ops, x: Any, keep: Any, cfg: GPTConfig) -> Any:
+    if keep is None:
+        return x
+    return ops.scale(ops.where(keep, x, np.float32(0)), 1.0 / (1.0 - cfg.dropout))
+
+
+class GPT:
+    """Forward, backward and step of the reference model on one device, through `ops`."""
+
+    def __init__(self, ops: Ops, cfg: GPTConfig, memory: MemoryLedger | None = None) -> None:
+        self.ops = ops
+        self.cfg = cfg
+        self.memory = memory if memory is not None else MemoryLedger()
+        self.item = ITEMSIZE[cfg.dtype]
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _linear(self, x: Any, w: Any, b: Any) -> Any:
+        return self.ops.add(self.ops.matmul(x, w), b)
+
+    def _heads(self, x: Any) -> Any:
+        """(b, s, h) -> (b, a, s, d)."""
+        bsz, s, _ = x.shape
+        if isinstance(x, MetaTensor):
+            return MetaTensor((bsz, self.cfg.heads, s, self.cfg.head_dim), x.dtype)
+        return np.ascontiguousarray(x.reshape(bsz, s, self.cfg.heads, self.cfg.head_dim).transpose(0, 2, 1, 3))
+
+    def _merge(self, x: Any) -> Any:
+        """(b, a, s, d) -> (b, s, h)."""
+        bsz, a, s, d = x.shape
+        if isinstance(x, MetaTensor):
+            return MetaTensor((bsz, s, a * d), x.dtype)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(bsz, s, a * d))
+
+    def _split3(self, x: Any) -> tuple[Any, Any, Any]:
+        h = self.cfg.hidden
+        if isinstance(x, MetaTensor):
+            part = MetaTensor(x.shape[:-1] + (h,), x.dtype)
+            return part, part, part
+        return x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
+
+    def _allowed(self, s: int) -> Any:
+        if not self.cfg.causal:
+            return None
+        return np.tril(np.ones((s, s), dtype=bool))
+
+    def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int) -> dict[str, Any]:
+        """The two-pass core: e, l, keep and the output (b, a, s, d)."""
+        ops, cfg = self.ops, self.cfg
+        s = ops.attention_scores(q, k, 1.0 / np.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
+        e = ops.attention_weights(s, ops.max(s, -1))
+        l_sum = ops.sum(e, -1, partial=True)
+        keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step)
+        ek = e if keep is None else ops.where(keep, e, np.float32(0))
+        o_sum = ops.einsum("bask,bakd->basd", ek, v, partial=True)
+        out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - cfg.dropout))
+        return {"e": e, "l": l_sum, "keep": keep, "out": out}
+
+    # -- one block -----------------------------------------------------------------------------
+    def block_forward(self, p: dict[str, Any], x: Any, i: int, step: int) -> tuple[Any, dict[str, Any]]:
+        ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
+        a, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], cfg.eps)
+        qkv = self._linear(a, p[pre + "attn.w_qkv"], p[pre + "attn.b_qkv"])  # (b, s, 3h)
+        q, k, v = (self._heads(t) for t in self._split3(qkv))
+        core = self.attention_core(q, k, v, i, step)
+        ctx = self._merge(core["out"])  # (b, s, h)
+        y = self._linear(ctx, p[pre + "attn.w_proj"], p[pre + "attn.b_proj"])
+        keep_a = _keep(ops, cfg, f"resid_attn.{i}", tuple(y.shape), step)
+        x1 = ops.add(x, _drop(ops, y, keep_a, cfg))
+        c, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], cfg.eps)
+        f = self._linear(c, p[pre + "mlp.w_fc"], p[pre + "mlp.b_fc"])  # (b, s, F)
+        g = ops.gelu(f)
+        z = self._linear(g, p[pre + "mlp.w_out"], p[pre + "mlp.b_out"])
+        keep_m = _keep(ops, cfg, f"resid_mlp.{i}", tuple(z.shape), step)
+        x2 = ops.add(x1, _drop(ops, z, keep_m, cfg))
+        cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "ctx": ctx, "keep_a": keep_a,
+                 "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m, **core}
+        return x2, cache
+
+    def _stored(self, cache: dict[str, Any]) -> dict[str, Any]:
+        """What the forward pass keeps for backward, by the recomputation policy."""
+        if self.cfg.recompute is Recompute.FULL:
+            return {"x": cache["x"]}
+        if self.cfg.recompute is Recompute.SELECTIVE:
+            return {k: v for k, v in cache.items() if k not in ("e", "l", "keep")}
+        return cache
+
+    def block_backward(self, p: dict[str, Any], dx2: Any, cache: dict[str, Any], i: int, step: int,
+                       grads: dict[str, Any]) -> Any:
+        ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
+        if cfg.recompute is Recompute.FULL:
+            _, cache = self.block_forward(p, cache["x"], i, step)
+        elif cfg.recompute is Recompute.SELECTIVE:
+            cache = cache | self.attention_core(cache["q"], cache["k"], cache["v"], i, step)
+        c_ = cache
+        dz = _drop(ops, dx2, c_["keep_m"], cfg)
+        grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True)
+        grads[pre + "mlp.b_out"] = ops.sum(dz, (0, 1), partial=True)
+        dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"]))
+        df = ops.gelu_backward(dg, c_["f"])
+        grads[pre + "mlp.w_fc"] = ops.einsum("bsh,bsf->hf", c_["c"], df, partial=True)
+        grads[pre + "mlp.b_fc"] = ops.sum(df, (0, 1), partial=True)
+        dc = ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]))
+        dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
+            dc, c_["x1"], p[pre + "ln2.g"], c_["mu2"], c_["r2"])
+        dx1 = ops.add(dx2, dx1_ln)
+        dy = _drop(ops, dx1, c_["keep_a"], cfg)
+        grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True)
+        grads[pre + "attn.b_proj"] = ops.sum(dy, (0, 1), partial=True)
+        dout = self._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a, s, d)
+        dq, dk, dv = self.attention_backward(dout, c_)
+        dqkv = ops.concat([self._merge(dq), self._merge(dk), self._merge(dv)], -1)  # (b, s, 3h)
+        grads[pre + "attn.w_qkv"] = ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True)
+        grads[pre + "attn.b_qkv"] = ops.sum(dqkv, (0, 1), partial=True)
+        da = ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]))
+        dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
+            da, c_["x"], p[pre + "ln1.g"], c_["mu1"], c_["r1"])
+        return ops.add(dx1, dx_ln)
+
+    def attention_backward(self, dout: Any, c_: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward)."""
+        ops, cfg = self.ops, self.cfg
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
+        pd = probs if c_["keep"] is None else ops.scale(ops.where(c_["keep"], probs, np.float32(0)),
+                                                        1.0 / (1.0 - cfg.dropout))
+        dv = ops.einsum("bask,basd->bakd", pd, dout)
+        dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
+        dp = dpd if c_["keep"] is None else ops.scale(ops.where(c_["keep"], dpd, np.float32(0)),
+                                                      1.0 / (1.0 - cfg.dropout))
+        delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
+        ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
+        dq = ops.scale(ops.einsum("bask,bakd->basd", ds, c_["k"]), scale)
+        dk = ops.scale(ops.einsum("bask,basd->bakd", ds, c_["q"]), scale)
+        return dq, dk, dv
+
+    # -- the whole model -------------------------------------------------------------------------
+    def head_weight(self, p: dict[str, Any]) -> Any:
+        return ops_t(self.ops, p["wte"]) if self.cfg.tied_head else p["head"]
+
+    def forward(self, p: dict[str, Any], ids: Any, targets: Any, step: int) -> tuple[Any, dict[str, Any]]:
+        """Loss (a 0-d fp32 array) and everything backward needs."""
+        ops, cfg = self.ops, self.cfg
+        bsz, s = ids.shape
+        pos = np.broadcast_to(np.arange(s), (bsz, s))
+        x = ops.add(ops.embedding(ids, p["wte"]), ops.embedding(pos, p["wpe"]))
+        keep0 = _keep(ops, cfg, "embed", tuple(x.shape), step)
+        x = _drop(ops, x, keep0, cfg)
+        blocks = []
+        for i in range(cfg.layers):
+            x, cache = self.block_forward(p, x, i, step)
+            stored = self._stored(cache)
+            self.memory.hold("activations", f"block{i}", self._bytes(stored))
+            blocks.append(stored)
+        xf, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], cfg.eps)
+        logits = ops.matmul(xf, self.head_weight(p))  # (b, s, V)
+        m = ops.max(logits, -1)
+        e = ops.attention_weights(logits, m)  # exp(logits - max)
+        sum_e = ops.sum(e, -1, partial=True)
+        lse = ops.log_sum_exp(m, sum_e, logits.dtype)
+        picked = ops.gather_last(logits, targets)
+        tokens = bsz * s
+        loss = ops.scale(ops.sum(ops.sub(lse, picked), None), 1.0 / tokens)
+        head = {"ids": ids, "targets": targets, "keep0": keep0, "x_final": x, "xf": xf, "muf": muf, "rf": rf,
+                "e": e, "sum_e": sum_e, "tokens": tokens}
+        self.memory.hold("activations", "head", self._bytes(head))
+        return loss, {"blocks": blocks, "head": head}
+
+    def backward(self, p: dict[str, Any], cache: dict[str, Any], step: int) -> dict[str, Any]:
+        """Gradients of the mean loss, as partial sums over this device's tokens (round with `finish`)."""
+        ops, cfg = self.ops, self.cfg
+        hc = cache["head"]
+        grads: dict[str, Any] = {}
+        probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
+        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / hc["tokens"])
+        head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
+        dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
+        dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
+        self.memory.release("activations", "head")
+        for i in reversed(range(cfg.layers)):
+            dx = self.block_backward(p, dx, cache["blocks"][i], i, step, grads)
+            self.memory.release("activations", f"block{i}")
+        dx = _drop(ops, dx, hc["keep0"], cfg)
+        grads["wpe"] = ops.sum(dx, 0, partial=True)
+        grads["wte"] = ops.embedding_backward(hc["ids"], dx, cfg.vocab)
+        if cfg.tied_head:
+            grads["wte"] = ops.add_partial(grads["wte"], ops.transpose_partial(head_grad))
+        else:
+            grads["head"] = head_grad
+        return grads
+
+    def finish(self, grads: dict[str, Any]) -> dict[str, Any]:
+        """Round every gradient once (after any all-reduce of the partials)."""
+        return {k: self.ops.finalize(v) for k, v in grads.items()}
+
+    def _bytes(self, tensors: dict[str, Any]) -> int:
+        total = 0
+        for v in tensors.values():
+            if v is None or isinstance(v, (int, float)):
+                continue
+            n = int(np.prod(v.shape))
+            is_mask = getattr(v, "dtype", None) in (np.bool_, "bool") or (isinstance(v, np.ndarray) and v.dtype == bool)
+            total += n * (1 if is_mask else self.item)
+        return total
+
+
+def ops_t(ops: Ops, w: Any) -> Any:
+    return ops.transpose(w)
+
+
+@dataclass
+class AdamState:
+    m: dict[str, Any]
+    v: dict[str, Any]
+    step: int = 0
+
+
+def adam_init(ops: Ops, params: dict[str, Any]) -> AdamState:
+    zeros = {k: (MetaTensor(tuple(v.shape), "fp32") if ops.mode is Mode.META else np.zeros_like(v))
+             for k, v in params.items()}
+    return AdamState(dict(zeros), {k: z.copy() if isinstance(z, np.ndarray) else z for k, z in zeros.items()})
+
+
+def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: AdamState, *, lr: float,
+              weight_decay: float = 0.0) -> dict[str, Any]:
+    state.step += 1
+    out = {}
+    for k in params:
+        out[k], state.m[k], state.v[k] = ops.adam(params[k], grads[k], state.m[k], state.v[k], state.step, lr=lr,
+                                                  weight_decay=weight_decay)
+    return out
+
+
+def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3,
+          params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`steps` AdamW steps on one device: losses, last gradients, final params and optimizer state."""
+    model = GPT(ops, cfg)
+    params = init_params(ops, cfg) if params is None else params
+    state = adam_init(ops, params)
+    losses = []
+    grads: dict[str, Any] = {}
+    for step in range(steps):
+        ids, targets = batch(cfg, cfg.seed, step, batch_size)
+        loss, cache = model.forward(params, ids, targets, step)
+        grads = model.finish(model.backward(params, cache, step))
+        params = adam_step(ops, params, grads, state, lr=lr)
+        losses.append(loss)
+    return {"loss": losses, "grads": grads, "params": params, "adam_m": state.m, "adam_v": state.v,
+            "peak_activation_bytes": model.memory.peak("activations")}
+
+
+__all__ = ["AdamState", "GPT", "GPTConfig", "Partial", "Recompute", "adam_init", "adam_step", "batch",
+           "init_params", "train"]

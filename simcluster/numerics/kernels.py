@@ -1,0 +1,160 @@
+"""The transformer's kernels, written once against a mode's primitives (exact or fast).
+
+Every sum that a parallel algorithm may split goes through `num.sum` / `num.einsum` with
+partial=True, and is rounded by `num.round` at the point where the math rounds; everything else is
+elementwise. The pieces are small enough that a sharded version can put a collective between them
+(vocab-parallel cross-entropy: max, all-reduce max, sum of exp, all-reduce sum; ring attention: max
+over key blocks, then sums of weights and weighted values over key blocks).
+
+Shapes in comments: t tokens, h hidden, V vocab, b batch, a heads, s queries, k keys, d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+class Num(Protocol):
+    """A mode's primitives. `partial` results are unrounded sums (Partial in exact mode)."""
+
+    def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any: ...
+
+    def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any: ...
+
+    def round(self, p: Any, dtype: Any) -> np.ndarray: ...
+
+    def exp(self, x: np.ndarray) -> np.ndarray: ...
+
+    def log(self, x: np.ndarray) -> np.ndarray: ...
+
+    def tanh(self, x: np.ndarray) -> np.ndarray: ...
+
+
+def _c(x: np.ndarray, value: float) -> Any:
+    """A constant in x's dtype (rounded once)."""
+    return x.dtype.type(value)
+
+
+# -- GELU (tanh approximation, as GPT-2) ---------------------------------------------------------
+
+def gelu(num: Num, x: np.ndarray) -> np.ndarray:
+    inner = _c(x, GELU_C) * (x + _c(x, 0.044715) * x * x * x)
+    return _c(x, 0.5) * x * (_c(x, 1.0) + num.tanh(inner))
+
+
+def gelu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
+    inner = _c(x, GELU_C) * (x + _c(x, 0.044715) * x * x * x)
+    th = num.tanh(inner)
+    dinner = _c(x, GELU_C) * (_c(x, 1.0) + _c(x, 3 * 0.044715) * x * x)
+    grad = _c(x, 0.5) * (_c(x, 1.0) + th) + _c(x, 0.5) * x * (_c(x, 1.0) - th * th) * dinner
+    return dy * grad
+
+
+# -- normalisation over the last dim (per token: never split) ------------------------------------
+
+def layer_norm(num: Num, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float):
+    """(y, mean, rstd); x (..., h)."""
+    h = x.shape[-1]
+    mean = num.round(num.sum(x, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    xc = x - mean
+    var = num.round(num.sum(xc * xc, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    rstd = _c(x, 1.0) / np.sqrt(var + _c(x, eps))
+    return xc * rstd * gamma + beta, mean, rstd
+
+
+def layer_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, mean: np.ndarray,
+                        rstd: np.ndarray):
+    """(dx, dgamma, dbeta): dgamma and dbeta are partial sums over this shard's tokens."""
+    h = x.shape[-1]
+    xhat = (x - mean) * rstd
+    lead = tuple(range(x.ndim - 1))
+    dgamma = num.sum(dy * xhat, lead, partial=True)
+    dbeta = num.sum(dy, lead, partial=True)
+    g = dy * gamma
+    mean_g = num.round(num.sum(g, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    dx = (g - mean_g - xhat * mean_gx) * rstd
+    return dx, dgamma, dbeta
+
+
+def rms_norm(num: Num, x: np.ndarray, gamma: np.ndarray, eps: float):
+    """(y, rstd); x (..., h)."""
+    h = x.shape[-1]
+    ms = num.round(num.sum(x * x, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    rstd = _c(x, 1.0) / np.sqrt(ms + _c(x, eps))
+    return x * rstd * gamma, rstd
+
+
+def rms_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray, rstd: np.ndarray):
+    """(dx, dgamma partial)."""
+    h = x.shape[-1]
+    xhat = x * rstd
+    dgamma = num.sum(dy * xhat, tuple(range(x.ndim - 1)), partial=True)
+    g = dy * gamma
+    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    return (g - xhat * mean_gx) * rstd, dgamma
+
+
+# -- attention, in the two-pass form that ring attention can split over key blocks ----------------
+
+def attention_scores(num: Num, q: np.ndarray, k: np.ndarray, scale: float, allowed: np.ndarray | None):
+    """s = (q k^T) * scale, -inf where not allowed; q (b, a, s, d), k (b, a, k, d) -> (b, a, s, k)."""
+    s = num.round(num.einsum("basd,bakd->bask", q, k, partial=True), q.dtype) * _c(q, scale)
+    return s if allowed is None else np.where(allowed, s, _c(q, -np.inf))
+
+
+def attention_weights(num: Num, s: np.ndarray, row_max: np.ndarray) -> np.ndarray:
+    """e = exp(s - max) (0 where masked); row_max (b, a, s, 1) is the max over all keys (any order)."""
+    safe = np.where(np.isfinite(row_max), row_max, _c(s, 0.0))
+    return np.where(np.isfinite(s), num.exp(s - safe), _c(s, 0.0))
+
+
+def attention_output(num: Num, o_sum: Any, l_sum: Any, dtype: Any, drop_scale: float) -> np.ndarray:
+    """out = round(sum_k e*keep*v) / round(sum_k e) * 1/(1-p): the one rounding point of the core."""
+    return num.round(o_sum, dtype) / num.round(l_sum, dtype)[..., None] * np.dtype(dtype).type(drop_scale)
+
+
+def attention_probs(num: Num, e: np.ndarray, l_sum: Any) -> np.ndarray:
+    """P = e / l (for the backward pass)."""
+    return e / num.round(l_sum, e.dtype)[..., None]
+
+
+# -- cross-entropy over a (possibly sharded) vocabulary -------------------------------------------
+
+def log_sum_exp(num: Num, row_max: np.ndarray, sum_exp: Any, dtype: Any) -> np.ndarray:
+    """lse = max + log(sum exp(x - max)); row_max (t, 1), sum_exp partial (t,)."""
+    return row_max[..., 0] + num.log(num.round(sum_exp, dtype))
+
+
+# -- embedding ------------------------------------------------------------------------------------
+
+def embedding_backward(num: Num, ids: np.ndarray, dy: np.ndarray, rows: int, row_offset: int = 0) -> Any:
+    """Partial (rows, h): sum of dy over the tokens whose id falls in [row_offset, row_offset + rows)."""
+    flat_ids = ids.reshape(-1) - row_offset
+    mine = (flat_ids >= 0) & (flat_ids < rows)
+    onehot = np.zeros((flat_ids.size, rows), dtype=dy.dtype)
+    onehot[np.nonzero(mine)[0], flat_ids[mine]] = 1
+    return num.einsum("tv,th->vh", onehot, dy.reshape(-1, dy.shape[-1]), partial=True)
+
+
+# -- optimizers (elementwise, fp32 master weights) -------------------------------------------------
+
+def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, step: int, *, lr: float,
+         beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+    """AdamW step; returns (param, m, v). Bias corrections are rounded once, in the param dtype."""
+    c = param.dtype.type
+    m = c(beta1) * m + c(1 - beta1) * grad
+    v = c(beta2) * v + c(1 - beta2) * grad * grad
+    mhat = m / c(1 - beta1 ** step)
+    vhat = v / c(1 - beta2 ** step)
+    if weight_decay:
+        param = param - c(lr * weight_decay) * param
+    return param - c(lr) * mhat / (np.sqrt(vhat) + c(eps)), m, v
+
+
+def sgd(param: np.ndarray, grad: np.ndarray, *, lr: float) -> np.ndarray:
+    return param - param.dtype.type(lr) * grad
