@@ -38,7 +38,7 @@ def test_sum_that_float64_gets_wrong_is_exact_in_limbs():
 
 def test_out_of_window_term_raises_overflow():
     with pytest.raises(OverflowError, match="outside the exact window"):
-        limbs.from_float64(np.array([2.0**40]))
+        limbs.from_float64(np.array([2.0**41]))
 
 
 def test_non_finite_term_is_reported():

@@ -353,16 +353,21 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
     model = GPT(ops, cfg)
     params = init_params(ops, cfg) if params is None else params
     state = adam_init(ops, params)
+    psi = cfg.parameters
+    model.memory.hold("parameters", "fp32 weights", 4 * psi)
+    model.memory.hold("optimizer", "adam m, v", 8 * psi)
     losses = []
     grads: dict[str, Any] = {}
     for step in range(steps):
         ids, targets = batch(cfg, cfg.seed, step, batch_size)
         loss, cache = model.forward(params, ids, targets, step)
+        model.memory.hold("gradients", "fp32 grads", 4 * psi)
         grads = model.finish(model.backward(params, cache, step))
         params = adam_step(ops, params, grads, state, lr=lr)
+        model.memory.release("gradients", "fp32 grads")
         losses.append(loss)
     return {"loss": losses, "grads": grads, "params": params, "adam_m": state.m, "adam_v": state.v,
-            "peak_activation_bytes": model.memory.peak("activations")}
+            "peak_activation_bytes": model.memory.peak("activations"), "memory": model.memory}
 
 
 __all__ = ["AdamState", "GPT", "GPTConfig", "Partial", "Recompute", "adam_init", "adam_step", "batch",

@@ -22,9 +22,10 @@ LIMBS = 6
 WINDOW_LO = -160  # weight of the lowest limb's unit: 2**-160 (below float32's smallest, 2**-149)
 WINDOW_HI = WINDOW_LO + LIMB_BITS * (LIMBS - 1)  # weight of the top limb's unit: 2**0
 
-# The top limb's unit is 2**WINDOW_HI; a term may use the top limb's low 31 bits as well, so the
-# largest accepted term magnitude is 2**(WINDOW_HI + 31). Every float32 value fits exactly.
-TERM_LIMIT_EXP = WINDOW_HI + 31
+# The top limb's unit is 2**WINDOW_HI and it is a signed int64. A term (or one exact sum added at
+# once) must stay below 2**TERM_LIMIT_EXP, which leaves 2**22 additions of headroom before the top
+# limb could overflow: far more than any number of ranks or slices adds up.
+TERM_LIMIT_EXP = WINDOW_HI + 40
 _RADIX = float(2**LIMB_BITS)
 _MASK = np.int64(2**LIMB_BITS - 1)
 
@@ -70,15 +71,17 @@ def add_scaled_integers(acc: np.ndarray, r: np.ndarray, exponent: int) -> None:
     e = exponent - WINDOW_LO
     if e < 0:
         raise OverflowError(f"a term of weight 2**{exponent} lies below the exact window 2**{WINDOW_LO}")
-    v = np.asarray(r).astype(np.int64)
+    r = np.asarray(r)
+    if r.size:
+        big = float(np.max(np.abs(r)))
+        if big and np.ldexp(big, exponent) >= 2.0**TERM_LIMIT_EXP:
+            raise OverflowError(f"a sum of magnitude {np.ldexp(big, exponent):.4g} is outside the exact window "
+                                f"[2**{WINDOW_LO}, 2**{TERM_LIMIT_EXP}); rescale the inputs")
+    v = r.astype(np.int64)
     i, o = divmod(e, LIMB_BITS)
     top = LIMBS - 1
-    if i >= top:  # lands in the signed top limb as a whole
-        shift = LIMB_BITS * (i - top) + o
-        if v.size and (shift >= 62 or np.max(np.abs(v)) >= 2 ** (62 - shift)):
-            raise OverflowError(f"a sum of magnitude about 2**{exponent + int(np.log2(np.max(np.abs(v)) + 1))} "
-                                f"is outside the exact window [2**{WINDOW_LO}, 2**{TERM_LIMIT_EXP})")
-        acc[..., top] += v << shift
+    if i >= top:  # lands in the signed top limb as a whole (small: checked above)
+        acc[..., top] += v << (LIMB_BITS * (i - top) + o)
         return
     acc[..., i] += (v & ((1 << (LIMB_BITS - o)) - 1)) << o
     v = v >> (LIMB_BITS - o)  # arithmetic shift: floor, so negative values carry correctly
