@@ -326,6 +326,24 @@ class Ops:
             return Partial(np.swapaxes(p.limbs, -2, -3), p.dtype)
         return np.swapaxes(p, -1, -2)
 
+    def mean(self, x: Any, axis: int | tuple[int, ...] | None) -> Any:
+        """round(exact sum) / n: the sum may be split; the division happens once, after it."""
+        total = self.sum(x, axis)
+        n = _numel(tuple(x.shape)) // max(1, _numel(tuple(total.shape)))
+        return self._meta_like(total) if self.mode is Mode.META else total / total.dtype.type(n)
+
+    def softmax(self, x: Any) -> Any:
+        """Over the last dim: exp(x - max) / round(sum), the sum exact."""
+        e = self.attention_weights(x, self.max(x, -1))
+        return self.attention_probs(e, self.sum(e, -1, partial=True))
+
+    def log_softmax(self, x: Any) -> Any:
+        """x - (max + log round(sum exp(x - max))) over the last dim."""
+        m = self.max(x, -1)
+        lse = self.log_sum_exp(m, self.sum(self.attention_weights(x, m), -1, partial=True),
+                               getattr(x, "dtype", np.float32))
+        return self.sub(x, self.expand_last(lse))
+
     def _meta_like(self, x: Any) -> Any:
         return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))
 
