@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from simcluster.numerics import limbs as _limbs
+from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import MetaTensor, Partial, ReduceOp, zeros_of
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
@@ -66,12 +67,15 @@ class TorchBackend:
         if isinstance(x, MetaTensor):
             raise ProgramError("meta tensors carry no data and cannot run on torch.distributed; use exact or fast mode")
         # A copy: collectives work in place, and the program still owns its array.
-        data = x.limbs if isinstance(x, Partial) else x
-        return torch.from_numpy(np.array(data, copy=True, order="C")).to(self.device)
+        data = np.array(x.limbs if isinstance(x, Partial) else x, copy=True, order="C")
+        if data.dtype == BF16:  # torch cannot take ml_dtypes arrays: move the bits
+            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).to(self.device)
+        return torch.from_numpy(data).to(self.device)
 
     @staticmethod
     def from_torch(t: torch.Tensor, like: Any) -> Any:
-        arr = t.detach().cpu().numpy()
+        t = t.detach().cpu()
+        arr = t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
         if isinstance(like, Partial) or (isinstance(like, tuple) and like[0]):
             dtype = like.dtype if isinstance(like, Partial) else like[1]
             return Partial(_limbs.normalize(np.ascontiguousarray(arr, dtype=np.int64)), dtype)

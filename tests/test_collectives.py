@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from simcluster.engine import simulate
 from simcluster.numerics import limbs
+from simcluster.numerics.limbs import BF16
 from simcluster.numerics.tensor import Partial, ReduceOp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
@@ -34,7 +35,7 @@ def setups(draw):
     axes = draw(st.sampled_from([("dp",), ("tp",), ("dp", "tp")]))
     n = mesh.group(0, *axes).size
     kind = draw(st.sampled_from(KINDS))
-    flavour = draw(st.sampled_from(["int64", "float32", "partial"]))
+    flavour = draw(st.sampled_from(["int64", "float32", "bf16", "partial"]))
     op = draw(st.sampled_from([ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN])) if flavour != "partial" else ReduceOp.SUM
     rows = n * draw(st.integers(1, 3))
     cols = n * draw(st.integers(1, 2))  # every dim divisible by the group: any dim may be scattered
@@ -50,6 +51,8 @@ def setups(draw):
             inputs[r] = ints.astype(np.int64)
         elif flavour == "float32":
             inputs[r] = (ints / 8).astype(np.float32)  # exact in float32: sums are order-free
+        elif flavour == "bf16":
+            inputs[r] = (ints % 4).astype(BF16)  # 0..3: sums over up to 15 ranks stay exact in bf16
         else:
             inputs[r] = Partial.from_values(rng.standard_normal(shape))
     return mesh, axes, kind, op, dim, inputs, draw(st.booleans())
@@ -63,7 +66,7 @@ def expected(kind, op, dim, xs, group, rank, src):
         total = limbs.sum_terms(stacked, axis=0)
         total_value = total
     else:
-        stacked = np.stack(xs)
+        stacked = np.stack(xs).astype(np.float64) if xs[0].dtype == BF16 else np.stack(xs)
         f = {ReduceOp.SUM: np.sum, ReduceOp.MAX: np.max, ReduceOp.MIN: np.min}[op]
         total_value = f(stacked, axis=0).astype(xs[0].dtype)
     me = group.index(rank)

@@ -156,3 +156,30 @@ def test_transcendentals_agree_with_numpy_in_float64():
     np.testing.assert_allclose(transcendental.exp(x), np.exp(x), rtol=4e-16)
     np.testing.assert_allclose(transcendental.tanh(x), np.tanh(x), rtol=4e-16, atol=1e-300)
     np.testing.assert_allclose(transcendental.log(np.abs(x) + 1e-9), np.log(np.abs(x) + 1e-9), rtol=8e-16)
+
+
+@given(st.integers(1, 4), st.integers(1, 30), st.integers(1, 4), st.integers(0, 2**16), st.data())
+def test_bf16_storage_matmul_split_and_rounding(m, k, n, seed, data):
+    """bf16 operands: the split is still exact, and the one rounding to bf16 is correct."""
+    from fractions import Fraction
+
+    from simcluster.numerics.limbs import BF16
+
+    rng = np.random.default_rng(seed)
+    a, b = rand(rng, (m, k), 4).astype(BF16), rand(rng, (k, n), 4).astype(BF16)
+    cuts, order = data.draw(split_of(k))
+    whole = ops.matmul(a, b, partial=True)
+    parts = [ops.matmul(x, y, partial=True) for x, y in zip(np.split(a, cuts, 1), np.split(b, cuts, 0))]
+    assert combine(parts, order).limbs.tobytes() == whole.limbs.tobytes()
+    got = ops.finalize(whole)
+    assert got.dtype == BF16
+    for i in range(m):
+        for j in range(n):
+            exact_value = sum(Fraction(float(a[i, t])) * Fraction(float(b[t, j])) for t in range(k))
+            bits = got[i, j:j + 1].view(np.uint16)
+            neighbours = [(bits + np.uint16(1)).view(BF16)[0], (bits - np.uint16(1)).view(BF16)[0]]
+            mine = abs(Fraction(float(got[i, j])) - exact_value)
+            # nearest representable: no adjacent bf16 value is closer
+            for other in neighbours:
+                if np.isfinite(float(other)):
+                    assert mine <= abs(Fraction(float(other)) - exact_value)

@@ -15,6 +15,7 @@ function of the term, so the sum of floored terms is still independent of order.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 LIMB_BITS = 32
@@ -98,13 +99,19 @@ def sum_terms(terms: np.ndarray, axis: int) -> np.ndarray:
     return normalize(limbs.sum(axis=axis))
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_PRECISION = {np.dtype(np.float32): 24, np.dtype(np.float16): 11, BF16: 8}  # significant bits
+
+
 def _round_to_format(mag: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Correctly rounded (to nearest, ties to even) non-negative value of normalized magnitude limbs.
 
-    The leading 64 bits are kept, every bit below them folded into a sticky bit; the result, a
-    float64 with at least two bits more than the target's mantissa and the sticky bit last, rounds
-    to the target exactly as the exact value would.
+    The leading bits are kept, every bit below them folded into a sticky bit: a value with two or
+    three bits more than the target's precision and the sticky bit last, exact in float32, rounds to
+    the target exactly as the exact value would, in one rounding (bf16 goes through float32, where the
+    value is still exact).
     """
+    precision = _PRECISION[dtype]
     top = LIMBS - 1
     ext = np.concatenate([mag[..., :top], mag[..., top:] & _MASK, mag[..., top:] >> LIMB_BITS], axis=-1)
     ext = ext.astype(np.uint64)  # every digit now below 2**32
@@ -119,17 +126,18 @@ def _round_to_format(mag: np.ndarray, dtype: np.dtype) -> np.ndarray:
     index = np.arange(n)
     sticky = ((ext != 0) & (index < (lead - 1)[..., None])).any(axis=-1)
     bits = np.frexp(top64.astype(np.float64))[1].astype(np.int64)  # bit length, or one more
-    shift = np.maximum(bits - 27, 0).astype(np.uint64)
+    shift = np.maximum(bits - (precision + 3), 0).astype(np.uint64)
     kept = top64 >> shift
     sticky |= (top64 & ((np.uint64(1) << shift) - np.uint64(1))) != 0
-    m = (kept << np.uint64(1)) | sticky.astype(np.uint64)  # at most 28 bits: exact in float64
+    m = (kept << np.uint64(1)) | sticky.astype(np.uint64)  # at most precision + 4 bits: exact in float32
     exponent = shift.astype(np.int64) - 1 + LIMB_BITS * (np.where(lead > 0, lead, 1) - 1) + WINDOW_LO
     exponent = np.where(lead > 0, exponent, WINDOW_LO)
-    return np.ldexp(m.astype(np.float64), exponent).astype(dtype)
+    value = np.ldexp(m.astype(np.float64), exponent)
+    return value.astype(np.float32).astype(dtype) if dtype == BF16 else value.astype(dtype)
 
 
 def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """Round normalized limbs once to `dtype`: correctly rounded for float32 and float16.
+    """Round normalized limbs once to `dtype`: correctly rounded for float32, bfloat16 and float16.
 
     float64 results (used only by fast mode and diagnostics) come from Horner's scheme on the
     magnitude, within an ulp.
@@ -138,7 +146,7 @@ def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarr
     negative = limbs[..., LIMBS - 1] < 0
     mag = normalize(np.where(negative[..., None], -limbs, limbs))  # all digits non-negative
     dt = np.dtype(dtype)
-    if dt in (np.dtype(np.float32), np.dtype(np.float16)):
+    if dt in _PRECISION:
         out = _round_to_format(mag, dt)
         return np.where(negative, -out, out).astype(dt)
     acc = mag[..., 0].astype(np.float64)

@@ -73,7 +73,7 @@ class Ops:
         self._elementwise_cost("finalize", tuple(p.shape), 1)
         if dtype is None:
             dtype = p.dtype if isinstance(p, np.ndarray) else (
-                numpy_dtype(p.dtype) if p.dtype in ("fp32", "fp64", "fp16") else np.float32)
+                numpy_dtype(p.dtype) if p.dtype in ("fp32", "fp64", "fp16", "bf16") else np.float32)
         return self._finalize(p, dtype)
 
     def sum(self, x: Any, axis: int | tuple[int, ...] | None, *, partial: bool = False) -> Any:
@@ -344,6 +344,13 @@ class Ops:
                                getattr(x, "dtype", np.float32))
         return self.sub(x, self.expand_last(lse))
 
+    def cast(self, x: Any, dtype: str) -> Any:
+        """x rounded to a storage dtype ('bf16', 'fp16', 'fp32')."""
+        self._cost("cast", tuple(x.shape), 1, 2)
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(x.shape), dtype_name(dtype))
+        return np.asarray(x).astype(numpy_dtype(dtype_name(dtype)))
+
     def _meta_like(self, x: Any) -> Any:
         return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))
 
@@ -417,8 +424,9 @@ class ExactOps(Ops):
     _num = _ExactNum()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        p = Partial(_exact.matmul(a, b), "fp32")  # the sum over k is exact (numerics/exact.py)
-        return p if partial else p.finalize(np.float32)
+        dtype = np.result_type(a, b)
+        p = Partial(_exact.matmul(a, b), dtype_name(dtype))  # the sum over k is exact (numerics/exact.py)
+        return p if partial else p.finalize(dtype)
 
     def _finalize(self, p: Partial, dtype: Any) -> np.ndarray:
         if not isinstance(p, Partial):
@@ -437,6 +445,10 @@ class FastOps(Ops):
     _num = _FastNum()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
+        dtype = np.result_type(a, b)
+        if dtype.itemsize < 4:  # 16-bit storage: accumulate in float32, as tensor cores do
+            out = np.matmul(a.astype(np.float32), b.astype(np.float32))
+            return out if partial else out.astype(dtype)
         return np.matmul(a, b)
 
     def _finalize(self, p: np.ndarray, dtype: Any) -> np.ndarray:
@@ -453,7 +465,7 @@ class MetaOps(Ops):
     _num: Any = None
 
     def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        return MetaTensor(out_shape, "fp32", partial)
+        return MetaTensor(out_shape, getattr(a, "dtype", "fp32"), partial)
 
     def _finalize(self, p: Any, dtype: Any) -> Any:
         return MetaTensor(tuple(p.shape), dtype_name(dtype))

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from simcluster.numerics import limbs as _limbs
 
-# Logical dtypes by name, with their size in bytes. numpy has no bfloat16; a bf16 tensor is timed
-# and charged as 2 bytes whatever holds its numbers.
+# Logical dtypes by name, with their size in bytes. bf16 arrays use ml_dtypes' numpy dtype.
 ITEMSIZE: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 _NUMPY_NAMES = {
+    np.dtype(ml_dtypes.bfloat16): "bf16",
     np.dtype(np.float64): "fp64",
     np.dtype(np.float32): "fp32",
     np.dtype(np.float16): "fp16",

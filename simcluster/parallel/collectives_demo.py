@@ -39,6 +39,7 @@ def collectives_demo(ctx: Context, seed: int = 0) -> Generator[Any, Any, dict[st
 
     # 2. data movement
     out["all_gather_tp_dim1"] = yield ctx.comm.all_gather(x, group=tp, dim=1)
+    out["all_gather_bf16_world"] = yield ctx.comm.all_gather(ctx.ops.cast(x, "bf16"), group=world)
     out["all_to_all_int_world"] = yield ctx.comm.all_to_all(ints, group=world, split_dim=0, concat_dim=1)
     out["broadcast_dp"] = yield ctx.comm.broadcast(x, group=dp, src=dp.ranks[-1])
 
