@@ -109,10 +109,24 @@ def batch(cfg: GPTConfig, seed: int, step: int, size: int) -> tuple[np.ndarray, 
     return toks[:, :-1], toks[:, 1:]
 
 
-def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int) -> Any:
+@dataclass(frozen=True)
+class Slice:
+    """Which sequences of the step's global batch this forward pass sees: [offset, offset + size) of `total`.
+
+    The loss is normalised by the global token count and dropout masks are drawn at global positions,
+    so the partial gradients of any split of the batch add up exactly to those of the whole batch.
+    """
+
+    offset: int
+    total: int
+
+
+def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
     if cfg.dropout == 0.0:
         return None
-    return ops.dropout_keep(cfg.seed + 7919 * step, name, shape, cfg.dropout)
+    full = (where.total,) + tuple(shape[1:])
+    offset = (where.offset,) + (0,) * (len(shape) - 1)
+    return ops.dropout_keep(cfg.seed + 7919 * step, name, tuple(shape), cfg.dropout, offset=offset, full_shape=full)
 
 
 def _drop(ops: Ops, x: Any, keep: Any, cfg: GPTConfig) -> Any:
@@ -160,34 +174,34 @@ class GPT:
             return None
         return np.tril(np.ones((s, s), dtype=bool))
 
-    def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int) -> dict[str, Any]:
+    def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
         """The two-pass core: e, l, keep and the output (b, a, s, d)."""
         ops, cfg = self.ops, self.cfg
         s = ops.attention_scores(q, k, 1.0 / np.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
         e = ops.attention_weights(s, ops.max(s, -1))
         l_sum = ops.sum(e, -1, partial=True)
-        keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step)
+        keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
         ek = e if keep is None else ops.where(keep, e, np.float32(0))
         o_sum = ops.einsum("bask,bakd->basd", ek, v, partial=True)
         out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - cfg.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
 
     # -- one block -----------------------------------------------------------------------------
-    def block_forward(self, p: dict[str, Any], x: Any, i: int, step: int) -> tuple[Any, dict[str, Any]]:
+    def block_forward(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> tuple[Any, dict[str, Any]]:
         ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
         a, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], cfg.eps)
         qkv = self._linear(a, p[pre + "attn.w_qkv"], p[pre + "attn.b_qkv"])  # (b, s, 3h)
         q, k, v = (self._heads(t) for t in self._split3(qkv))
-        core = self.attention_core(q, k, v, i, step)
+        core = self.attention_core(q, k, v, i, step, where)
         ctx = self._merge(core["out"])  # (b, s, h)
         y = self._linear(ctx, p[pre + "attn.w_proj"], p[pre + "attn.b_proj"])
-        keep_a = _keep(ops, cfg, f"resid_attn.{i}", tuple(y.shape), step)
+        keep_a = _keep(ops, cfg, f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, _drop(ops, y, keep_a, cfg))
         c, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], cfg.eps)
         f = self._linear(c, p[pre + "mlp.w_fc"], p[pre + "mlp.b_fc"])  # (b, s, F)
         g = ops.gelu(f)
         z = self._linear(g, p[pre + "mlp.w_out"], p[pre + "mlp.b_out"])
-        keep_m = _keep(ops, cfg, f"resid_mlp.{i}", tuple(z.shape), step)
+        keep_m = _keep(ops, cfg, f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, _drop(ops, z, keep_m, cfg))
         cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "ctx": ctx, "keep_a": keep_a,
                  "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m, **core}
@@ -202,12 +216,12 @@ class GPT:
         return cache
 
     def block_backward(self, p: dict[str, Any], dx2: Any, cache: dict[str, Any], i: int, step: int,
-                       grads: dict[str, Any]) -> Any:
+                       grads: dict[str, Any], where: Slice) -> Any:
         ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
         if cfg.recompute is Recompute.FULL:
-            _, cache = self.block_forward(p, cache["x"], i, step)
+            _, cache = self.block_forward(p, cache["x"], i, step, where)
         elif cfg.recompute is Recompute.SELECTIVE:
-            cache = cache | self.attention_core(cache["q"], cache["k"], cache["v"], i, step)
+            cache = cache | self.attention_core(cache["q"], cache["k"], cache["v"], i, step, where)
         c_ = cache
         dz = _drop(ops, dx2, c_["keep_m"], cfg)
         grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True)
@@ -254,17 +268,20 @@ class GPT:
     def head_weight(self, p: dict[str, Any]) -> Any:
         return ops_t(self.ops, p["wte"]) if self.cfg.tied_head else p["head"]
 
-    def forward(self, p: dict[str, Any], ids: Any, targets: Any, step: int) -> tuple[Any, dict[str, Any]]:
-        """Loss (a 0-d fp32 array) and everything backward needs."""
+    def forward(self, p: dict[str, Any], ids: Any, targets: Any, step: int,
+                where: Slice | None = None) -> tuple[Any, dict[str, Any]]:
+        """The loss's partial sum over these tokens (divide by the global token count with `loss`),
+        and everything backward needs."""
         ops, cfg = self.ops, self.cfg
         bsz, s = ids.shape
+        where = where or Slice(0, bsz)
         pos = np.broadcast_to(np.arange(s), (bsz, s))
         x = ops.add(ops.embedding(ids, p["wte"]), ops.embedding(pos, p["wpe"]))
-        keep0 = _keep(ops, cfg, "embed", tuple(x.shape), step)
+        keep0 = _keep(ops, cfg, "embed", tuple(x.shape), step, where)
         x = _drop(ops, x, keep0, cfg)
         blocks = []
         for i in range(cfg.layers):
-            x, cache = self.block_forward(p, x, i, step)
+            x, cache = self.block_forward(p, x, i, step, where)
             stored = self._stored(cache)
             self.memory.hold("activations", f"block{i}", self._bytes(stored))
             blocks.append(stored)
@@ -275,34 +292,50 @@ class GPT:
         sum_e = ops.sum(e, -1, partial=True)
         lse = ops.log_sum_exp(m, sum_e, logits.dtype)
         picked = ops.gather_last(logits, targets)
-        tokens = bsz * s
-        loss = ops.scale(ops.sum(ops.sub(lse, picked), None), 1.0 / tokens)
+        loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         head = {"ids": ids, "targets": targets, "keep0": keep0, "x_final": x, "xf": xf, "muf": muf, "rf": rf,
-                "e": e, "sum_e": sum_e, "tokens": tokens}
+                "e": e, "sum_e": sum_e}
         self.memory.hold("activations", "head", self._bytes(head))
-        return loss, {"blocks": blocks, "head": head}
+        return loss_sum, {"blocks": blocks, "head": head, "where": where}
 
-    def backward(self, p: dict[str, Any], cache: dict[str, Any], step: int) -> dict[str, Any]:
-        """Gradients of the mean loss, as partial sums over this device's tokens (round with `finish`)."""
+    def tokens(self, where: Slice) -> int:
+        return where.total * self.cfg.seq
+
+    def loss(self, loss_sum: Any, where: Slice) -> Any:
+        """The mean loss over the global batch, from the (all-reduced) partial sum."""
+        return self.ops.scale(self.ops.finalize(loss_sum), 1.0 / self.tokens(where))
+
+    def backward(self, p: dict[str, Any], cache: dict[str, Any], step: int,
+                 on_unit_done: Any = None) -> dict[str, Any]:
+        """Gradients of the global mean loss, as partial sums over these tokens (round with `finish`).
+
+        `on_unit_done(unit, grads)` is called as each unit's gradients are complete, last unit first:
+        "head" (final norm and untied head), then blocks L-1 .. 0 as "block{i}", then "embed".
+        A data-parallel program starts its gradient communication there, overlapped with the rest.
+        """
         ops, cfg = self.ops, self.cfg
-        hc = cache["head"]
+        hc, where = cache["head"], cache["where"]
         grads: dict[str, Any] = {}
+        done = on_unit_done or (lambda unit, g: None)
         probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
-        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / hc["tokens"])
+        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / self.tokens(where))
         head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
         dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
         dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
+        if not cfg.tied_head:
+            grads["head"] = head_grad
+        done("head", {k: grads[k] for k in unit_names(cfg, "head")})
         self.memory.release("activations", "head")
         for i in reversed(range(cfg.layers)):
-            dx = self.block_backward(p, dx, cache["blocks"][i], i, step, grads)
+            dx = self.block_backward(p, dx, cache["blocks"][i], i, step, grads, where)
             self.memory.release("activations", f"block{i}")
+            done(f"block{i}", {k: grads[k] for k in unit_names(cfg, f"block{i}")})
         dx = _drop(ops, dx, hc["keep0"], cfg)
         grads["wpe"] = ops.sum(dx, 0, partial=True)
         grads["wte"] = ops.embedding_backward(hc["ids"], dx, cfg.vocab)
         if cfg.tied_head:
             grads["wte"] = ops.add_partial(grads["wte"], ops.transpose_partial(head_grad))
-        else:
-            grads["head"] = head_grad
+        done("embed", {k: grads[k] for k in unit_names(cfg, "embed")})
         return grads
 
     def finish(self, grads: dict[str, Any]) -> dict[str, Any]:
@@ -318,6 +351,22 @@ class GPT:
             is_mask = getattr(v, "dtype", None) in (np.bool_, "bool") or (isinstance(v, np.ndarray) and v.dtype == bool)
             total += n * (1 if is_mask else self.item)
         return total
+
+
+def units(cfg: GPTConfig) -> list[str]:
+    """The model's parameter units in forward order: "embed", "block0" .. "block{L-1}", "head"."""
+    return ["embed"] + [f"block{i}" for i in range(cfg.layers)] + ["head"]
+
+
+def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
+    """The parameters of a unit, in a fixed order (what a bucket or a ZeRO-3 unit flattens)."""
+    names = list(cfg.parameter_shapes())
+    if unit == "embed":
+        return ["wte", "wpe"]
+    if unit == "head":
+        return ["lnf.g", "lnf.b"] + (["head"] if not cfg.tied_head else [])
+    prefix = f"layers.{unit[len('block'):]}."
+    return [n for n in names if n.startswith(prefix)]
 
 
 def ops_t(ops: Ops, w: Any) -> Any:
@@ -360,7 +409,9 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
     grads: dict[str, Any] = {}
     for step in range(steps):
         ids, targets = batch(cfg, cfg.seed, step, batch_size)
-        loss, cache = model.forward(params, ids, targets, step)
+        where = Slice(0, batch_size)
+        loss_sum, cache = model.forward(params, ids, targets, step, where)
+        loss = model.loss(loss_sum, where)
         model.memory.hold("gradients", "fp32 grads", 4 * psi)
         grads = model.finish(model.backward(params, cache, step))
         params = adam_step(ops, params, grads, state, lr=lr)
@@ -370,5 +421,5 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
             "peak_activation_bytes": model.memory.peak("activations"), "memory": model.memory}
 
 
-__all__ = ["AdamState", "GPT", "GPTConfig", "Partial", "Recompute", "adam_init", "adam_step", "batch",
-           "init_params", "train"]
+__all__ = ["AdamState", "GPT", "GPTConfig", "Partial", "Recompute", "Slice", "adam_init", "adam_step", "batch",
+           "init_params", "train", "unit_names", "units"]
