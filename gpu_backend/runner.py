@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simcluster.model.memory import MemoryLedger
 from simcluster.numerics import limbs as _limbs
 from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
@@ -152,7 +153,8 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         raise ValueError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
     backend = TorchBackend(mesh, rank, device or torch.device("cpu"))
     comm = Comm(backend.issue, rank, mesh.world_size)
-    ctx = Context(rank=rank, mesh=mesh.view(rank), ops=make_ops(mode), comm=comm, streams=_Streams())
+    ctx = Context(rank=rank, mesh=mesh.view(rank), ops=make_ops(mode), comm=comm, streams=_Streams(),
+                  memory=MemoryLedger())
     gen = program(ctx, *args)
     if not hasattr(gen, "send"):
         return gen

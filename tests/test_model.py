@@ -52,6 +52,8 @@ def test_memory_ledger_reports_model_states_by_category():
     mem = out["memory"]
     psi = cfg.parameters
     assert (mem.peak("parameters"), mem.peak("gradients"), mem.peak("optimizer")) == (4 * psi, 4 * psi, 8 * psi)
+    bf16 = train(make_ops("meta"), cfg, steps=1, batch_size=2, precision="bf16")["memory"]
+    assert (bf16.peak("parameters"), bf16.peak("gradients"), bf16.peak("optimizer")) == (2 * psi, 2 * psi, 12 * psi)
     assert mem.current["activations"] == 0  # everything stored for backward was released
     # gradients are held once the forward pass has stored all its activations: that is the peak
     assert mem.peak_total == 16 * psi + mem.peak("activations")

@@ -27,13 +27,15 @@ from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
+from simcluster.model.memory import CATEGORIES
 
-KERNEL, WAIT, COMM = 0, 1, 2
+KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
 
 
 class Stream:
     """One rank's stream: items run in order. Kernel: (KERNEL, name, kind, flops, bytes);
-    wait: (WAIT, stream, index); communication: (COMM, call, op, label)."""
+    wait: (WAIT, stream, index); communication: (COMM, call, op, label);
+    memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
 
     __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
 
@@ -108,6 +110,7 @@ class RankState:
         self.finished = False
         self.result: Any = None
         self.works: list[Work] = []
+        self.held: dict[tuple[str, str], int] = {}
         self.stream(COMPUTE)
 
     def stream(self, name: str) -> Stream:
@@ -120,6 +123,26 @@ class RankState:
         dep = self.streams.get(name)
         if dep is not None and dep.items:
             _add_wait(self.stream(self.current), dep, len(dep.items) - 1)
+
+    # -- memory: ctx.memory -----------------------------------------------------------------------
+    @property
+    def memory(self) -> "RankState":
+        return self
+
+    def hold(self, category: str, name: str, nbytes: int) -> None:
+        """From this point of the current stream, the rank holds `nbytes` more of `category`."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(CATEGORIES)}")
+        if (category, name) in self.held:
+            raise ValueError(f"rank {self.rank} already holds {category} buffer {name!r}")
+        self.held[(category, name)] = int(nbytes)
+        self.stream(self.current).items.append((MEMORY, category, name, int(nbytes)))
+
+    def release(self, category: str, name: str) -> None:
+        nbytes = self.held.pop((category, name), None)
+        if nbytes is None:
+            raise ValueError(f"rank {self.rank} releases {category} buffer {name!r}, which it does not hold")
+        self.stream(self.current).items.append((MEMORY, category, name, -nbytes))
 
     def kernel(self, name: str, flops: float, nbytes: float) -> None:
         kind, label = self.label
@@ -147,7 +170,8 @@ class Interpreter:
         for st, prog in zip(self.ranks, programs):
             st.comm = Comm(self._issuer(st), st.rank, self.mesh.world_size)
             ops = make_ops(self.mode, st.kernel, cost_dtype=self.cost_dtype)
-            ctx = Context(rank=st.rank, mesh=self.mesh.view(st.rank), ops=ops, comm=st.comm, streams=st)
+            ctx = Context(rank=st.rank, mesh=self.mesh.view(st.rank), ops=ops, comm=st.comm, streams=st,
+                          memory=st)
             gen = prog(ctx, *args)
             if not inspect.isgenerator(gen):  # a program with no communication at all
                 st.finished, st.result = True, gen

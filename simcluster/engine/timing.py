@@ -17,9 +17,9 @@ import simpy
 
 from simcluster.engine.errors import DeadlockError
 from simcluster.engine.gcpause import gc_paused
-from simcluster.engine.interpreter import COMM, KERNEL, WAIT, Call, RankState, Stream
+from simcluster.engine.interpreter import COMM, KERNEL, MEMORY, WAIT, Call, RankState, Stream
 from simcluster.engine.network import Network
-from simcluster.engine.trace import Trace, TraceEvent
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import nbytes as tensor_bytes
 from simcluster.program.comm import CommKind
 from simcluster.topology.cluster import Cluster
@@ -38,6 +38,8 @@ class Replay:
         self.finished = 0
         self.runnable: deque[Iterator[Any]] = deque()
         self.route_cache: dict[tuple, tuple[list[tuple[int, list]], dict[int, float]]] = {}
+        self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
+        self.memory_seq = 0
         self.draining = False
 
     def run(self) -> Trace:
@@ -62,7 +64,9 @@ class Replay:
         if self.finished != len(streams):
             self._report_stuck(streams)
         # each stream emits its events in order, so lanes concatenated in order are already sorted
-        return Trace.from_lanes(lanes, lists)
+        trace = Trace.from_lanes(lanes, lists)
+        trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, c, n, b in sorted(self.memory))
+        return trace
 
     def _resume(self, gen: Iterator[Any]) -> None:
         """Make a stream runnable now; run every runnable stream until it waits (FIFO, no recursion).
@@ -91,6 +95,7 @@ class Replay:
         dtype, rank, name = self.cost_dtype, s.rank, s.name
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
+        memory = self.memory
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
@@ -101,6 +106,9 @@ class Replay:
                     d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
                 append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
                 t += d
+            elif tag == MEMORY:
+                memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
+                self.memory_seq += 1
             elif tag == WAIT:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]

@@ -34,6 +34,16 @@ class TraceEvent(NamedTuple):
         return bool(self.group)
 
 
+class MemoryEvent(NamedTuple):
+    """A rank starts (bytes > 0) or stops (bytes < 0) holding a buffer at time `at` (logical dtype)."""
+
+    rank: int
+    at: int
+    category: str
+    name: str
+    bytes: int
+
+
 class Trace:
     """Events sorted by (rank, stream order of first use, start)."""
 
@@ -42,6 +52,32 @@ class Trace:
         order = {lane: i for i, lane in enumerate(self.lanes)}
         keyed = sorted((e.rank, order[(e.rank, e.stream)], e.start, e.end, i, e) for i, e in enumerate(events))
         self.events: tuple[TraceEvent, ...] = tuple(k[-1] for k in keyed)
+
+    memory: tuple[MemoryEvent, ...] = ()
+
+    def memory_peaks(self) -> dict[int, dict[str, int]]:
+        """Per rank: the peak of each category, and "total" (the peak of the sum), in bytes.
+
+        Events at the same instant are applied in stream order; a release and a hold at the same ns
+        are netted before the peak is taken, as an allocator would reuse the memory.
+        """
+        out: dict[int, dict[str, int]] = {}
+        current: dict[int, dict[str, int]] = {}
+        i, events = 0, self.memory
+        while i < len(events):
+            j = i
+            while j < len(events) and events[j][:2] == events[i][:2]:
+                j += 1
+            rank = events[i].rank
+            cur = current.setdefault(rank, {})
+            peaks = out.setdefault(rank, {"total": 0})
+            for e in events[i:j]:
+                cur[e.category] = cur.get(e.category, 0) + e.bytes
+            for c, v in cur.items():
+                peaks[c] = max(peaks.get(c, 0), v)
+            peaks["total"] = max(peaks["total"], sum(cur.values()))
+            i = j
+        return out
 
     @classmethod
     def from_lanes(cls, lanes: list[tuple[int, str]], events: list[list[TraceEvent]]) -> "Trace":

@@ -268,23 +268,18 @@ class GPT:
     def head_weight(self, p: dict[str, Any]) -> Any:
         return ops_t(self.ops, p["wte"]) if self.cfg.tied_head else p["head"]
 
-    def forward(self, p: dict[str, Any], ids: Any, targets: Any, step: int,
-                where: Slice | None = None) -> tuple[Any, dict[str, Any]]:
-        """The loss's partial sum over these tokens (divide by the global token count with `loss`),
-        and everything backward needs."""
+    # -- units: what ZeRO-3 gathers one at a time ----------------------------------------------
+    def embed_forward(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> tuple[Any, dict[str, Any]]:
         ops, cfg = self.ops, self.cfg
         bsz, s = ids.shape
-        where = where or Slice(0, bsz)
         pos = np.broadcast_to(np.arange(s), (bsz, s))
         x = ops.add(ops.embedding(ids, p["wte"]), ops.embedding(pos, p["wpe"]))
         keep0 = _keep(ops, cfg, "embed", tuple(x.shape), step, where)
-        x = _drop(ops, x, keep0, cfg)
-        blocks = []
-        for i in range(cfg.layers):
-            x, cache = self.block_forward(p, x, i, step, where)
-            stored = self._stored(cache)
-            self.memory.hold("activations", f"block{i}", self._bytes(stored))
-            blocks.append(stored)
+        return _drop(ops, x, keep0, cfg), {"ids": ids, "keep0": keep0}
+
+    def head_forward(self, p: dict[str, Any], x: Any, targets: Any) -> tuple[Any, dict[str, Any]]:
+        """The loss's partial sum over these tokens; `p` holds lnf.* and the head weight (wte if tied)."""
+        ops, cfg = self.ops, self.cfg
         xf, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], cfg.eps)
         logits = ops.matmul(xf, self.head_weight(p))  # (b, s, V)
         m = ops.max(logits, -1)
@@ -293,10 +288,49 @@ class GPT:
         lse = ops.log_sum_exp(m, sum_e, logits.dtype)
         picked = ops.gather_last(logits, targets)
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
-        head = {"ids": ids, "targets": targets, "keep0": keep0, "x_final": x, "xf": xf, "muf": muf, "rf": rf,
-                "e": e, "sum_e": sum_e}
-        self.memory.hold("activations", "head", self._bytes(head))
-        return loss_sum, {"blocks": blocks, "head": head, "where": where}
+        return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e}
+
+    def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice) -> tuple[Any, dict[str, Any]]:
+        """dx into the last block, and the head unit's gradients; with a tied head, "wte" holds the
+        head's share of the embedding gradient (the embed unit adds its own)."""
+        ops, cfg = self.ops, self.cfg
+        grads: dict[str, Any] = {}
+        probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
+        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / self.tokens(where))
+        head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
+        dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
+        dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
+        if cfg.tied_head:
+            grads["wte"] = ops.transpose_partial(head_grad)
+        else:
+            grads["head"] = head_grad
+        return dx, grads
+
+    def embed_backward(self, ec: dict[str, Any], dx: Any, head_wte: Any = None) -> dict[str, Any]:
+        ops, cfg = self.ops, self.cfg
+        dx = _drop(ops, dx, ec["keep0"], cfg)
+        grads = {"wpe": ops.sum(dx, 0, partial=True), "wte": ops.embedding_backward(ec["ids"], dx, cfg.vocab)}
+        if head_wte is not None:
+            grads["wte"] = ops.add_partial(grads["wte"], head_wte)
+        return {"wte": grads["wte"], "wpe": grads["wpe"]}
+
+    # -- the whole model -------------------------------------------------------------------------
+    def forward(self, p: dict[str, Any], ids: Any, targets: Any, step: int,
+                where: Slice | None = None) -> tuple[Any, dict[str, Any]]:
+        """The loss's partial sum over these tokens (divide by the global token count with `loss`),
+        and everything backward needs."""
+        where = where or Slice(0, ids.shape[0])
+        x, ec = self.embed_forward(p, ids, step, where)
+        self.memory.hold("activations", "embed", self._bytes(ec))
+        blocks = []
+        for i in range(self.cfg.layers):
+            x, cache = self.block_forward(p, x, i, step, where)
+            stored = self._stored(cache)
+            self.memory.hold("activations", f"block{i}", self._bytes(stored))
+            blocks.append(stored)
+        loss_sum, hc = self.head_forward(p, x, targets)
+        self.memory.hold("activations", "head", self._bytes(hc))
+        return loss_sum, {"embed": ec, "blocks": blocks, "head": hc, "where": where}
 
     def tokens(self, where: Slice) -> int:
         return where.total * self.cfg.seq
@@ -313,29 +347,23 @@ class GPT:
         "head" (final norm and untied head), then blocks L-1 .. 0 as "block{i}", then "embed".
         A data-parallel program starts its gradient communication there, overlapped with the rest.
         """
-        ops, cfg = self.ops, self.cfg
-        hc, where = cache["head"], cache["where"]
-        grads: dict[str, Any] = {}
+        cfg, where = self.cfg, cache["where"]
         done = on_unit_done or (lambda unit, g: None)
-        probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
-        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / self.tokens(where))
-        head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
-        dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
-        dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
-        if not cfg.tied_head:
-            grads["head"] = head_grad
-        done("head", {k: grads[k] for k in unit_names(cfg, "head")})
+        dx, head = self.head_backward(p, cache["head"], where)
+        head_wte = head.pop("wte", None)
+        grads = dict(head)
+        done("head", head)
         self.memory.release("activations", "head")
         for i in reversed(range(cfg.layers)):
-            dx = self.block_backward(p, dx, cache["blocks"][i], i, step, grads, where)
+            block: dict[str, Any] = {}
+            dx = self.block_backward(p, dx, cache["blocks"][i], i, step, block, where)
+            grads |= block
             self.memory.release("activations", f"block{i}")
-            done(f"block{i}", {k: grads[k] for k in unit_names(cfg, f"block{i}")})
-        dx = _drop(ops, dx, hc["keep0"], cfg)
-        grads["wpe"] = ops.sum(dx, 0, partial=True)
-        grads["wte"] = ops.embedding_backward(hc["ids"], dx, cfg.vocab)
-        if cfg.tied_head:
-            grads["wte"] = ops.add_partial(grads["wte"], ops.transpose_partial(head_grad))
-        done("embed", {k: grads[k] for k in unit_names(cfg, "embed")})
+            done(f"block{i}", block)
+        embed = self.embed_backward(cache["embed"], dx, head_wte)
+        grads |= embed
+        self.memory.release("activations", "embed")
+        done("embed", embed)
         return grads
 
     def finish(self, grads: dict[str, Any]) -> dict[str, Any]:
@@ -396,30 +424,64 @@ def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: Ad
     return out
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def model_state_bytes(psi: int, precision: str) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state for Adam (DESIGN.md, Memory).
+
+    fp32: weights are the master copy (4 + 4 + 8 bytes per parameter); bf16 mixed precision: bf16
+    weights and gradients, fp32 master weights and moments (2 + 2 + 12: the ZeRO paper's K = 12).
+    """
+    if precision == "fp32":
+        return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi}
+    if precision == "bf16":
+        return {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi}
+    raise ValueError(f"precision {precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
+
+
+def working_copy(ops: Ops, master: dict[str, Any], precision: str) -> dict[str, Any]:
+    """The weights the model computes with: the fp32 master itself, or its bf16 rounding."""
+    if precision == "fp32":
+        return master
+    return {k: ops.cast(v, "bf16") for k, v in master.items()}
+
+
+def grad_dtype(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "bf16"
+
+
 def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3,
-          params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`steps` AdamW steps on one device: losses, last gradients, final params and optimizer state."""
+          precision: str = "fp32", params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
+
+    Returns the losses, the last step's gradients (in the gradient dtype), the fp32 master weights and
+    Adam moments, and the memory ledger.
+    """
+    model_state_bytes(0, precision)  # validates
     model = GPT(ops, cfg)
-    params = init_params(ops, cfg) if params is None else params
-    state = adam_init(ops, params)
-    psi = cfg.parameters
-    model.memory.hold("parameters", "fp32 weights", 4 * psi)
-    model.memory.hold("optimizer", "adam m, v", 8 * psi)
+    master = init_params(ops, cfg) if params is None else params
+    state = adam_init(ops, master)
+    sizes = model_state_bytes(cfg.parameters, precision)
+    model.memory.hold("parameters", "weights", sizes["parameters"])
+    model.memory.hold("optimizer", "adam", sizes["optimizer"])
     losses = []
     grads: dict[str, Any] = {}
     for step in range(steps):
         ids, targets = batch(cfg, cfg.seed, step, batch_size)
         where = Slice(0, batch_size)
-        loss_sum, cache = model.forward(params, ids, targets, step, where)
+        weights = working_copy(ops, master, precision)
+        loss_sum, cache = model.forward(weights, ids, targets, step, where)
         loss = model.loss(loss_sum, where)
-        model.memory.hold("gradients", "fp32 grads", 4 * psi)
-        grads = model.finish(model.backward(params, cache, step))
-        params = adam_step(ops, params, grads, state, lr=lr)
-        model.memory.release("gradients", "fp32 grads")
+        model.memory.hold("gradients", "grads", sizes["gradients"])
+        partials = model.backward(weights, cache, step)
+        grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision))) for k, v in partials.items()}
+        master = adam_step(ops, master, {k: ops.cast(g, "fp32") for k, g in grads.items()}, state, lr=lr)
+        model.memory.release("gradients", "grads")
         losses.append(loss)
-    return {"loss": losses, "grads": grads, "params": params, "adam_m": state.m, "adam_v": state.v,
+    return {"loss": losses, "grads": grads, "params": master, "adam_m": state.m, "adam_v": state.v,
             "peak_activation_bytes": model.memory.peak("activations"), "memory": model.memory}
 
 
-__all__ = ["AdamState", "GPT", "GPTConfig", "Partial", "Recompute", "Slice", "adam_init", "adam_step", "batch",
-           "init_params", "train", "unit_names", "units"]
+__all__ = ["AdamState", "GPT", "GPTConfig", "PRECISIONS", "Partial", "Recompute", "Slice", "adam_init", "adam_step",
+           "batch", "grad_dtype", "init_params", "model_state_bytes", "train", "unit_names", "units", "working_copy"]

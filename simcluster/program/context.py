@@ -33,13 +33,22 @@ class Streams(Protocol):
     def wait_stream(self, name: str) -> None: ...
 
 
+class Memory(Protocol):
+    """What a rank holds: `hold` from this point of the current stream, `release` later."""
+
+    def hold(self, category: str, name: str, nbytes: int) -> None: ...
+
+    def release(self, category: str, name: str) -> None: ...
+
+
 class Context:
-    def __init__(self, *, rank: int, mesh: MeshView, ops: Ops, comm: Comm, streams: Streams) -> None:
+    def __init__(self, *, rank: int, mesh: MeshView, ops: Ops, comm: Comm, streams: Streams, memory: Memory) -> None:
         self.rank = rank
         self.world_size = mesh.mesh.world_size
         self.mesh = mesh
         self.ops = ops
         self.comm = comm
+        self.memory = memory
         self._streams = streams
 
     @property
