@@ -100,11 +100,12 @@ def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
     return params
 
 
-def batch(cfg: GPTConfig, seed: int, step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and next-token targets, (size, seq) each: a pure function of (seed, step)."""
+def batch(cfg: GPTConfig, seed: int, step: int, size: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and next-token targets, (size, seq) each, of sequences first .. first+size-1 of
+    the step's data: a pure function of (seed, step, sequence index)."""
     from simcluster.numerics import random as _random
 
-    idx = np.arange(size * (cfg.seq + 1), dtype=np.int64).reshape(size, cfg.seq + 1)
+    idx = np.arange(first * (cfg.seq + 1), (first + size) * (cfg.seq + 1), dtype=np.int64).reshape(size, cfg.seq + 1)
     toks = (_random.bits(seed, f"tokens.{step}", idx) % np.uint64(cfg.vocab)).astype(np.int64)
     return toks[:, :-1], toks[:, 1:]
 
@@ -143,6 +144,7 @@ class GPT:
         self.cfg = cfg
         self.memory = memory if memory is not None else MemoryLedger()
         self.item = ITEMSIZE[cfg.dtype]
+        self._mask: Any = None
 
     # -- pieces --------------------------------------------------------------------------------
     def _linear(self, x: Any, w: Any, b: Any) -> Any:
@@ -170,9 +172,11 @@ class GPT:
         return x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
 
     def _allowed(self, s: int) -> Any:
-        if not self.cfg.causal:
+        if not self.cfg.causal or self.ops.mode is Mode.META:  # meta mode needs no mask
             return None
-        return np.tril(np.ones((s, s), dtype=bool))
+        if self._mask is None or self._mask.shape[0] != s:
+            self._mask = np.tril(np.ones((s, s), dtype=bool))
+        return self._mask
 
     def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
         """The two-pass core: e, l, keep and the output (b, a, s, d)."""

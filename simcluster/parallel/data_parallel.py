@@ -51,8 +51,8 @@ class DPConfig:
         """(where, ids, targets) of rank `rank`'s micro-batch j at `step`."""
         b = self.global_batch // (dp * self.micro_batches)
         offset = rank * (self.global_batch // dp) + j * b
-        ids, targets = batch(self.model, self.model.seed, step, self.global_batch)
-        return Slice(offset, self.global_batch), ids[offset:offset + b], targets[offset:offset + b]
+        ids, targets = batch(self.model, self.model.seed, step, b, first=offset)
+        return Slice(offset, self.global_batch), ids, targets
 
 
 def unit_shapes(cfg: GPTConfig, unit: str) -> list[tuple[int, ...]]:

@@ -57,7 +57,8 @@ def ddp(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
 
             with ctx.annotate("backward", f"B{j}"):
                 model.backward(weights, cache, step, unit_done)
-        total = yield ctx.comm.all_reduce(loss_sum, group=dp)
+        with ctx.annotate("forward", "loss"):
+            total = yield ctx.comm.all_reduce(loss_sum, group=dp)
         reduced = yield [buckets[u] for u in units(mcfg)]
         with ctx.annotate("optimizer", f"O{step}"):
             grads = {}

@@ -155,7 +155,8 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                     grad_shard[u] = part if u not in grad_shard else ops.add_partial(grad_shard[u], part)
 
         # 3. the owned chunk's update, then (stages 1, 2) everyone's weights again
-        total = yield ctx.comm.all_reduce(loss_sum, group=dp)
+        with ctx.annotate("forward", "loss"):
+            total = yield ctx.comm.all_reduce(loss_sum, group=dp)
         with ctx.annotate("optimizer", f"O{step}"):
             g_shard = {u: ops.finalize(grad_shard[u]) for u in order}
             master = adam_step(ops, master, {u: ops.cast(g, "fp32") for u, g in g_shard.items()}, state, lr=cfg.lr)
