@@ -89,7 +89,7 @@ def verification(mode: str, expected: dict[str, Any], got: dict[str, Any]) -> di
 def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops: float,
           verdict: dict[str, Any]) -> dict[str, Any]:
     spec = result.cluster.spec
-    steps = scenario.run["steps"] if scenario.run["program"] == "mlp" else 1
+    steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
     makespan = result.trace.end
     peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
     mfu = model_flops / (makespan * 1e-9 * result.mesh.world_size * peak) if makespan else 0.0
@@ -105,6 +105,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops
         "mfu": round(mfu, 6),
         "busy_ns": busy(result.trace),
         "communication": communication(result.trace),
+        "memory_peak_bytes": {str(r): v for r, v in sorted(result.trace.memory_peaks().items())},
         "trace_events": len(result.trace),
         "verification": verdict,
     }

@@ -7,7 +7,12 @@ from typing import Any
 
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
+from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.collectives_demo import collectives_demo
+from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import assemble as assemble_dp
+from simcluster.parallel.ddp import ddp
+from simcluster.parallel.zero import zero
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.scenario import Scenario, ScenarioError
@@ -36,15 +41,55 @@ def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
     return cfg, cfg.parameters, 6.0 * cfg.parameters * cfg.tokens * cfg.steps
 
 
+def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
+    for axis in ("pp", "cp", "tp"):
+        if sc.parallel[axis] != 1:
+            raise ScenarioError(f"run.program = 'gpt' is data parallel only so far; parallel.{axis}="
+                                f"{sc.parallel[axis]} needs a program that has that axis (try run.program = 'mlp' "
+                                f"for tensor parallelism)")
+    m, p, r = sc.model, sc.parallel, sc.run
+    dp = mesh.sizes["dp"]
+    micro = m["micro_batch"]
+    try:
+        model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
+                          seq=m["seq"], vocab=m["vocab"], causal=m["causal"], tied_head=m["tied_head"],
+                          dropout=m["dropout"], seed=r["seed"], recompute=p["recompute"], dtype=m["dtype"])
+        per_rank, rest = divmod(m["global_batch"], dp)
+        if rest:
+            raise ValueError(f"model.global_batch={m['global_batch']} must be divisible by parallel.dp={dp}")
+        if micro is not None and per_rank % micro:
+            raise ValueError(f"model.micro_batch={micro} must divide each rank's {per_rank} sequences "
+                             f"(global_batch {m['global_batch']} / dp {dp})")
+        cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
+                       steps=r["steps"], lr=r["lr"], precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
+        cfg.check(dp)
+    except ValueError as exc:
+        raise ScenarioError(str(exc)) from None
+    return cfg
+
+
 def run_scenario(sc: Scenario) -> Outcome:
     spec = sc.cluster_spec()
-    mesh = DeviceMesh(**sc.parallel)
+    mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
     mode, dtype = sc.run["numerics"], sc.model["dtype"]
-    if sc.run["program"] == "mlp":
+    if sc.run["program"] == "gpt":
+        cfg = _gpt(sc, mesh)
+        program = ddp if cfg.zero == 0 else zero
+        result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+        parameters = cfg.model.parameters
+        model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps
+        if not sc.run["verify"]:
+            verdict: dict[str, Any] = {"mode": mode, "status": "not requested (run.verify = false)"}
+        elif mode == "meta":
+            verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
+        else:
+            got = assemble_dp(result.results, [mesh.coords(r) for r in range(mesh.world_size)], cfg)
+            verdict = _report.verification(mode, reference(cfg, mode), got)
+    elif sc.run["program"] == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
         result = simulate(train_mlp, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
         if not sc.run["verify"]:
-            verdict: dict[str, Any] = {"mode": mode, "status": "not requested (run.verify = false)"}
+            verdict = {"mode": mode, "status": "not requested (run.verify = false)"}
         elif mode == "meta":
             verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
         else:

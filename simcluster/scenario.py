@@ -32,12 +32,20 @@ _CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("pr
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
+        "layers": Key(int, 2, "transformer blocks", minimum=1),
         "hidden": Key(int, 64, "hidden size h", minimum=1),
+        "heads": Key(int, 4, "attention heads (must divide hidden)", minimum=1),
         "ffn_hidden": Key(int, 256, "MLP inner size", minimum=1),
-        "seq": Key(int, 16, "sequence length s", minimum=1),
+        "seq": Key(int, 32, "sequence length s", minimum=1),
+        "vocab": Key(int, 128, "vocabulary size", minimum=2),
         "global_batch": Key(int, 8, "sequences per step, over all data-parallel ranks", minimum=1),
-        "dtype": Key(str, "bf16", "working dtype that kernels and communication are timed in",
-                     choices=("bf16", "fp16", "fp32")),
+        "micro_batch": Key(int, None, "sequences per micro-batch on a rank (default: its whole share, no accumulation)",
+                           minimum=1),
+        "dtype": Key(str, "bf16", "bf16: mixed precision (bf16 weights and gradients, fp32 master and Adam); "
+                     "fp32: everything fp32. Kernels and communication are timed in it", choices=("bf16", "fp32")),
+        "causal": Key(bool, True, "causal attention"),
+        "tied_head": Key(bool, True, "LM head tied to the token embedding"),
+        "dropout": Key(float, 0.0, "dropout probability", minimum=0),
     },
     "cluster": {
         "preset": Key(str, "dgx-a100", "hardware preset", choices=tuple(sorted(PRESETS))),
@@ -47,19 +55,23 @@ SCHEMA: dict[str, dict[str, Key]] = {
            for name, f in _CLUSTER_FIGURES.items()},
     },
     "parallel": {
-        "dp": Key(int, 2, "data-parallel degree", minimum=1),
+        "dp": Key(int, 8, "data-parallel degree", minimum=1),
         "pp": Key(int, 1, "pipeline-parallel degree", minimum=1),
         "cp": Key(int, 1, "context-parallel degree", minimum=1),
-        "tp": Key(int, 4, "tensor-parallel degree", minimum=1),
+        "tp": Key(int, 1, "tensor-parallel degree", minimum=1),
+        "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP)", choices=(0, 1, 2, 3)),
+        "prefetch": Key(bool, True, "ZeRO-3: gather the next unit's weights while this one computes"),
+        "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
     },
     "run": {
-        "program": Key(str, "mlp", "what to run", choices=("mlp", "collectives")),
+        "program": Key(str, "gpt", "what to run: gpt (the GPT model, data parallel: DDP or ZeRO), mlp (a TP x DP "
+                       "two-layer MLP), collectives (every primitive)", choices=("gpt", "mlp", "collectives")),
         "steps": Key(int, 3, "training steps", minimum=1),
         "numerics": Key(str, "exact", "exact (bit-exact), fast (BLAS) or meta (shapes only)",
                         choices=("exact", "fast", "meta")),
         "verify": Key(bool, True, "compare every output with a single-device run"),
         "seed": Key(int, 0, "seed of weights and data", minimum=0),
-        "lr": Key(float, 0.05, "learning rate", minimum=0),
+        "lr": Key(float, 1e-3, "learning rate (AdamW for gpt, SGD for mlp)", minimum=0),
     },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}

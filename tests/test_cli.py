@@ -17,13 +17,25 @@ def test_default_run_prints_report_timeline_and_passes(capsys):
 
 
 def test_json_report_has_the_contract_fields(capsys):
-    assert main(["run", "--json", "--set", "parallel.dp=4", "--set", "parallel.tp=2"]) == 0
+    assert main(["run", "--json", "--set", "run.program=mlp", "--set", "parallel.dp=4", "--set", "parallel.tp=2",
+                 "--set", "model.seq=16", "--set", "run.lr=0.05"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["world_size"] == 8 and rep["mesh"] == {"dp": 4, "pp": 1, "cp": 1, "tp": 2}
     assert rep["verification"]["bit_exact"] is True and rep["verification"]["outputs_compared"] == 8
     assert rep["step_time_ns"] > 0 and 0 < rep["mfu"] < 1
     assert {(c["group"], c["collective"]) for c in rep["communication"]} == {("dp", "all_reduce"), ("tp", "all_reduce")}
     assert set(rep["busy_ns"]) == {str(r) for r in range(8)}
+
+
+def test_default_gpt_report_has_memory_and_zero3_traffic(capsys):
+    assert main(["run", "--json", "--set", "run.steps=1"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["scenario"]["run"]["program"] == "gpt" and rep["scenario"]["parallel"]["zero"] == 3
+    assert rep["verification"]["bit_exact"] is True
+    collectives = {c["collective"] for c in rep["communication"]}
+    assert {"all_gather", "reduce_scatter"} <= collectives
+    peaks = rep["memory_peak_bytes"]["0"]
+    assert {"parameters", "gradients", "optimizer", "activations", "total"} <= set(peaks)
 
 
 def test_json_is_deterministic(capsys):
@@ -35,8 +47,9 @@ def test_json_is_deterministic(capsys):
 
 def test_scenario_file_and_meta_mode(tmp_path, capsys):
     f = tmp_path / "big.toml"
-    f.write_text('description = "meta at scale"\n[model]\nhidden = 4096\nffn_hidden = 16384\nseq = 2048\n'
-                 'global_batch = 8\n[cluster]\nnodes = 2\n[parallel]\ndp = 2\ntp = 8\n[run]\nnumerics = "meta"\n')
+    f.write_text('description = "meta at scale"\n[model]\nlayers = 4\nhidden = 4096\nheads = 32\nffn_hidden = 16384\n'
+                 'seq = 2048\nvocab = 50304\nglobal_batch = 32\n[cluster]\nnodes = 2\n[parallel]\ndp = 16\n'
+                 '[run]\nnumerics = "meta"\n')
     assert main(["run", str(f), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["scenario"]["name"] == "big" and rep["world_size"] == 16
@@ -47,10 +60,14 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["run", "--set", "paralel.tp=2"], "unknown key 'paralel.tp' (did you mean 'parallel.tp'?)"),
     (["run", "--set", "parallel.tp=two"], "parallel.tp must be int, got str 'two'"),
     (["run", "nope.toml"], "scenario file 'nope.toml' not found"),
-    (["run", "--set", "parallel.tp=2"], "= 4 ranks, but the cluster has"),
+    (["run", "--set", "parallel.dp=4"], "= 4 ranks, but the cluster has"),
     (["run", "--set", "run.numerics=slow"], "run.numerics = 'slow' is not valid; valid: exact, fast, meta"),
-    (["run", "--set", "parallel.tp=3", "--set", "parallel.dp=1", "--set", "cluster.gpus_per_node=3",
-      "--set", "model.ffn_hidden=256"], "tp=3 must divide ffn_hidden=256"),
+    (["run", "--set", "run.program=mlp", "--set", "parallel.tp=3", "--set", "parallel.dp=1",
+      "--set", "cluster.gpus_per_node=3", "--set", "model.ffn_hidden=256"], "tp=3 must divide ffn_hidden=256"),
+    (["run", "--set", "parallel.tp=2", "--set", "parallel.dp=4"], "run.program = 'gpt' is data parallel only so far"),
+    (["run", "--set", "parallel.zero=4"], "parallel.zero = 4 is not valid; valid: 0, 1, 2, 3"),
+    (["run", "--set", "model.global_batch=12"], "model.global_batch=12 must be divisible by parallel.dp=8"),
+    (["run", "--set", "model.heads=3"], "heads=3 must divide hidden=64; valid: 1, 2, 4, 8, 16, 32, 64"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     proc = subprocess.run([sys.executable, "-m", "simcluster.cli", *args], capture_output=True, text=True)

@@ -60,6 +60,18 @@ class ReportView:
             t.add_row(s, format_ns(v), f"{100 * v / total:.0f} %")
         return t
 
+    def _memory(self) -> Table | None:
+        peaks = self.report.get("memory_peak_bytes") or {}
+        if not peaks:
+            return None
+        t = Table(title="peak memory per rank (largest rank)", title_justify="left")
+        t.add_column("category")
+        t.add_column("peak", justify="right")
+        categories = sorted({c for v in peaks.values() for c in v if c != "total"})
+        for c in categories + ["total"]:
+            t.add_row(c, _bytes(max(v.get(c, 0) for v in peaks.values())))
+        return t
+
     def _verdict(self) -> Table:
         v = self.report["verification"]
         t = Table(title="verification", show_header=False, title_justify="left")
@@ -72,7 +84,11 @@ class ReportView:
         word = "bit-exact" if v.get("bit_exact") else ("within tolerance" if ok else "MISMATCH")
         t.add_row("verdict", f"[{'green' if ok else 'bold red'}]{'PASS' if ok else 'FAIL'}[/]: {word} "
                   f"against {v['reference']}")
-        t.add_row("outputs compared", f"{v['outputs_compared']} ({', '.join(v['outputs'])})")
+        kinds: dict[str, int] = {}
+        for name in v["outputs"]:
+            kind = name.split("[")[0].split(".")[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        t.add_row("outputs compared", f"{v['outputs_compared']}: " + ", ".join(f"{k} x{n}" for k, n in kinds.items()))
         if "max_relative_error" in v:
             t.add_row("max relative error", f"{v['max_relative_error']:.3g}")
         for m in v["mismatches"]:
@@ -80,7 +96,8 @@ class ReportView:
         return t
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield Group(self._summary(), self._busy(), self._comm(), self._verdict())
+        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict()]
+        yield Group(*[p for p in parts if p is not None])
 
 
 def plain(renderable: Any, width: int = 120) -> str:
