@@ -41,8 +41,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "global_batch": Key(int, 8, "sequences per step, over all data-parallel ranks", minimum=1),
         "micro_batch": Key(int, None, "sequences per micro-batch on a rank (default: its whole share, no accumulation)",
                            minimum=1),
-        "dtype": Key(str, "bf16", "bf16: mixed precision (bf16 weights and gradients, fp32 master and Adam); "
-                     "fp32: everything fp32. Kernels and communication are timed in it", choices=("bf16", "fp32")),
+        "dtype": Key(str, "bf16", "bf16 or fp16: mixed precision (16-bit weights and gradients, fp32 master and "
+                     "Adam; fp16 with a static loss scale of 4096); fp32: everything fp32. Kernels and "
+                     "communication are timed in it", choices=("bf16", "fp16", "fp32")),
         "causal": Key(bool, True, "causal attention"),
         "tied_head": Key(bool, True, "LM head tied to the token embedding"),
         "dropout": Key(float, 0.0, "dropout probability", minimum=0),

@@ -25,7 +25,8 @@ def run_dp(cfg, dp, program=None, mode="exact"):
 @settings(max_examples=20)
 @given(dp=st.sampled_from([1, 2, 3, 4, 5, 6]), micro=st.sampled_from([1, 2]), stage=st.sampled_from([0, 1, 2, 3]),
        layers=st.integers(1, 2), heads=st.sampled_from([1, 2]), tied=st.booleans(),
-       precision=st.sampled_from(["fp32", "bf16"]), dropout=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 99))
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), dropout=st.sampled_from([0.0, 0.1]),
+       seed=st.integers(0, 99))
 def test_bit_exact_against_one_device(dp, micro, stage, layers, heads, tied, precision, dropout, seed):
     model = GPTConfig(layers=layers, hidden=4 * heads, heads=heads, ffn_hidden=12, seq=4, vocab=10,
                       tied_head=tied, dropout=dropout, seed=seed)
@@ -97,7 +98,7 @@ def test_a_skipped_gradient_bucket_is_caught():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(global_batch=5), "global batch 5 must be divisible by dp=2 x micro-batches=1; dp degrees that divide it: 1, 5"),
     (dict(zero=4), "zero stage 4 does not exist; valid stages: 0 (DDP), 1, 2, 3"),
-    (dict(precision="fp8"), "precision 'fp8' is not valid; valid: fp32, bf16"),
+    (dict(precision="fp8"), "precision 'fp8' is not valid; valid: fp32, bf16, fp16"),
     (dict(micro_batches=0), "micro_batches must be a positive integer, got 0"),
 ])
 def test_bad_configurations_give_clear_errors(kwargs, message):

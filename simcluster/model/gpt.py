@@ -294,13 +294,15 @@ class GPT:
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e}
 
-    def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice) -> tuple[Any, dict[str, Any]]:
+    def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice,
+                      loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
         """dx into the last block, and the head unit's gradients; with a tied head, "wte" holds the
         head's share of the embedding gradient (the embed unit adds its own)."""
         ops, cfg = self.ops, self.cfg
         grads: dict[str, Any] = {}
         probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
-        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)), 1.0 / self.tokens(where))
+        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)),
+                            loss_scale / self.tokens(where))
         head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
         dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
         dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
@@ -344,7 +346,7 @@ class GPT:
         return self.ops.scale(self.ops.finalize(loss_sum), 1.0 / self.tokens(where))
 
     def backward(self, p: dict[str, Any], cache: dict[str, Any], step: int,
-                 on_unit_done: Any = None) -> dict[str, Any]:
+                 on_unit_done: Any = None, loss_scale: float = 1.0) -> dict[str, Any]:
         """Gradients of the global mean loss, as partial sums over these tokens (round with `finish`).
 
         `on_unit_done(unit, grads)` is called as each unit's gradients are complete, last unit first:
@@ -353,7 +355,7 @@ class GPT:
         """
         cfg, where = self.cfg, cache["where"]
         done = on_unit_done or (lambda unit, g: None)
-        dx, head = self.head_backward(p, cache["head"], where)
+        dx, head = self.head_backward(p, cache["head"], where, loss_scale)
         head_wte = head.pop("wte", None)
         grads = dict(head)
         done("head", head)
@@ -428,38 +430,49 @@ def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: Ad
     return out
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# fp16 gradients underflow without loss scaling; a power of two keeps scaling and unscaling exact
+LOSS_SCALE = {"fp32": 1.0, "bf16": 1.0, "fp16": 4096.0}
 
 
 def model_state_bytes(psi: int, precision: str) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state for Adam (DESIGN.md, Memory).
 
-    fp32: weights are the master copy (4 + 4 + 8 bytes per parameter); bf16 mixed precision: bf16
-    weights and gradients, fp32 master weights and moments (2 + 2 + 12: the ZeRO paper's K = 12).
+    fp32: weights are the master copy (4 + 4 + 8 bytes per parameter); bf16 or fp16 mixed precision:
+    16-bit weights and gradients, fp32 master weights and moments (2 + 2 + 12: the ZeRO paper's K = 12).
     """
     if precision == "fp32":
         return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi}
-    if precision == "bf16":
+    if precision in ("bf16", "fp16"):
         return {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi}
     raise ValueError(f"precision {precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
 
 
 def working_copy(ops: Ops, master: dict[str, Any], precision: str) -> dict[str, Any]:
-    """The weights the model computes with: the fp32 master itself, or its bf16 rounding."""
+    """The weights the model computes with: the fp32 master itself, or its 16-bit rounding."""
     if precision == "fp32":
         return master
-    return {k: ops.cast(v, "bf16") for k, v in master.items()}
+    return {k: ops.cast(v, precision) for k, v in master.items()}
 
 
 def grad_dtype(precision: str) -> str:
-    return "fp32" if precision == "fp32" else "bf16"
+    return precision
+
+
+def unscale(ops: Ops, grads: dict[str, Any], precision: str) -> dict[str, Any]:
+    """16-bit gradients to fp32 for the optimizer, divided by the loss scale (exactly: a power of two)."""
+    out = {k: ops.cast(g, "fp32") for k, g in grads.items()}
+    if LOSS_SCALE[precision] != 1.0:
+        out = {k: ops.scale(g, 1.0 / LOSS_SCALE[precision]) for k, g in out.items()}
+    return out
 
 
 def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3,
           precision: str = "fp32", params: dict[str, Any] | None = None) -> dict[str, Any]:
     """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
 
-    Returns the losses, the last step's gradients (in the gradient dtype), the fp32 master weights and
+    Returns the losses, the last step's gradients (in the gradient dtype, times the loss scale), the
+    fp32 master weights and
     Adam moments, and the memory ledger.
     """
     model_state_bytes(0, precision)  # validates
@@ -478,9 +491,9 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
         loss_sum, cache = model.forward(weights, ids, targets, step, where)
         loss = model.loss(loss_sum, where)
         model.memory.hold("gradients", "grads", sizes["gradients"])
-        partials = model.backward(weights, cache, step)
+        partials = model.backward(weights, cache, step, loss_scale=LOSS_SCALE[precision])
         grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision))) for k, v in partials.items()}
-        master = adam_step(ops, master, {k: ops.cast(g, "fp32") for k, g in grads.items()}, state, lr=lr)
+        master = adam_step(ops, master, unscale(ops, grads, precision), state, lr=lr)
         model.memory.release("gradients", "grads")
         losses.append(loss)
     return {"loss": losses, "grads": grads, "params": master, "adam_m": state.m, "adam_v": state.v,
@@ -488,4 +501,5 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
 
 
 __all__ = ["AdamState", "GPT", "GPTConfig", "PRECISIONS", "Partial", "Recompute", "Slice", "adam_init", "adam_step",
-           "batch", "grad_dtype", "init_params", "model_state_bytes", "train", "unit_names", "units", "working_copy"]
+           "LOSS_SCALE", "batch", "grad_dtype", "init_params", "model_state_bytes", "train", "unit_names", "units",
+           "unscale", "working_copy"]

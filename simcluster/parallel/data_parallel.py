@@ -27,7 +27,7 @@ class DPConfig:
     micro_batches: int = 1  # per rank and step (gradient accumulation)
     steps: int = 3
     lr: float = 1e-3
-    precision: str = "fp32"  # "fp32", or "bf16": bf16 weights and gradients, fp32 master and Adam moments
+    precision: str = "fp32"  # "fp32"; "bf16" or "fp16": 16-bit weights and gradients, fp32 master and moments
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
-from simcluster.model.gpt import GPT, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
-from simcluster.model.gpt import unit_names, units, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
+from simcluster.model.gpt import unit_names, units, unscale, working_copy
 from simcluster.parallel.data_parallel import DPConfig, unit_shapes
 from simcluster.program.context import Context
 
@@ -56,7 +56,7 @@ def ddp(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                     buckets[unit] = ctx.comm.all_reduce(bucket, group=dp, async_op=True)
 
             with ctx.annotate("backward", f"B{j}"):
-                model.backward(weights, cache, step, unit_done)
+                model.backward(weights, cache, step, unit_done, LOSS_SCALE[cfg.precision])
         with ctx.annotate("forward", "loss"):
             total = yield ctx.comm.all_reduce(loss_sum, group=dp)
         reduced = yield [buckets[u] for u in units(mcfg)]
@@ -65,7 +65,7 @@ def ddp(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
             for unit, flat in zip(units(mcfg), reduced):
                 for name, g in zip(unit_names(mcfg, unit), ops.unflat(flat, unit_shapes(mcfg, unit))):
                     grads[name] = ops.finalize(g)
-            master = adam_step(ops, master, {k: ops.cast(g, "fp32") for k, g in grads.items()}, state, lr=cfg.lr)
+            master = adam_step(ops, master, unscale(ops, grads, cfg.precision), state, lr=cfg.lr)
         ctx.memory.release("gradients", "grads")
         losses.append(model.loss(total, where))
     return {"loss": losses, "params": master, "grads": grads, "adam_m": state.m, "adam_v": state.v}

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
-from simcluster.model.gpt import GPT, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
-from simcluster.model.gpt import unit_names, units, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
+from simcluster.model.gpt import unit_names, units, unscale, working_copy
 from simcluster.parallel.data_parallel import DPConfig, unit_shapes
 from simcluster.program.context import Context
 
@@ -42,7 +42,7 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
     init = init_params(ops, mcfg)
     master = {u: ops.chunk(ops.pad(ops.flat([init[k] for k in names[u]]), n), n, d) for u in order}  # fp32
     state = adam_init(ops, master)
-    shard = {u: ops.cast(master[u], "fp32" if cfg.precision == "fp32" else "bf16") for u in order}  # working
+    shard = {u: ops.cast(master[u], cfg.precision) for u in order}  # the working weights' chunk
     weights = None if stage == 3 else working_copy(ops, init, cfg.precision)
 
     psi, owned = mcfg.parameters, sum(master[u].shape[0] for u in order)
@@ -135,7 +135,7 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                 got = None
                 with ctx.annotate("backward", f"B{j}:{u}"):
                     if u == "head":
-                        dx, g = model.head_backward(p, caches[u], where)
+                        dx, g = model.head_backward(p, caches[u], where, LOSS_SCALE[cfg.precision])
                         head_wte = g.pop("wte", None)
                     elif u == "embed":
                         g = model.embed_backward(caches[u], dx, head_wte)
@@ -159,8 +159,8 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
             total = yield ctx.comm.all_reduce(loss_sum, group=dp)
         with ctx.annotate("optimizer", f"O{step}"):
             g_shard = {u: ops.finalize(grad_shard[u]) for u in order}
-            master = adam_step(ops, master, {u: ops.cast(g, "fp32") for u, g in g_shard.items()}, state, lr=cfg.lr)
-            shard = {u: ops.cast(master[u], "fp32" if cfg.precision == "fp32" else "bf16") for u in order}
+            master = adam_step(ops, master, unscale(ops, g_shard, cfg.precision), state, lr=cfg.lr)
+            shard = {u: ops.cast(master[u], cfg.precision) for u in order}
         ctx.memory.release("gradients", "grad shards" if stage >= 2 else "grads")
         if stage < 3:
             flats = yield [ctx.comm.all_gather(shard[u], group=dp, async_op=True) for u in order]
