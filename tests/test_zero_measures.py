@@ -105,3 +105,14 @@ def test_zero3_prefetch_overlap_against_the_closed_form(batch_per_rank, comm_bou
     gathers = [e for e in with_prefetch.lane(0, "comm:dp") if e.kind == "all_gather"]
     block0 = [e for e in with_prefetch.lane(0, "compute") if e.name.startswith("F0:block0/")]
     assert gathers[2].start < block0[-1].end and block0[0].start < gathers[2].end
+
+
+def test_ddp_buckets_overlap_the_backward_pass():
+    """Each bucket's all-reduce starts as soon as backward has finished that unit, before backward ends."""
+    model = GPTConfig(layers=4, hidden=512, heads=8, ffn_hidden=2048, seq=128, vocab=1024, tied_head=False)
+    trace = meta_run(model, 8, 0).trace
+    backward = [e for e in trace.lane(0, "compute") if e.kind == "backward"]
+    buckets = [e for e in trace.lane(0, "comm:dp") if e.kind == "all_reduce" and e.name != "loss"]
+    assert len(buckets) == len(units(model))
+    assert sum(1 for b in buckets if b.start < backward[-1].end) >= len(buckets) - 1  # all but the last
+    assert buckets[0].name.startswith("B")  # issued from inside the backward pass
