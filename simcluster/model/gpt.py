@@ -133,7 +133,7 @@ def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int
 def _drop(ops: Ops, x: Any, keep: Any, cfg: GPTConfig) -> Any:
     if keep is None:
         return x
-    return ops.scale(ops.where(keep, x, np.float32(0)), 1.0 / (1.0 - cfg.dropout))
+    return ops.scale(ops.zero_where(keep, x), 1.0 / (1.0 - cfg.dropout))
 
 
 class GPT:
@@ -185,7 +185,7 @@ class GPT:
         e = ops.attention_weights(s, ops.max(s, -1))
         l_sum = ops.sum(e, -1, partial=True)
         keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
-        ek = e if keep is None else ops.where(keep, e, np.float32(0))
+        ek = e if keep is None else ops.zero_where(keep, e)
         o_sum = ops.einsum("bask,bakd->basd", ek, v, partial=True)
         out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - cfg.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
@@ -220,32 +220,41 @@ class GPT:
         return cache
 
     def block_backward(self, p: dict[str, Any], dx2: Any, cache: dict[str, Any], i: int, step: int,
-                       grads: dict[str, Any], where: Slice) -> Any:
+                       grads: dict[str, Any], where: Slice, defer: list | None = None) -> Any:
+        """dx into the block; its gradients go to `grads`. With `defer` (a list), the linear layers'
+        weight and bias gradients are appended there as (name, thunk) instead: the W pass of ZB-H1."""
         ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
+
+        def weight_grad(name: str, thunk: Any) -> None:
+            if defer is None:
+                grads[name] = thunk()
+            else:
+                defer.append((name, thunk))
+
         if cfg.recompute is Recompute.FULL:
             _, cache = self.block_forward(p, cache["x"], i, step, where)
         elif cfg.recompute is Recompute.SELECTIVE:
             cache = cache | self.attention_core(cache["q"], cache["k"], cache["v"], i, step, where)
         c_ = cache
         dz = _drop(ops, dx2, c_["keep_m"], cfg)
-        grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True)
-        grads[pre + "mlp.b_out"] = ops.sum(dz, (0, 1), partial=True)
+        weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True))
+        weight_grad(pre + "mlp.b_out", lambda: ops.sum(dz, (0, 1), partial=True))
         dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"]))
         df = ops.gelu_backward(dg, c_["f"])
-        grads[pre + "mlp.w_fc"] = ops.einsum("bsh,bsf->hf", c_["c"], df, partial=True)
-        grads[pre + "mlp.b_fc"] = ops.sum(df, (0, 1), partial=True)
+        weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c_["c"], df, partial=True))
+        weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
         dc = ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]))
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c_["x1"], p[pre + "ln2.g"], c_["mu2"], c_["r2"])
         dx1 = ops.add(dx2, dx1_ln)
         dy = _drop(ops, dx1, c_["keep_a"], cfg)
-        grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True)
-        grads[pre + "attn.b_proj"] = ops.sum(dy, (0, 1), partial=True)
+        weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True))
+        weight_grad(pre + "attn.b_proj", lambda: ops.sum(dy, (0, 1), partial=True))
         dout = self._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a, s, d)
         dq, dk, dv = self.attention_backward(dout, c_)
         dqkv = ops.concat([self._merge(dq), self._merge(dk), self._merge(dv)], -1)  # (b, s, 3h)
-        grads[pre + "attn.w_qkv"] = ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True)
-        grads[pre + "attn.b_qkv"] = ops.sum(dqkv, (0, 1), partial=True)
+        weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True))
+        weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
         da = ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]))
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c_["x"], p[pre + "ln1.g"], c_["mu1"], c_["r1"])
@@ -256,11 +265,11 @@ class GPT:
         ops, cfg = self.ops, self.cfg
         scale = 1.0 / np.sqrt(cfg.head_dim)
         probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
-        pd = probs if c_["keep"] is None else ops.scale(ops.where(c_["keep"], probs, np.float32(0)),
+        pd = probs if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], probs),
                                                         1.0 / (1.0 - cfg.dropout))
         dv = ops.einsum("bask,basd->bakd", pd, dout)
         dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
-        dp = dpd if c_["keep"] is None else ops.scale(ops.where(c_["keep"], dpd, np.float32(0)),
+        dp = dpd if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], dpd),
                                                       1.0 / (1.0 - cfg.dropout))
         delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
         ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
@@ -295,7 +304,7 @@ class GPT:
         return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e}
 
     def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice,
-                      loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+                      loss_scale: float = 1.0, defer: list | None = None) -> tuple[Any, dict[str, Any]]:
         """dx into the last block, and the head unit's gradients; with a tied head, "wte" holds the
         head's share of the embedding gradient (the embed unit adds its own)."""
         ops, cfg = self.ops, self.cfg
@@ -303,13 +312,15 @@ class GPT:
         probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
         dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)),
                             loss_scale / self.tokens(where))
-        head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
         dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
         dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
+        head_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V)
         if cfg.tied_head:
-            grads["wte"] = ops.transpose_partial(head_grad)
+            grads["wte"] = ops.transpose_partial(head_grad())
+        elif defer is not None:
+            defer.append(("head", head_grad))
         else:
-            grads["head"] = head_grad
+            grads["head"] = head_grad()
         return dx, grads
 
     def embed_backward(self, ec: dict[str, Any], dx: Any, head_wte: Any = None) -> dict[str, Any]:

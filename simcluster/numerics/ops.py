@@ -265,6 +265,13 @@ class Ops:
             return MetaTensor(shape, getattr(a, "dtype", "fp32") if not np.isscalar(a) else getattr(b, "dtype", "fp32"))
         return np.where(mask, a, b)
 
+    def zero_where(self, keep: Any, x: Any) -> Any:
+        """x where `keep`, else zero of x's dtype (a dropout mask applied)."""
+        self._cost("mask", tuple(x.shape), 1, 2)
+        if self.mode is Mode.META:
+            return self._meta_like(x)
+        return np.where(keep, x, x.dtype.type(0))
+
     def div(self, a: Any, b: Any) -> Any:
         self._elementwise_cost("div", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
         return self._binary(np.divide, a, b)
