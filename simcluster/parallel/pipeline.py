@@ -271,3 +271,62 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]]) -> dic
                     if np.asarray(other).tobytes() != np.asarray(value).tobytes():
                         out[f"{kind}.{name}@dp{d}"] = other
     return out
+
+
+@dataclass(frozen=True)
+class UniformPipeline:
+    """A pipeline of identical stages, for the schedules' closed forms and pictures: every stage's
+    forward takes t_f ns per micro-batch, its input-gradient backward t_b, its weight gradient t_w
+    (split into a W pass by ZB-H1, part of B otherwise); with v chunks per stage each takes 1/v of
+    that. Messages carry no bytes, so communication costs only what the cluster's latency says."""
+
+    micro_batches: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual: int = 1
+    t_f: int = 1000
+    t_b: int = 1000
+    t_w: int = 1000
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+
+
+class UniformStage:
+    def __init__(self, ctx: Context, cfg: UniformPipeline, chunks: int, split_w: bool) -> None:
+        self.ops, self.cfg, self.split_w = ctx.ops, cfg, split_w
+        self.chunks = chunks
+        self.rate = 1.0  # FLOP per ns: the run's cluster is set to 1 TFLOP/s at full efficiency
+
+    def _kernel(self, name: str, ns: int) -> None:
+        self.ops.kernel(name, flops=ns / self.cfg.virtual * 1e3, nbytes=0)
+
+    def message(self) -> Any:
+        return MetaTensor((0,), "bf16")
+
+    def forward(self, j: int, g: int, x: Any) -> Any:
+        self._kernel("F", self.cfg.t_f)
+        return None if g == self.chunks - 1 else self.message()
+
+    def backward(self, j: int, g: int, dy: Any) -> Any:
+        self._kernel("B", self.cfg.t_b if self.split_w else self.cfg.t_b + self.cfg.t_w)
+        return None if g == 0 else self.message()
+
+    def weight(self, j: int, g: int) -> None:
+        self._kernel("W", self.cfg.t_w)
+
+
+def uniform_cluster(stages: int, **overrides: Any) -> Any:
+    """One node of `stages` GPUs at 1 TFLOP/s, no kernel overhead, no latency: times are exactly t_*."""
+    from simcluster.topology.presets import preset
+
+    return preset("dgx-a100", gpus_per_node=stages, peak_tflops=1.0, peak_tflops_fp32=1.0, compute_efficiency=1.0,
+                  kernel_overhead_ns=0, nvlink_latency_ns=0, **overrides)
+
+
+def pipeline_uniform(ctx: Context, cfg: UniformPipeline) -> Generator[Any, Any, None]:
+    pp = ctx.mesh.pp
+    shape = PipelineShape(pp.size, cfg.micro_batches, cfg.virtual)
+    check(cfg.schedule, shape, layers=shape.chunks)
+    passes = build(cfg.schedule, shape)[ctx.mesh.coord("pp")]
+    work = UniformStage(ctx, cfg, shape.chunks, splits_weight_gradient(cfg.schedule))
+    yield from execute(ctx, passes, work, shape.chunks, pp)

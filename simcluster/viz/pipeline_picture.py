@@ -1,0 +1,52 @@
+"""The familiar pipeline picture: one row per stage, one cell per time unit, numbered passes.
+
+    stage 0: F0 F1 .. .. .. .. B1 B0
+    stage 1: .. F0 F1 .. .. B1 B0 ..
+    stage 2: .. .. F0 F1 B1 B0 .. ..
+
+Read from a trace: a pass is the run of kernels labelled F<j>, B<j> or W<j> on a stage's compute
+stream; the time unit defaults to the shortest pass. Idle cells are dots: the bubbles.
+"""
+
+from __future__ import annotations
+
+import math
+
+from simcluster.engine.trace import Trace
+
+PASS_KINDS = {"forward": "F", "backward": "B", "weight_grad": "W"}
+
+
+def passes(trace: Trace, rank: int) -> list[tuple[str, int, int]]:
+    """(label, start, end) of each pass on the rank's compute stream, in order."""
+    out: list[tuple[str, int, int]] = []
+    for e in trace.lane(rank, "compute"):
+        if e.kind not in PASS_KINDS:
+            continue
+        label = e.name.split("/", 1)[0]
+        if not label or label[0] not in "FBW" or label == "loss":
+            continue
+        if out and out[-1][0] == label and out[-1][2] == e.start:
+            out[-1] = (label, out[-1][1], e.end)
+        else:
+            out.append((label, e.start, e.end))
+    return out
+
+
+def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None) -> str:
+    by_rank = {r: passes(trace, r) for r in ranks}
+    spans = [end - start for ps in by_rank.values() for _, start, end in ps]
+    if not spans:
+        return "(no passes in this trace)"
+    unit = unit_ns or min(spans)
+    end = max(e for ps in by_rank.values() for _, _, e in ps)
+    cols = math.ceil(end / unit)
+    width = max(len(label) for ps in by_rank.values() for label, _, _ in ps)
+    lines = []
+    for s, r in enumerate(ranks):
+        cells = ["." * width] * cols
+        for label, start, stop in by_rank[r]:
+            for c in range(start // unit, math.ceil(stop / unit)):
+                cells[c] = label.ljust(width)
+        lines.append(f"stage {s}: " + " ".join(cells))
+    return "\n".join(lines)
