@@ -12,6 +12,9 @@ from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.data_parallel import assemble as assemble_dp
 from simcluster.parallel.ddp import ddp
+from simcluster.parallel.pipeline import PipelineConfig, pipeline
+from simcluster.parallel.pipeline import assemble as assemble_pp
+from simcluster.parallel.pipeline_schedules import check
 from simcluster.parallel.zero import zero
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
@@ -42,11 +45,14 @@ def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
 
 
 def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
-    for axis in ("pp", "cp", "tp"):
+    for axis in ("cp", "tp"):
         if sc.parallel[axis] != 1:
-            raise ScenarioError(f"run.program = 'gpt' is data parallel only so far; parallel.{axis}="
+            raise ScenarioError(f"run.program = 'gpt' runs data and pipeline parallelism so far; parallel.{axis}="
                                 f"{sc.parallel[axis]} needs a program that has that axis (try run.program = 'mlp' "
                                 f"for tensor parallelism)")
+    if sc.parallel["pp"] > 1 and sc.parallel["zero"] != 0:
+        raise ScenarioError(f"pipeline parallelism (parallel.pp={sc.parallel['pp']}) runs with DDP around it: "
+                            f"set parallel.zero = 0")
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
@@ -74,8 +80,22 @@ def run_scenario(sc: Scenario) -> Outcome:
     mode, dtype = sc.run["numerics"], sc.model["dtype"]
     if sc.run["program"] == "gpt":
         cfg = _gpt(sc, mesh)
-        program = ddp if cfg.zero == 0 else zero
-        result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+        coords = [mesh.coords(r) for r in range(mesh.world_size)]
+        if mesh.sizes["pp"] > 1:
+            try:
+                pcfg = PipelineConfig(data=cfg, schedule=sc.parallel["schedule"], virtual=sc.parallel["virtual_stages"])
+                check(pcfg.schedule, pcfg.shape(mesh.sizes["pp"]), cfg.model.layers)
+                if cfg.model.tied_head:
+                    raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
+                                     "set model.tied_head = false for pipeline parallelism")
+            except ValueError as exc:
+                raise ScenarioError(str(exc)) from None
+            result = simulate(pipeline, pcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: assemble_pp(result.results, coords))
+        else:
+            program = ddp if cfg.zero == 0 else zero
+            result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: assemble_dp(result.results, coords, cfg))
         parameters = cfg.model.parameters
         model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps
         if not sc.run["verify"]:
@@ -83,8 +103,7 @@ def run_scenario(sc: Scenario) -> Outcome:
         elif mode == "meta":
             verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
         else:
-            got = assemble_dp(result.results, [mesh.coords(r) for r in range(mesh.world_size)], cfg)
-            verdict = _report.verification(mode, reference(cfg, mode), got)
+            verdict = _report.verification(mode, reference(cfg, mode), assembled())
     elif sc.run["program"] == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
         result = simulate(train_mlp, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)

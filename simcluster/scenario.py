@@ -63,6 +63,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP)", choices=(0, 1, 2, 3)),
         "prefetch": Key(bool, True, "ZeRO-3: gather the next unit's weights while this one computes"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
+        "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1")),
+        "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),
     },
     "run": {
         "program": Key(str, "gpt", "what to run: gpt (the GPT model, data parallel: DDP or ZeRO), mlp (a TP x DP "

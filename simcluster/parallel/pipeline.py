@@ -77,16 +77,28 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, chunks: int, stag
     act_tag = lambda j, g: 2 * (j * chunks + g)  # noqa: E731  activation of chunk g, micro-batch j
     grad_tag = lambda j, g: 2 * (j * chunks + g) + 1  # noqa: E731  gradient into chunk g
     posted: dict[tuple[str, int, int], Any] = {}
+    local: dict[tuple[str, int, int], Any] = {}  # neighbouring chunks on this same stage (p = 1)
     sends: list[Any] = []
 
     def post(op: Pass) -> None:
         kind, j, g = op
-        if kind == "F" and g > 0:
+        if kind == "F" and g > 0 and rank_of(g - 1) != ctx.rank:
             posted[("F", j, g)] = ctx.comm.recv(src=rank_of(g - 1), like=work.message(), tag=act_tag(j, g - 1),
                                                 async_op=True)
-        elif kind == "B" and g < chunks - 1:
+        elif kind == "B" and g < chunks - 1 and rank_of(g + 1) != ctx.rank:
             posted[("B", j, g)] = ctx.comm.recv(src=rank_of(g + 1), like=work.message(), tag=grad_tag(j, g),
                                                 async_op=True)
+
+    def receive(key: tuple[str, int, int]) -> Generator[Any, Any, Any]:
+        if key in local:
+            return local.pop(key)
+        return (yield posted.pop(key))
+
+    def deliver(value: Any, key: tuple[str, int, int], dst: int, tag: int) -> None:
+        if dst == ctx.rank:
+            local[key] = value
+        else:
+            sends.append(ctx.comm.send(value, dst=dst, tag=tag, async_op=True))
 
     if passes:
         post(passes[0])
@@ -94,17 +106,17 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, chunks: int, stag
         if i + 1 < len(passes):
             post(passes[i + 1])  # the next pass's input arrives while this one computes
         if kind == "F":
-            x = (yield posted.pop(("F", j, g))) if g > 0 else None
+            x = (yield from receive(("F", j, g))) if g > 0 else None
             with ctx.annotate("forward", f"F{j}"):
                 y = work.forward(j, g, x)
             if g < chunks - 1:
-                sends.append(ctx.comm.send(y, dst=rank_of(g + 1), tag=act_tag(j, g), async_op=True))
+                deliver(y, ("F", j, g + 1), rank_of(g + 1), act_tag(j, g))
         elif kind == "B":
-            dy = (yield posted.pop(("B", j, g))) if g < chunks - 1 else None
+            dy = (yield from receive(("B", j, g))) if g < chunks - 1 else None
             with ctx.annotate("backward", f"B{j}"):
                 dx = work.backward(j, g, dy)
             if g > 0:
-                sends.append(ctx.comm.send(dx, dst=rank_of(g - 1), tag=grad_tag(j, g - 1), async_op=True))
+                deliver(dx, ("B", j, g - 1), rank_of(g - 1), grad_tag(j, g - 1))
         else:
             with ctx.annotate("weight_grad", f"W{j}"):
                 work.weight(j, g)
