@@ -142,7 +142,7 @@ class Ops:
         flops = 2.0 * float(np.prod([size[c] for c in size], dtype=np.float64))
         self._record("einsum", flops, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
         if self.mode is Mode.META:
-            return MetaTensor(out_shape, "fp32", partial)
+            return MetaTensor(out_shape, getattr(a, "dtype", "fp32"), partial)
         return self._num.einsum(spec, a, b, partial)
 
     def max(self, x: Any, axis: int = -1) -> Any:

@@ -57,6 +57,10 @@ def shard_kind(name: str) -> str:
 def shard(x: Any, kind: str, t: int, r: int) -> Any:
     if kind == "replicated":
         return x
+    if isinstance(x, MetaTensor):
+        shape = list(x.shape)
+        shape[0 if kind == "rows" else -1] //= t
+        return MetaTensor(tuple(shape), x.dtype)
     if kind == "rows":
         n = x.shape[0] // t
         return x[r * n:(r + 1) * n]
@@ -178,7 +182,7 @@ class TPModel:
         lse = ops.log_sum_exp(row_max, sum_e, logits.dtype)
         local = targets - self.r * self.vocab
         mine = (local >= 0) & (local < self.vocab)
-        picked = ops.where(mine, ops.gather_last(logits, np.where(mine, local, 0)), logits.dtype.type(0))
+        picked = ops.zero_where(mine, ops.gather_last(logits, np.where(mine, local, 0)))
         picked = (yield comm.all_reduce(picked, group=tp)) if self.t > 1 else picked  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e,
