@@ -12,6 +12,8 @@ from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.data_parallel import assemble as assemble_dp
 from simcluster.parallel.ddp import ddp
+from simcluster.parallel.megatron_tp import TPConfig, megatron
+from simcluster.parallel.megatron_tp import assemble as assemble_tp
 from simcluster.parallel.pipeline import PipelineConfig, pipeline
 from simcluster.parallel.pipeline import assemble as assemble_pp
 from simcluster.parallel.pipeline_schedules import check
@@ -45,14 +47,16 @@ def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
 
 
 def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
-    for axis in ("cp", "tp"):
-        if sc.parallel[axis] != 1:
-            raise ScenarioError(f"run.program = 'gpt' runs data and pipeline parallelism so far; parallel.{axis}="
-                                f"{sc.parallel[axis]} needs a program that has that axis (try run.program = 'mlp' "
-                                f"for tensor parallelism)")
-    if sc.parallel["pp"] > 1 and sc.parallel["zero"] != 0:
-        raise ScenarioError(f"pipeline parallelism (parallel.pp={sc.parallel['pp']}) runs with DDP around it: "
-                            f"set parallel.zero = 0")
+    if sc.parallel["cp"] != 1:
+        raise ScenarioError(f"run.program = 'gpt' has no context parallelism yet; parallel.cp={sc.parallel['cp']} "
+                            f"must be 1")
+    if sc.parallel["pp"] > 1 and sc.parallel["tp"] > 1:
+        raise ScenarioError("run.program = 'gpt' does not combine pipeline and tensor parallelism yet; "
+                            "set parallel.pp = 1 or parallel.tp = 1")
+    for axis, what in (("pp", "pipeline"), ("tp", "tensor")):
+        if sc.parallel[axis] > 1 and sc.parallel["zero"] != 0:
+            raise ScenarioError(f"{what} parallelism (parallel.{axis}={sc.parallel[axis]}) runs with DDP around it: "
+                                f"set parallel.zero = 0")
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
@@ -92,6 +96,14 @@ def run_scenario(sc: Scenario) -> Outcome:
                 raise ScenarioError(str(exc)) from None
             result = simulate(pipeline, pcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
             assembled = (lambda: assemble_pp(result.results, coords))
+        elif mesh.sizes["tp"] > 1:
+            tcfg = TPConfig(data=cfg)
+            try:
+                tcfg.check(mesh.sizes["tp"])
+            except ValueError as exc:
+                raise ScenarioError(str(exc)) from None
+            result = simulate(megatron, tcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: assemble_tp(result.results, coords))
         else:
             program = ddp if cfg.zero == 0 else zero
             result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
