@@ -97,7 +97,7 @@ def run_scenario(sc: Scenario) -> Outcome:
             result = simulate(pipeline, pcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
             assembled = (lambda: assemble_pp(result.results, coords))
         elif mesh.sizes["tp"] > 1:
-            tcfg = TPConfig(data=cfg)
+            tcfg = TPConfig(data=cfg, sequence_parallel=sc.parallel["sp"])
             try:
                 tcfg.check(mesh.sizes["tp"])
             except ValueError as exc:

@@ -14,23 +14,24 @@ from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
 
-def run_tp(data, tp, dp=1, program=megatron, mode="exact"):
+def run_tp(data, tp, dp=1, program=megatron, mode="exact", sp=False):
     mesh = DeviceMesh(dp=dp, tp=tp)
-    run = simulate(program, TPConfig(data=data), mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=dp * tp),
-                   mode=mode)
+    run = simulate(program, TPConfig(data=data, sequence_parallel=sp), mesh=mesh,
+                   cluster=preset("dgx-a100", gpus_per_node=dp * tp), mode=mode)
     return assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)]) if mode != "meta" else None, run
 
 
 @settings(max_examples=15)
 @given(tp=st.sampled_from([1, 2, 3, 4, 6]), dp=st.sampled_from([1, 2]), per_rank_heads=st.integers(1, 2),
        layers=st.integers(1, 2), tied=st.booleans(), dropout=st.sampled_from([0.0, 0.1]),
-       precision=st.sampled_from(["fp32", "bf16", "fp16"]), causal=st.booleans(), seed=st.integers(0, 50))
-def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, dropout, precision, causal, seed):
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), causal=st.booleans(), sp=st.booleans(),
+       seed=st.integers(0, 50))
+def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, dropout, precision, causal, sp, seed):
     heads = tp * per_rank_heads
-    model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=3, vocab=2 * tp + 2 * tp,
-                      tied_head=tied, dropout=dropout, causal=causal, seed=seed)
+    model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=tp if sp else 3,
+                      vocab=4 * tp, tied_head=tied, dropout=dropout, causal=causal, seed=seed)
     data = DPConfig(model=model, global_batch=2 * dp, micro_batches=2, steps=3, precision=precision)
-    got, _ = run_tp(data, tp, dp)
+    got, _ = run_tp(data, tp, dp, sp=sp)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
     assert verdict["outputs_compared"] == 3 + 4 * len(model.parameter_shapes())
@@ -81,3 +82,34 @@ def test_degrees_that_do_not_divide_the_work(field, value, message):
     kw = dict(layers=1, hidden=12, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False) | {field: value}
     with pytest.raises(Exception, match=message):
         run_tp(DPConfig(model=GPTConfig(**kw), global_batch=2, steps=1), 2, mode="meta")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_moves_the_same_volume_as_all_reduces(tp):
+    """Korthikanti et al.: each all-reduce of sbh becomes an all-gather plus a reduce-scatter of sbh,
+    the same bytes on a ring."""
+    s, b, h, layers = 64, 2, 256, 2
+    model = GPTConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=8 * tp, tied_head=False)
+    data = DPConfig(model=model, global_batch=b, steps=1, precision="bf16")
+
+    def block_traffic(sp):
+        _, run = run_tp(data, tp, mode="meta", sp=sp)
+        calls = [e for e in run.trace if e.rank == 0 and e.group.startswith("tp") and e.name[0] in "FB"
+                 and e.kind in ("all_reduce", "all_gather", "reduce_scatter")]
+        return calls
+
+    plain, seq = block_traffic(False), block_traffic(True)
+    sbh = s * b * h * 2  # bf16
+    assert {e.kind for e in seq} >= {"all_gather", "reduce_scatter"}
+    assert sum(1 for e in seq if e.kind == "all_gather" and e.bytes == sbh * (tp - 1) // tp) >= 4 * layers
+    assert sum(1 for e in seq if e.kind == "reduce_scatter" and e.bytes == sbh * (tp - 1) // tp) >= 4 * layers
+    big = lambda calls: sum(e.bytes for e in calls if e.bytes >= sbh * (tp - 1) // tp)  # noqa: E731
+    assert big(seq) == big(plain)  # the same bytes: each all-reduce is one all-gather plus one reduce-scatter
+    assert len([e for e in seq if e.bytes >= sbh * (tp - 1) // tp]) == 2 * len(
+        [e for e in plain if e.bytes >= sbh * (tp - 1) // tp])
+
+
+def test_sequence_parallel_needs_tp_to_divide_the_sequence():
+    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False)
+    with pytest.raises(Exception, match="sequence parallelism: tp=2 must divide seq=3; valid degrees: 1, 3"):
+        run_tp(DPConfig(model=model, global_batch=2, steps=1), 2, mode="meta", sp=True)

@@ -9,6 +9,11 @@ The embedding is split by vocabulary rows (an all-reduce assembles the looked-up
 LM head: the cross-entropy all-reduces the row maximum, the sum of exponentials and the target logit,
 so the full logits never exist on one rank. Layer norms, residuals and dropout run replicated.
 
+With sequence parallelism (Korthikanti et al. 2022), activations between the tensor-parallel regions
+are split by sequence: norms, dropout and residuals run on a rank's tokens only, `g` becomes an
+all-gather into the region and `g-bar` a reduce-scatter out of it (their duals in the backward pass),
+and the gradients of the norms and of the replicated biases become partial sums over tp as well.
+
 Per step: 1. forward and backward of each micro-batch with the collectives above on the tp group;
 2. every gradient (shards and replicated alike) summed over dp; 3. AdamW on this rank's shards.
 All partial sums are exact, so the result equals the single-device run byte for byte.
@@ -31,9 +36,14 @@ from simcluster.program.context import Context
 @dataclass(frozen=True)
 class TPConfig:
     data: DPConfig = field(default_factory=DPConfig)
+    sequence_parallel: bool = False  # Korthikanti et al. 2022: norms and dropout on sequence shards
 
     def check(self, tp: int) -> None:
         m = self.data.model
+        if self.sequence_parallel and m.seq % tp:
+            valid = [d for d in range(1, m.seq + 1) if m.seq % d == 0]
+            raise ValueError(f"sequence parallelism: tp={tp} must divide seq={m.seq}; valid degrees: "
+                             f"{', '.join(map(str, valid))}")
         for what, size in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
             if size % tp:
                 valid = [d for d in range(1, size + 1) if size % d == 0]
@@ -93,6 +103,8 @@ class TPModel:
         self.t, self.r = self.tp.size, ctx.mesh.coord("tp")
         self.heads = self.m.heads // self.t
         self.vocab = self.m.vocab // self.t
+        self.sp = cfg.sequence_parallel and self.t > 1
+        self.seq = self.m.seq // self.t if self.sp else self.m.seq  # tokens of a sequence held between regions
         self.gpt = GPT(ctx.ops, self.m, memory=ctx.memory)  # for its unsharded helpers
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -104,6 +116,8 @@ class TPModel:
         offset = [where.offset] + [0] * (len(shape) - 1)
         if head_axis:
             full[1], offset[1] = self.m.heads, self.r * self.heads
+        elif self.sp:  # (b, s/t, h): this rank's tokens
+            full[1], offset[1] = self.m.seq, self.r * self.seq
         return self.ops.dropout_keep(self.m.seed + 7919 * step, name, shape, self.m.dropout, offset=tuple(offset),
                                      full_shape=tuple(full))
 
@@ -130,22 +144,36 @@ class TPModel:
         return x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
 
     def reduce(self, partial: Any) -> Generator[Any, Any, Any]:
-        """g: sum the partial over tp, then round once (where the single device rounds)."""
+        """Sum a partial over tp and round once (where the single device rounds): all-reduce, or with
+        sequence parallelism a reduce-scatter to this rank's tokens (g-bar forward, g backward)."""
+        if self.sp:
+            return self.ops.finalize((yield self.ctx.comm.reduce_scatter(partial, group=self.tp, dim=1)))
         return self.ops.finalize((yield self.ctx.comm.all_reduce(partial, group=self.tp)))
+
+    def gather(self, x: Any) -> Generator[Any, Any, Any]:
+        """Into the tensor-parallel region: all of the sequence (g forward, g-bar backward with SP)."""
+        if not self.sp:
+            return x
+        return (yield self.ctx.comm.all_gather(x, group=self.tp, dim=1))
 
     # -- forward ---------------------------------------------------------------------------------
     def embed(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops = self.ops
         mine = ops.embedding(ids, p["wte"], row_offset=self.r * self.vocab)  # zero outside my rows
-        x = (yield self.ctx.comm.all_reduce(mine, group=self.tp)) if self.t > 1 else mine
-        pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+        if self.sp:  # one owner per row, zeros elsewhere: the sum is exact in any order
+            x = yield self.ctx.comm.reduce_scatter(mine, group=self.tp, dim=1)  # (b, s/t, h)
+        else:
+            x = (yield self.ctx.comm.all_reduce(mine, group=self.tp)) if self.t > 1 else mine
+        first = self.r * self.seq if self.sp else 0
+        pos = np.broadcast_to(np.arange(first, first + self.seq), (ids.shape[0], self.seq))
         x = ops.add(x, ops.embedding(pos, p["wpe"]))
         keep0 = self.keep("embed", tuple(x.shape), step, where)
         return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
 
     def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, m, pre = self.ops, self.m, f"layers.{i}."
-        a, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
+        a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
+        a = yield from self.gather(a_mine)  # (b, s, h)
         qkv = ops.add(ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s, 3h/t): column parallel
         q, k, v = (self.heads_of(z) for z in self.split3(qkv))  # (b, a/t, s, d)
         s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
@@ -160,7 +188,8 @@ class TPModel:
                     p[pre + "attn.b_proj"])  # row parallel + g
         keep_a = self.keep(f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, self.drop(y, keep_a))
-        c, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
+        c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
+        c = yield from self.gather(c_mine)
         f = ops.add(ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s, F/t)
         g = ops.gelu(f)
         z = ops.add((yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))), p[pre + "mlp.b_out"])
@@ -173,7 +202,8 @@ class TPModel:
     def head(self, p: dict[str, Any], x: Any, targets: Any) -> Generator[Any, Any, Any]:
         """Vocab-parallel cross-entropy: the loss's partial sum over these tokens."""
         ops, m, comm, tp = self.ops, self.m, self.ctx.comm, self.tp
-        xf, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], m.eps)
+        xf_mine, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], m.eps)
+        xf = yield from self.gather(xf_mine)
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/t)
         logits = ops.matmul(xf, w)  # (b, s, V/t)
         row_max = yield comm.all_reduce(ops.max(logits, -1), group=tp, op="max")
@@ -209,9 +239,10 @@ class TPModel:
     def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int,
                        grads: dict[str, Any]) -> Generator[Any, Any, Any]:
         ops, m, pre = self.ops, self.m, f"layers.{i}."
-        dz = self.drop(dx2, c["keep_m"])
+        dz_mine = self.drop(dx2, c["keep_m"])
+        grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
+        dz = yield from self.gather(dz_mine)  # g-bar backward: the whole sequence again
         grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True)
-        grads[pre + "mlp.b_out"] = ops.sum(dz, (0, 1), partial=True)
         df = ops.gelu_backward(ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"])), c["f"])  # (b, s, F/t)
         grads[pre + "mlp.w_fc"] = ops.einsum("bsh,bsf->hf", c["c"], df, partial=True)
         grads[pre + "mlp.b_fc"] = ops.sum(df, (0, 1), partial=True)
@@ -219,9 +250,10 @@ class TPModel:
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
-        dy = self.drop(dx1, c["keep_a"])
+        dy_mine = self.drop(dx1, c["keep_a"])
+        grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
+        dy = yield from self.gather(dy_mine)
         grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True)
-        grads[pre + "attn.b_proj"] = ops.sum(dy, (0, 1), partial=True)
         dout = self.heads_of(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))
         dq, dk, dv = self.gpt.attention_backward(dout, c)
         dqkv = ops.concat([self.merge(dq), self.merge(dk), self.merge(dv)], -1)  # (b, s, 3h/t)
@@ -232,10 +264,15 @@ class TPModel:
             da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
         return ops.add(dx1, dx_ln)
 
-    def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> None:
+    def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
         ops = self.ops
         dx = self.drop(dx, ec["keep0"])
-        grads["wpe"] = ops.sum(dx, 0, partial=True)
+        if self.sp:  # my positions' rows of the position table; the rest are another rank's
+            pos = np.broadcast_to(np.arange(self.r * self.seq, (self.r + 1) * self.seq), dx.shape[:2])
+            grads["wpe"] = ops.embedding_backward(pos, dx, self.m.seq)
+            dx = yield self.ctx.comm.all_gather(dx, group=self.tp, dim=1)  # the lookup needs every token
+        else:
+            grads["wpe"] = ops.sum(dx, 0, partial=True)
         rows = ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.r * self.vocab)
         grads["wte"] = rows if "wte" not in grads else ops.add_partial(rows, grads["wte"])
 
@@ -275,7 +312,11 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
                 dx = yield from model.head_backward(weights, hc, where.total * mcfg.seq, scale, g)
                 for i in reversed(range(mcfg.layers)):
                     dx = yield from model.block_backward(weights, dx, caches[i], i, g)
-                model.embed_backward(ec, dx, g)
+                yield from model.embed_backward(ec, dx, g)
+            if model.sp:  # norms, replicated biases and positions saw only this rank's tokens
+                names = [k for k in g if k == "wpe" or shard_kind(k) == "replicated"]
+                summed = yield [ctx.comm.all_reduce(g[k], group=tp, async_op=True) for k in names]
+                g |= dict(zip(names, summed))
             for k, v in g.items():
                 acc[k] = v if k not in acc else ops.add_partial(acc[k], v)
         names = list(master)
