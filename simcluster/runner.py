@@ -11,6 +11,8 @@ from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.data_parallel import assemble as assemble_dp
+from simcluster.parallel.context_parallel import CPConfig, context_parallel
+from simcluster.parallel.context_parallel import assemble as assemble_cp
 from simcluster.parallel.ddp import ddp
 from simcluster.parallel.megatron_tp import TPConfig, megatron
 from simcluster.parallel.megatron_tp import assemble as assemble_tp
@@ -47,13 +49,10 @@ def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
 
 
 def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
-    if sc.parallel["cp"] != 1:
-        raise ScenarioError(f"run.program = 'gpt' has no context parallelism yet; parallel.cp={sc.parallel['cp']} "
-                            f"must be 1")
-    if sc.parallel["pp"] > 1 and sc.parallel["tp"] > 1:
-        raise ScenarioError("run.program = 'gpt' does not combine pipeline and tensor parallelism yet; "
-                            "set parallel.pp = 1 or parallel.tp = 1")
-    for axis, what in (("pp", "pipeline"), ("tp", "tensor")):
+    if sum(sc.parallel[a] > 1 for a in ("pp", "cp", "tp")) > 1:
+        raise ScenarioError("run.program = 'gpt' does not combine pipeline, context and tensor parallelism yet; "
+                            "use at most one of parallel.pp, parallel.cp, parallel.tp above 1 (with dp around it)")
+    for axis, what in (("pp", "pipeline"), ("tp", "tensor"), ("cp", "context")):
         if sc.parallel[axis] > 1 and sc.parallel["zero"] != 0:
             raise ScenarioError(f"{what} parallelism (parallel.{axis}={sc.parallel[axis]}) runs with DDP around it: "
                                 f"set parallel.zero = 0")
@@ -96,6 +95,14 @@ def run_scenario(sc: Scenario) -> Outcome:
                 raise ScenarioError(str(exc)) from None
             result = simulate(pipeline, pcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
             assembled = (lambda: assemble_pp(result.results, coords))
+        elif mesh.sizes["cp"] > 1:
+            ccfg = CPConfig(data=cfg, attention=sc.parallel["attention"])
+            try:
+                ccfg.check(mesh.sizes["cp"])
+            except ValueError as exc:
+                raise ScenarioError(str(exc)) from None
+            result = simulate(context_parallel, ccfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: assemble_cp(result.results, coords))
         elif mesh.sizes["tp"] > 1:
             tcfg = TPConfig(data=cfg, sequence_parallel=sc.parallel["sp"])
             try:
