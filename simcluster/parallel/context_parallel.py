@@ -3,7 +3,8 @@
 Every rank holds all weights and s/P consecutive tokens of every sequence. Everything but attention
 works token by token, so it runs locally; the weight gradients are partial sums over this rank's
 tokens, summed over cp (and dp) like data parallelism's. Attention needs every token of a sequence:
-`attention = "ulysses"` re-shards it by heads with all-to-alls (ulysses.py).
+`attention = "ulysses"` re-shards it by heads with all-to-alls (ulysses.py); "ring" passes keys and
+values around a ring, "allgather" gathers them (ring_attention.py).
 
 Per step: 1. forward and backward of each micro-batch on this rank's tokens; 2. gradients summed over
 cp and dp, rounded once; 3. AdamW (the same update on every rank).
@@ -18,22 +19,37 @@ import numpy as np
 
 from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, adam_step, grad_dtype, init_params
 from simcluster.model.gpt import model_state_bytes, unscale, working_copy
-from simcluster.parallel import ulysses
+from types import SimpleNamespace
+
+from simcluster.parallel import ring_attention, ulysses
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.program.context import Context
 
-ATTENTION = {"ulysses": ulysses}
+ATTENTION = {
+    "ulysses": ulysses,
+    "ring": ring_attention,
+    "allgather": SimpleNamespace(forward=ring_attention.allgather_forward, backward=ring_attention.allgather_backward),
+}
 
 
 @dataclass(frozen=True)
 class CPConfig:
     data: DPConfig = field(default_factory=DPConfig)
-    attention: str = "ulysses"
+    attention: str = "ulysses"  # "ulysses", "ring" or "allgather"
+
+    @property
+    def zigzag(self) -> bool:
+        """Ring and all-gather attention balance causal work with the zigzag layout."""
+        return self.attention != "ulysses" and self.data.model.causal
 
     def check(self, cp: int) -> None:
         m = self.data.model
         if self.attention not in ATTENTION:
             raise ValueError(f"attention {self.attention!r} is not valid; valid: {', '.join(ATTENTION)}")
+        if self.zigzag and m.seq % (2 * cp):
+            valid = [d for d in range(1, m.seq + 1) if m.seq % (2 * d) == 0]
+            raise ValueError(f"causal {self.attention} attention uses the zigzag layout: seq={m.seq} must be "
+                             f"divisible by 2 x cp = {2 * cp}; valid degrees: {', '.join(map(str, valid))}")
         if m.seq % cp:
             valid = [d for d in range(1, m.seq + 1) if m.seq % d == 0]
             raise ValueError(f"context-parallel degree {cp} must divide seq={m.seq}; valid degrees: "
@@ -44,6 +60,27 @@ class CPConfig:
                              f"{', '.join(map(str, valid))}")
 
 
+def layout(seq: int, P: int, r: int, zigzag: bool) -> np.ndarray:
+    """The positions of a sequence that rank r holds: a contiguous s/P, or with zigzag (for causal
+    attention, so that every rank has as much work) chunks r and 2P-1-r of 2P chunks."""
+    if not zigzag:
+        n = seq // P
+        return np.arange(r * n, (r + 1) * n)
+    n = seq // (2 * P)
+    return np.concatenate([np.arange(r * n, (r + 1) * n), np.arange((2 * P - 1 - r) * n, (2 * P - r) * n)])
+
+
+def runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Contiguous runs of positions as (start, length)."""
+    out: list[tuple[int, int]] = []
+    for p in positions.tolist():
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
 class CPModel:
     def __init__(self, ctx: Context, cfg: CPConfig) -> None:
         self.ctx, self.ops, self.cfg, self.m = ctx, ctx.ops, cfg, cfg.data.model
@@ -52,6 +89,8 @@ class CPModel:
         self.seq = self.m.seq // self.P  # tokens of a sequence on this rank
         self.gpt = GPT(ctx.ops, self.m, memory=ctx.memory)
         self.attention = ATTENTION[cfg.attention]
+        self.zigzag = cfg.zigzag
+        self.positions = layout(self.m.seq, self.P, self.r, self.zigzag)
 
     def keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice, axis: int, offset: int,
              size: int) -> Any:
@@ -65,7 +104,31 @@ class CPModel:
                                      full_shape=tuple(full))
 
     def token_keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
-        return self.keep(name, shape, step, where, 1, self.r * self.seq, self.m.seq)
+        """The dropout mask of this rank's tokens (b, s/P, ...), run by run of positions."""
+        if self.m.dropout == 0.0:
+            return None
+        parts = [self.keep(name, (shape[0], n) + tuple(shape[2:]), step, where, 1, start, self.m.seq)
+                 for start, n in runs(self.positions)]
+        return parts[0] if len(parts) == 1 else self.ops.concat(parts, 1)
+
+    def block_keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice, rows: np.ndarray,
+                   cols: np.ndarray) -> Any:
+        """The attention-dropout mask (b, a, rows, cols) for query positions `rows`, key positions `cols`."""
+        if self.m.dropout == 0.0:
+            return None
+        b, a = shape[0], shape[1]
+        full = (where.total, self.m.heads, self.m.seq, self.m.seq)
+        seed = self.m.seed + 7919 * step
+        grid = [[self.ops.dropout_keep(seed, name, (b, a, nr, nc), self.m.dropout, offset=(where.offset, 0, r0, c0),
+                                       full_shape=full) for c0, nc in runs(cols)] for r0, nr in runs(rows)]
+        rows_ = [row[0] if len(row) == 1 else self.ops.concat(row, 3) for row in grid]
+        return rows_[0] if len(rows_) == 1 else self.ops.concat(rows_, 2)
+
+    def allowed(self, rows: np.ndarray, cols: np.ndarray) -> Any:
+        """Causal mask between query and key positions (None: everything allowed)."""
+        if not self.m.causal or self.ops.mode.value == "meta":
+            return None
+        return rows[:, None] >= cols[None, :]
 
     def drop(self, x: Any, keep: Any) -> Any:
         return x if keep is None else self.ops.scale(self.ops.zero_where(keep, x), 1.0 / (1.0 - self.m.dropout))
@@ -133,9 +196,8 @@ class CPModel:
         """One micro-batch on this rank's tokens: the loss's partial sum; gradients added to `grads`."""
         ops, m, gpt, data = self.ops, self.m, self.gpt, self.cfg.data
         where, ids, targets = data.micro_batch(step, d, n, j)
-        lo = self.r * self.seq
-        ids, targets = ids[:, lo:lo + self.seq], targets[:, lo:lo + self.seq]
-        pos = np.broadcast_to(np.arange(lo, lo + self.seq), ids.shape)
+        ids, targets = ids[:, self.positions], targets[:, self.positions]
+        pos = np.broadcast_to(self.positions, ids.shape)
         with self.ctx.annotate("forward", f"F{j}"):
             x = ops.add(ops.embedding(ids, weights["wte"]), ops.embedding(pos, weights["wpe"]))
             keep0 = self.token_keep("embed", tuple(x.shape), step, where)

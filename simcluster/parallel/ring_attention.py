@@ -1,0 +1,205 @@
+"""Ring attention (Liu et al. 2023) and all-gather-KV context parallelism (Llama 3), exact.
+
+Each of P ranks holds the queries, keys and values of its own tokens (the zigzag layout for causal
+attention: rank r holds chunks r and 2P-1-r of 2P, so that every rank has the same work).
+
+ring, exact mode (two passes, as numerics rule 1 needs the row maximum before any exponential):
+  1. keys travel once around the ring; every rank scores its queries against each block as it
+     passes (the next block's send/recv runs while this block is scored) and takes the row maximum;
+  2. values travel once around; every rank adds sum_k e*v and sum_k e for each block, exactly;
+  out = round(sum e*v) / round(sum e), as on one device.
+ring, fast mode: one pass with the online log-sum-exp merge (rescale the running sums when the
+maximum grows), keys and values travelling together.
+backward: keys and values travel around again; each rank adds its part of the block's dK and dV to
+accumulators that travel with the block and arrive, complete, back at its owner.
+
+allgather: all-gather keys and values, attend locally, reduce-scatter dK and dV in the backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import numpy as np
+
+from simcluster.numerics.ops import Mode
+from simcluster.numerics.tensor import MetaTensor
+
+
+def _positions(model: Any, owner: int) -> np.ndarray:
+    from simcluster.parallel.context_parallel import layout
+
+    return layout(model.m.seq, model.P, owner, model.zigzag)
+
+
+def _drop(model: Any, x: Any, keep: Any) -> Any:
+    """Dropout applied (kept values scaled by 1/(1-p)), as the backward pass uses it."""
+    ops = model.ops
+    return x if keep is None else ops.scale(ops.zero_where(keep, x), 1.0 / (1.0 - model.m.dropout))
+
+
+def _kept(model: Any, e: Any, keep: Any) -> Any:
+    """The forward pass keeps the weights unscaled; 1/(1-p) is applied once, to the output."""
+    return e if keep is None else model.ops.zero_where(keep, e)
+
+
+def _like(x: Any) -> MetaTensor:
+    """What the receiver of a value like x expects: shape, dtype, partial or not."""
+    from simcluster.numerics.tensor import signature
+
+    partial, dtype, shape = signature(x)
+    return MetaTensor(shape, dtype, partial)
+
+
+def _rotate(model: Any, x: Any, tag: int) -> tuple[Any, Any]:
+    """Send x to the next rank on the ring and receive the previous rank's, both asynchronous."""
+    ctx, cp, P, r = model.ctx, model.cp, model.P, model.r
+    send = ctx.comm.send(x, dst=cp.ranks[(r + 1) % P], tag=tag, async_op=True)
+    recv = ctx.comm.recv(src=cp.ranks[(r - 1) % P], like=_like(x), tag=tag, async_op=True)
+    return send, recv
+
+
+def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
+    ops, P, r = model.ops, model.P, model.r
+    scale = 1.0 / np.sqrt(model.m.head_dim)
+    rows = model.positions
+    owners = [(r - t) % P for t in range(P)]
+    tag = layer * 16
+    scores, sends = [], []
+    if ops.mode is Mode.FAST:  # one pass: the online log-sum-exp merge
+        m = l_sum = o_sum = None
+        kv = (k, v)
+        for t, o in enumerate(owners):
+            if t < P - 1:
+                sk, rk = _rotate(model, kv[0], tag + 1)
+                sv, rv = _rotate(model, kv[1], tag + 2)
+                sends += [sk, sv]
+            s = ops.attention_scores(q, kv[0], scale, model.allowed(rows, _positions(model, o)))
+            scores.append(s)
+            m_new = ops.max(s, -1) if m is None else np.maximum(m, ops.max(s, -1))
+            e = ops.attention_weights(s, m_new)
+            keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
+            if m is not None:
+                fix = ops.exp(ops.sub(np.where(np.isfinite(m), m, m_new), m_new))
+                l_sum, o_sum = ops.mul(l_sum, fix[..., 0]), ops.mul(o_sum, fix)
+            l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", _kept(model, e, keep), kv[1])
+            l_sum = l_t if l_sum is None else ops.add(l_sum, l_t)
+            o_sum = o_t if o_sum is None else ops.add(o_sum, o_t)
+            m = m_new
+            if t < P - 1:
+                kv = tuple((yield [rk, rv]))
+        yield sends
+        out = ops.scale(ops.div(o_sum, ops.expand_last(l_sum)), 1.0 / (1.0 - model.m.dropout))
+        return out, {"scores": scores, "max": m, "q": q, "k": k, "v": v, "out": out, "layer": layer, "step": step,
+                     "where": where}
+
+    # exact mode, pass 1: keys around the ring, the row maximum
+    k_cur = k
+    maxes = []
+    for t, o in enumerate(owners):
+        if t < P - 1:
+            send, recv = _rotate(model, k_cur, tag + 1)
+            sends.append(send)
+        s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, _positions(model, o)))
+        scores.append(s)
+        maxes.append(ops.max(s, -1))
+        if t < P - 1:
+            k_cur = yield recv
+    row_max = ops.max(ops.concat(maxes, -1), -1)  # exact in any order
+    # pass 2: values around the ring, exact sums of weights and weighted values
+    v_cur = v
+    l_parts, o_parts = [], []
+    for t, o in enumerate(owners):
+        if t < P - 1:
+            send, recv = _rotate(model, v_cur, tag + 2)
+            sends.append(send)
+        e = ops.attention_weights(scores[t], row_max)
+        keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
+        l_parts.append(ops.sum(e, -1, partial=True))
+        o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
+        if t < P - 1:
+            v_cur = yield recv
+    yield sends
+    l_sum, o_sum = l_parts[0], o_parts[0]
+    for a, b in zip(l_parts[1:], o_parts[1:]):
+        l_sum, o_sum = ops.add_partial(l_sum, a), ops.add_partial(o_sum, b)
+    out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - model.m.dropout))
+    return out, {"scores": scores, "max": row_max, "l": l_sum, "q": q, "k": k, "v": v, "out": out, "layer": layer,
+                 "step": step, "where": where}
+
+
+def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
+    """dq, dk, dv for this rank's tokens: dK and dV accumulate as they travel back to their owners."""
+    ops, P, r, m = model.ops, model.P, model.r, model.m
+    scale = 1.0 / np.sqrt(m.head_dim)
+    rows = model.positions
+    owners = [(r - t) % P for t in range(P)]
+    delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))  # (b, a, s, 1): over d, never split
+    l_sum = core.get("l")
+    if l_sum is None:  # fast mode: the running sum at the final maximum
+        l_sum = ops.sum(ops.concat([ops.attention_weights(s, core["max"]) for s in core["scores"]], -1), -1)
+    kv = (core["k"], core["v"])
+    dk_acc = dv_acc = None
+    dq_parts, sends = [], []
+    tag = 1 << 20
+    for t, o in enumerate(owners):
+        if t < P - 1:
+            sk, rk = _rotate(model, kv[0], tag + 1)
+            sv, rv = _rotate(model, kv[1], tag + 2)
+            sends += [sk, sv]
+        e = ops.attention_weights(core["scores"][t], core["max"])
+        probs = ops.attention_probs(e, l_sum) if ops.mode is not Mode.FAST else ops.div(e, ops.expand_last(l_sum))
+        keep = model.block_keep(f"attn.{core['layer']}", tuple(e.shape), core["step"], core["where"], rows,
+                                _positions(model, o))
+        dv_t = ops.einsum("bask,basd->bakd", _drop(model, probs, keep), dout, partial=True)
+        dp = _drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
+        ds = ops.mul(probs, ops.sub(dp, delta))
+        dq_parts.append(ops.einsum("bask,bakd->basd", ds, kv[0], partial=True))
+        dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
+        dk_acc = dk_t if dk_acc is None else ops.add_partial(dk_acc, dk_t)
+        dv_acc = dv_t if dv_acc is None else ops.add_partial(dv_acc, dv_t)
+        # the block's accumulators move on with it; after the last step they go home to the owner
+        sa, ra = _rotate(model, dk_acc, tag + 3)
+        sb, rb = _rotate(model, dv_acc, tag + 4)
+        sends += [sa, sb]
+        got = yield ([rk, rv, ra, rb] if t < P - 1 else [ra, rb])
+        if t < P - 1:
+            kv, (dk_acc, dv_acc) = (got[0], got[1]), (got[2], got[3])
+        else:
+            dk_acc, dv_acc = got
+    yield sends
+    dq = dq_parts[0]
+    for part in dq_parts[1:]:
+        dq = ops.add_partial(dq, part)
+    return (ops.scale(ops.finalize(dq), scale), ops.scale(ops.finalize(dk_acc), scale), ops.finalize(dv_acc))
+
+
+def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
+                      where: Any) -> Generator[Any, Any, Any]:
+    """Llama 3's context parallelism: every rank gathers all keys and values, attends locally."""
+    ops, ctx, cp = model.ops, model.ctx, model.cp
+    K, V = yield [ctx.comm.all_gather(x, group=cp, dim=2, async_op=True) for x in (k, v)]  # (b, a, s, d)
+    cols = np.concatenate([_positions(model, o) for o in range(model.P)])
+    rows = model.positions
+    s = ops.attention_scores(q, K, 1.0 / np.sqrt(model.m.head_dim), model.allowed(rows, cols))
+    row_max = ops.max(s, -1)
+    e = ops.attention_weights(s, row_max)
+    l_sum = ops.sum(e, -1, partial=True)
+    keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, cols)
+    out = ops.attention_output(ops.einsum("bask,bakd->basd", _kept(model, e, keep), V, partial=True), l_sum, q.dtype,
+                               1.0 / (1.0 - model.m.dropout))
+    return out, {"scores": [s], "max": row_max, "l": l_sum, "keep": keep, "q": q, "K": K, "V": V, "out": out}
+
+
+def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
+    ops, ctx, cp = model.ops, model.ctx, model.cp
+    scale = 1.0 / np.sqrt(model.m.head_dim)
+    e = ops.attention_weights(core["scores"][0], core["max"])
+    probs = ops.attention_probs(e, core["l"])
+    delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
+    dV = ops.einsum("bask,basd->bakd", _drop(model, probs, core["keep"]), dout, partial=True)
+    ds = ops.mul(probs, ops.sub(_drop(model, ops.einsum("basd,bakd->bask", dout, core["V"]), core["keep"]), delta))
+    dq = ops.scale(ops.einsum("bask,bakd->basd", ds, core["K"]), scale)
+    dK = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
+    dk, dv = yield [ctx.comm.reduce_scatter(x, group=cp, dim=2, async_op=True) for x in (dK, dV)]
+    return dq, ops.scale(ops.finalize(dk), scale), ops.finalize(dv)
