@@ -61,7 +61,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cp": Key(int, 1, "context-parallel degree", minimum=1),
         "tp": Key(int, 1, "tensor-parallel degree", minimum=1),
         "sp": Key(bool, False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)"),
-        "attention": Key(str, "ulysses", "context parallelism's attention (cp > 1)", choices=("ulysses",)),
+        "attention": Key(str, "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring "
+                         "(keys and values around a ring), allgather (Llama 3)", choices=("ulysses", "ring", "allgather")),
         "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP)", choices=(0, 1, 2, 3)),
         "prefetch": Key(bool, True, "ZeRO-3: gather the next unit's weights while this one computes"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),

@@ -16,7 +16,7 @@ from simcluster.topology.presets import preset  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-@pytest.mark.parametrize("attention", ["ulysses"])
+@pytest.mark.parametrize("attention", ["ulysses", "ring", "allgather"])
 def test_gloo_matches_the_emulator_byte_for_byte(attention):
     model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=9, dropout=0.1)
     data = DPConfig(model=model, global_batch=2, steps=2, precision="bf16")

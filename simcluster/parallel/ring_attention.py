@@ -59,6 +59,19 @@ def _rotate(model: Any, x: Any, tag: int) -> tuple[Any, Any]:
     return send, recv
 
 
+def online_merge(ops: Any, state: tuple[Any, Any, Any], scores: Any, v: Any, kept: Any) -> tuple[Any, Any, Any]:
+    """One block of the one-pass softmax (fast mode): with running max m, sum l and output o,
+    m' = max(m, max s); l' = l exp(m - m') + sum exp(s - m'); o' = o exp(m - m') + exp(s - m') v."""
+    m, l_sum, o_sum = state
+    m_new = ops.max(scores, -1) if m is None else np.maximum(m, ops.max(scores, -1))
+    e = ops.attention_weights(scores, m_new)
+    l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
+    if m is None:
+        return m_new, l_t, o_t
+    fix = ops.exp(ops.sub(np.where(np.isfinite(m), m, m_new), m_new))  # (b, a, s, 1)
+    return m_new, ops.add(ops.mul(l_sum, fix[..., 0]), l_t), ops.add(ops.mul(o_sum, fix), o_t)
+
+
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
     ops, P, r = model.ops, model.P, model.r
     scale = 1.0 / np.sqrt(model.m.head_dim)
@@ -67,7 +80,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     tag = layer * 16
     scores, sends = [], []
     if ops.mode is Mode.FAST:  # one pass: the online log-sum-exp merge
-        m = l_sum = o_sum = None
+        m = l_sum = o_sum = None  # running max, sum of weights, sum of weighted values
         kv = (k, v)
         for t, o in enumerate(owners):
             if t < P - 1:
@@ -76,19 +89,12 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
                 sends += [sk, sv]
             s = ops.attention_scores(q, kv[0], scale, model.allowed(rows, _positions(model, o)))
             scores.append(s)
-            m_new = ops.max(s, -1) if m is None else np.maximum(m, ops.max(s, -1))
-            e = ops.attention_weights(s, m_new)
-            keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
-            if m is not None:
-                fix = ops.exp(ops.sub(np.where(np.isfinite(m), m, m_new), m_new))
-                l_sum, o_sum = ops.mul(l_sum, fix[..., 0]), ops.mul(o_sum, fix)
-            l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", _kept(model, e, keep), kv[1])
-            l_sum = l_t if l_sum is None else ops.add(l_sum, l_t)
-            o_sum = o_t if o_sum is None else ops.add(o_sum, o_t)
-            m = m_new
+            keep = model.block_keep(f"attn.{layer}", tuple(s.shape), step, where, rows, _positions(model, o))
+            m, l_sum, o_sum = online_merge(ops, (m, l_sum, o_sum), s, kv[1], lambda e: _kept(model, e, keep))
             if t < P - 1:
                 kv = tuple((yield [rk, rv]))
-        yield sends
+        if sends:
+            yield sends
         out = ops.scale(ops.div(o_sum, ops.expand_last(l_sum)), 1.0 / (1.0 - model.m.dropout))
         return out, {"scores": scores, "max": m, "q": q, "k": k, "v": v, "out": out, "layer": layer, "step": step,
                      "where": where}
@@ -119,7 +125,8 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
         o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
         if t < P - 1:
             v_cur = yield recv
-    yield sends
+    if sends:
+        yield sends
     l_sum, o_sum = l_parts[0], o_parts[0]
     for a, b in zip(l_parts[1:], o_parts[1:]):
         l_sum, o_sum = ops.add_partial(l_sum, a), ops.add_partial(o_sum, b)
@@ -158,6 +165,8 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
         dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
         dk_acc = dk_t if dk_acc is None else ops.add_partial(dk_acc, dk_t)
         dv_acc = dv_t if dv_acc is None else ops.add_partial(dv_acc, dv_t)
+        if P == 1:
+            break  # the block never leaves home
         # the block's accumulators move on with it; after the last step they go home to the owner
         sa, ra = _rotate(model, dk_acc, tag + 3)
         sb, rb = _rotate(model, dv_acc, tag + 4)
@@ -167,7 +176,8 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
             kv, (dk_acc, dv_acc) = (got[0], got[1]), (got[2], got[3])
         else:
             dk_acc, dv_acc = got
-    yield sends
+    if sends:
+        yield sends
     dq = dq_parts[0]
     for part in dq_parts[1:]:
         dq = ops.add_partial(dq, part)
