@@ -25,11 +25,12 @@ def run_tp(data, tp, dp=1, program=megatron, mode="exact", sp=False):
 @given(tp=st.sampled_from([1, 2, 3, 4, 6]), dp=st.sampled_from([1, 2]), per_rank_heads=st.integers(1, 2),
        layers=st.integers(1, 2), tied=st.booleans(), dropout=st.sampled_from([0.0, 0.1]),
        precision=st.sampled_from(["fp32", "bf16", "fp16"]), causal=st.booleans(), sp=st.booleans(),
-       seed=st.integers(0, 50))
-def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, dropout, precision, causal, sp, seed):
+       recompute=st.sampled_from(["none", "selective", "full"]), seed=st.integers(0, 50))
+def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, dropout, precision, causal, sp, recompute,
+                                      seed):
     heads = tp * per_rank_heads
     model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=tp if sp else 3,
-                      vocab=4 * tp, tied_head=tied, dropout=dropout, causal=causal, seed=seed)
+                      vocab=4 * tp, tied_head=tied, dropout=dropout, causal=causal, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=2 * dp, micro_batches=2, steps=3, precision=precision)
     got, _ = run_tp(data, tp, dp, sp=sp)
     verdict = report.verification("exact", reference(data), got)

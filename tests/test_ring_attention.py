@@ -19,10 +19,11 @@ from simcluster.topology.presets import preset
 @given(attention=st.sampled_from(["ring", "allgather"]), cp=st.sampled_from([1, 2, 3, 4]),
        dp=st.sampled_from([1, 2]), chunk=st.integers(1, 2), heads=st.integers(1, 2), layers=st.integers(1, 2),
        causal=st.booleans(), dropout=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16"]),
-       seed=st.integers(0, 50))
-def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, causal, dropout, precision, seed):
+       recompute=st.sampled_from(["none", "selective", "full"]), seed=st.integers(0, 50))
+def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, causal, dropout, precision, recompute,
+                                      seed):
     model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=2 * cp * chunk, vocab=9,
-                      causal=causal, dropout=dropout, seed=seed)
+                      causal=causal, dropout=dropout, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=dp, steps=3, precision=precision)
     mesh = DeviceMesh(dp=dp, cp=cp)
     run = simulate(context_parallel, CPConfig(data=data, attention=attention), mesh=mesh,

@@ -16,12 +16,14 @@ from simcluster.topology.presets import preset  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def test_gloo_matches_the_emulator_byte_for_byte():
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=3, vocab=8, tied_head=True, dropout=0.1)
+@pytest.mark.parametrize("sp", [False, True])
+def test_gloo_matches_the_emulator_byte_for_byte(sp):
+    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=True, dropout=0.1)
     data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
     mesh = DeviceMesh(dp=2, tp=2)
-    real = spawn(megatron, TPConfig(data=data), mesh=mesh, backend="gloo")
-    emulated = simulate(megatron, TPConfig(data=data), mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=4)).results
+    cfg = TPConfig(data=data, sequence_parallel=sp)
+    real = spawn(megatron, cfg, mesh=mesh, backend="gloo")
+    emulated = simulate(megatron, cfg, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=4)).results
     coords = [mesh.coords(r) for r in range(4)]
     a, b = assemble(emulated, coords), assemble(real, coords)
     assert a.keys() == b.keys()

@@ -24,12 +24,13 @@ def run_cp(data, cp, dp=1, program=context_parallel, mode="exact"):
 @settings(max_examples=12)
 @given(cp=st.sampled_from([1, 2, 3, 4, 6]), dp=st.sampled_from([1, 2]), per_rank_heads=st.integers(1, 2),
        tokens_per_rank=st.integers(1, 2), layers=st.integers(1, 2), tied=st.booleans(), causal=st.booleans(),
-       dropout=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 50))
+       dropout=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16"]),
+       recompute=st.sampled_from(["none", "selective", "full"]), seed=st.integers(0, 50))
 def test_bit_exact_against_one_device(cp, dp, per_rank_heads, tokens_per_rank, layers, tied, causal, dropout,
-                                      precision, seed):
+                                      precision, recompute, seed):
     heads = cp * per_rank_heads
     model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=cp * tokens_per_rank, vocab=9,
-                      tied_head=tied, causal=causal, dropout=dropout, seed=seed)
+                      tied_head=tied, causal=causal, dropout=dropout, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=dp, steps=3, precision=precision)
     got, _ = run_cp(data, cp, dp)
     verdict = report.verification("exact", reference(data), got)

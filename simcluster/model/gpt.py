@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from simcluster.model.activations import layer_bytes
 from simcluster.model.memory import MemoryLedger
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
@@ -343,7 +344,7 @@ class GPT:
         for i in range(self.cfg.layers):
             x, cache = self.block_forward(p, x, i, step, where)
             stored = self._stored(cache)
-            self.memory.hold("activations", f"block{i}", self._bytes(stored))
+            self.memory.hold("activations", f"block{i}", self.layer_bytes(x))
             blocks.append(stored)
         loss_sum, hc = self.head_forward(p, x, targets)
         self.memory.hold("activations", "head", self._bytes(hc))
@@ -386,6 +387,12 @@ class GPT:
     def finish(self, grads: dict[str, Any]) -> dict[str, Any]:
         """Round every gradient once (after any all-reduce of the partials)."""
         return {k: self.ops.finalize(v) for k, v in grads.items()}
+
+    def layer_bytes(self, x: Any, t: int = 1, sp: bool = False) -> int:
+        """What one block keeps for backward on this rank (model/activations.py), for x (b, s, h)."""
+        b, s, _ = x.shape
+        return layer_bytes(s=s, b=b, h=self.cfg.hidden, a=self.cfg.heads, t=t, sp=sp,
+                           recompute=self.cfg.recompute.value, dtype=self.cfg.dtype)
 
     def _bytes(self, tensors: dict[str, Any]) -> int:
         total = 0

@@ -91,6 +91,7 @@ class CPModel:
         self.attention = ATTENTION[cfg.attention]
         self.zigzag = cfg.zigzag
         self.positions = layout(self.m.seq, self.P, self.r, self.zigzag)
+        self._keep_all = False
 
     def keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice, axis: int, offset: int,
              size: int) -> Any:
@@ -162,12 +163,37 @@ class CPModel:
         z = ops.add(ops.matmul(g, p[pre + "mlp.w_out"]), p[pre + "mlp.b_out"])
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
-        return x2, {"x": x, "a": a, "mu1": mu1, "r1": r1, "core": core, "ctx": ctx_, "keep_a": keep_a, "x1": x1,
-                    "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
+        cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
+                 "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
+        policy = m.recompute.value
+        if policy == "full" and not self._keep_all:
+            return x2, {"x": x}
+        if policy == "selective" and not self._keep_all:
+            return x2, {k: v for k, v in cache.items() if k != "core"}
+        return x2, cache
 
-    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int,
-                       grads: dict[str, Any]) -> Generator[Any, Any, Any]:
+    def held(self, x: Any) -> int:
+        """Bytes a block keeps on this rank: sequence-sharded like TP+SP of degree P (model/activations.py)."""
+        from simcluster.model.activations import layer_bytes
+
+        return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.P, sp=True,
+                           recompute=self.m.recompute.value, dtype=self.m.dtype)
+
+    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, grads: dict[str, Any],
+                       step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
+        policy = self.m.recompute.value
+        if policy == "full":  # the block again, its attention communication included
+            with self.ctx.annotate("recompute", f"R{i}"):
+                self._keep_all = True
+                try:
+                    _, c = yield from self.block(p, c["x"], i, step, where)
+                finally:
+                    self._keep_all = False
+        elif policy == "selective":
+            with self.ctx.annotate("recompute", f"R{i}"):
+                _, core = yield from self.attention.forward(self, c["q"], c["k"], c["v"], i, step, where)
+                c = c | {"core": core}
         dz = self.drop(dx2, c["keep_m"])
         grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True)
         grads[pre + "mlp.b_out"] = ops.sum(dz, (0, 1), partial=True)
@@ -206,6 +232,7 @@ class CPModel:
             for i in range(m.layers):
                 x, c = yield from self.block(weights, x, i, step, where)
                 caches.append(c)
+                self.ctx.memory.hold("activations", f"mb{j}.block{i}", self.held(x))
             loss_sum, hc = gpt.head_forward(weights, x, targets)
         g: dict[str, Any] = {}
         with self.ctx.annotate("backward", f"B{j}"):
@@ -213,7 +240,8 @@ class CPModel:
             head_wte = head.pop("wte", None)
             g |= head
             for i in reversed(range(m.layers)):
-                dx = yield from self.block_backward(weights, dx, caches[i], i, g)
+                dx = yield from self.block_backward(weights, dx, caches[i], i, g, step, where)
+                self.ctx.memory.release("activations", f"mb{j}.block{i}")
             dx = self.drop(dx, keep0)
             g["wpe"] = ops.embedding_backward(pos, dx, m.seq)
             g["wte"] = ops.embedding_backward(ids, dx, m.vocab)

@@ -104,6 +104,7 @@ class TPModel:
         self.heads = self.m.heads // self.t
         self.vocab = self.m.vocab // self.t
         self.sp = cfg.sequence_parallel and self.t > 1
+        self._keep_all = False
         self.seq = self.m.seq // self.t if self.sp else self.m.seq  # tokens of a sequence held between regions
         self.gpt = GPT(ctx.ops, self.m, memory=ctx.memory)  # for its unsharded helpers
 
@@ -170,19 +171,22 @@ class TPModel:
         keep0 = self.keep("embed", tuple(x.shape), step, where)
         return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
 
+    def block_full(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        """The block, keeping everything (for the backward pass of full recomputation)."""
+        self._keep_all = True
+        try:
+            return (yield from self.block(p, x, i, step, where))
+        finally:
+            self._keep_all = False
+
     def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, m, pre = self.ops, self.m, f"layers.{i}."
         a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
         a = yield from self.gather(a_mine)  # (b, s, h)
         qkv = ops.add(ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s, 3h/t): column parallel
         q, k, v = (self.heads_of(z) for z in self.split3(qkv))  # (b, a/t, s, d)
-        s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
-        e = ops.attention_weights(s, ops.max(s, -1))
-        l_sum = ops.sum(e, -1, partial=True)
-        keep = self.keep(f"attn.{i}", tuple(e.shape), step, where, head_axis=True)
-        ek = e if keep is None else ops.zero_where(keep, e)
-        out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
-                                   1.0 / (1.0 - m.dropout))
+        core = self.core(q, k, v, i, step, where)
+        out = core["out"]
         ctx_ = self.merge(out)  # (b, s, h/t)
         y = ops.add((yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))),
                     p[pre + "attn.b_proj"])  # row parallel + g
@@ -195,9 +199,37 @@ class TPModel:
         z = ops.add((yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))), p[pre + "mlp.b_out"])
         keep_m = self.keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
-        return x2, {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "e": e, "l": l_sum, "keep": keep,
-                    "out": out, "ctx": ctx_, "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g,
-                    "keep_m": keep_m}
+        cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "ctx": ctx_, "keep_a": keep_a, "x1": x1,
+                 "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m, **core}
+        return x2, (cache if self._keep_all else self.stored(cache))
+
+    def core(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> dict[str, Any]:
+        """The attention core on this rank's heads: e, l, keep, out (b, a/t, s, d)."""
+        ops, m = self.ops, self.m
+        s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
+        e = ops.attention_weights(s, ops.max(s, -1))
+        l_sum = ops.sum(e, -1, partial=True)
+        keep = self.keep(f"attn.{i}", tuple(e.shape), step, where, head_axis=True)
+        ek = e if keep is None else ops.zero_where(keep, e)
+        out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
+                                   1.0 / (1.0 - m.dropout))
+        return {"e": e, "l": l_sum, "keep": keep, "out": out}
+
+    def stored(self, cache: dict[str, Any]) -> dict[str, Any]:
+        """What forward keeps for backward, by the recomputation policy."""
+        policy = self.m.recompute.value
+        if policy == "full":
+            return {"x": cache["x"]}
+        if policy == "selective":
+            return {k: v for k, v in cache.items() if k not in ("e", "l", "keep")}
+        return cache
+
+    def held(self, x: Any) -> int:
+        """Bytes a block keeps on this rank (model/activations.py)."""
+        from simcluster.model.activations import layer_bytes
+
+        return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
+                           recompute=self.m.recompute.value, dtype=self.m.dtype)
 
     def head(self, p: dict[str, Any], x: Any, targets: Any) -> Generator[Any, Any, Any]:
         """Vocab-parallel cross-entropy: the loss's partial sum over these tokens."""
@@ -236,9 +268,16 @@ class TPModel:
                                                                       hc["rf"])
         return dx
 
-    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int,
-                       grads: dict[str, Any]) -> Generator[Any, Any, Any]:
+    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, grads: dict[str, Any],
+                       step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, m, pre = self.ops, self.m, f"layers.{i}."
+        policy = m.recompute.value
+        if policy == "full":  # the block again, collectives included
+            with self.ctx.annotate("recompute", f"R{i}"):
+                _, c = yield from self.block_full(p, c["x"], i, step, where)
+        elif policy == "selective":
+            with self.ctx.annotate("recompute", f"R{i}"):
+                c = c | self.core(c["q"], c["k"], c["v"], i, step, where)
         dz_mine = self.drop(dx2, c["keep_m"])
         grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
         dz = yield from self.gather(dz_mine)  # g-bar backward: the whole sequence again
@@ -305,13 +344,15 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
                 for i in range(mcfg.layers):
                     x, c = yield from model.block(weights, x, i, step, where)
                     caches.append(c)
+                    ctx.memory.hold("activations", f"mb{j}.block{i}", model.held(x))
                 part, hc = yield from model.head(weights, x, targets)
             loss_sum = part if loss_sum is None else ops.add_partial(loss_sum, part)
             g: dict[str, Any] = {}
             with ctx.annotate("backward", f"B{j}"):
                 dx = yield from model.head_backward(weights, hc, where.total * mcfg.seq, scale, g)
                 for i in reversed(range(mcfg.layers)):
-                    dx = yield from model.block_backward(weights, dx, caches[i], i, g)
+                    dx = yield from model.block_backward(weights, dx, caches[i], i, g, step, where)
+                    ctx.memory.release("activations", f"mb{j}.block{i}")
                 yield from model.embed_backward(ec, dx, g)
             if model.sp:  # norms, replicated biases and positions saw only this rank's tokens
                 names = [k for k in g if k == "wpe" or shard_kind(k) == "replicated"]

@@ -159,6 +159,8 @@ class GPTStage:
         for i in self.ranges[g]:
             x, c = model.block_forward(self.weights, x, i, self.step, where)
             cache["blocks"][i] = model._stored(c)
+            cache.setdefault("held", 0)
+            cache["held"] += model.layer_bytes(x)
         if g == self.chunks - 1:
             part, cache["head"] = model.head_forward(self.weights, x, targets)
             self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
@@ -203,8 +205,7 @@ class GPTStage:
         self.ctx.memory.release("activations", f"mb{j}.chunk{g}")
 
     def _bytes(self, cache: dict[str, Any]) -> int:
-        total = sum(self.model._bytes(c) for c in cache["blocks"].values())
-        return total + sum(self.model._bytes(cache[k]) for k in ("embed", "head") if k in cache)
+        return cache.get("held", 0) + sum(self.model._bytes(cache[k]) for k in ("embed", "head") if k in cache)
 
 
 def stage_parameters(cfg: PipelineConfig, ranges: list[range], chunks_here: list[int]) -> list[str]:

@@ -116,7 +116,8 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                         i = int(u[len("block"):])
                         x, cache = model.block_forward(p, x, i, step, where)
                         caches[u] = model._stored(cache)
-                ctx.memory.hold("activations", f"{u}", model._bytes(caches[u]))
+                held = model.layer_bytes(x) if u.startswith("block") else model._bytes(caches[u])
+                ctx.memory.hold("activations", f"{u}", held)
 
             # 2. backward, unit by unit in reverse; gradients leave as soon as a unit is done
             scattering: dict[str, Any] = {}

@@ -1,0 +1,49 @@
+"""What a transformer layer keeps for its backward pass: the memory model of activations.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4:
+the tensors Megatron-LM stores per layer, with 16-bit activations and 1-byte dropout masks. Our
+numpy caches hold an equivalent set (e.g. the softmax numerators and mask rather than the dropout
+output), but memory is charged as a GPU implementation would hold it, tensor by tensor, so the totals
+are the paper's: sbh(34 + 5as/h) alone; with tensor parallelism t, the tensors inside the parallel
+region shrink by t; with sequence parallelism everything does; selective recomputation drops the
+attention core's 5as^2b; full recomputation keeps only the layer's input.
+"""
+
+from __future__ import annotations
+
+from simcluster.numerics.tensor import ITEMSIZE
+
+
+def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
+                      dtype: str = "bf16") -> dict[str, int]:
+    """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full")
+    item = ITEMSIZE[dtype]
+    sbh = s * b * h
+    outside = t if sp else 1  # tensors outside the tensor-parallel region: split only with SP
+    if recompute == "full":
+        return {"layer input": item * sbh // outside}
+    kept = {
+        # attention block: 11sbh + 5as^2b
+        "qkv input (layer norm output)": item * sbh // outside,
+        "q, k": 2 * item * sbh // t,
+        "v": item * sbh // t,
+        "projection input": item * sbh // t,
+        "attention dropout mask": sbh // outside,
+        # MLP block: 19sbh
+        "mlp input (layer norm output)": item * sbh // outside,
+        "gelu input": 4 * item * sbh // t,
+        "gelu output": 4 * item * sbh // t,
+        "mlp dropout mask": sbh // outside,
+        # the two layer norms' inputs: 4sbh
+        "layer norm inputs": 2 * item * sbh // outside,
+    }
+    if recompute == "none":  # the attention core: recomputed under selective recomputation
+        kept |= {"softmax output": item * a * s * s * b // t, "softmax dropout mask": a * s * s * b // t,
+                 "softmax dropout output": item * a * s * s * b // t}
+    return kept
+
+
+def layer_bytes(**kw: object) -> int:
+    return sum(layer_activations(**kw).values())  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""Activation memory per layer, from the engine's accounting in meta mode: Korthikanti et al. 2022,
+Table 2 (16-bit activations, 1-byte dropout masks), one test per row."""
+
+import pytest
+
+from simcluster.engine import simulate
+from simcluster.model.gpt import GPTConfig
+from simcluster.parallel.context_parallel import CPConfig, context_parallel
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.ddp import ddp
+from simcluster.parallel.megatron_tp import TPConfig, megatron
+from simcluster.program.mesh import DeviceMesh
+from simcluster.topology.presets import preset
+
+s, b, h, a = 512, 2, 1024, 16
+
+
+def held_per_layer(program, cfg, mesh):
+    trace = simulate(program, cfg, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=mesh.world_size),
+                     mode="meta").trace
+    holds = [e.bytes for e in trace.memory if e.rank == 0 and e.category == "activations" and e.bytes > 0
+             and "block0" in e.name]
+    return holds[0]
+
+
+def model(recompute="none"):
+    return GPTConfig(layers=2, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, recompute=recompute,
+                     dtype="bf16", tied_head=False)
+
+
+def tp_layer(t, sp=False, recompute="none"):
+    data = DPConfig(model=model(recompute), global_batch=b, steps=1, precision="bf16")
+    return held_per_layer(megatron, TPConfig(data=data, sequence_parallel=sp), DeviceMesh(tp=t))
+
+
+def test_no_parallelism():
+    data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
+    assert held_per_layer(ddp, data, DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_tensor_parallel(t):
+    assert tp_layer(t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_tensor_and_sequence_parallel(t):
+    assert tp_layer(t, sp=True) == s * b * h * (34 / t + 5 * a * s / (h * t))
+
+
+@pytest.mark.parametrize("t", [2, 8])
+def test_tensor_parallel_with_selective_recomputation(t):
+    assert tp_layer(t, recompute="selective") == s * b * h * (10 + 24 / t)
+
+
+@pytest.mark.parametrize("t", [2, 8])
+def test_tensor_and_sequence_parallel_with_selective_recomputation(t):
+    assert tp_layer(t, sp=True, recompute="selective") == s * b * h * 34 / t
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_full_recomputation(t):
+    assert tp_layer(t, recompute="full") == s * b * h * 2
+
+
+@pytest.mark.parametrize("attention", ["ulysses", "ring"])
+def test_context_parallel_shards_everything_like_tp_plus_sp(attention):
+    P = 4
+    data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
+    got = held_per_layer(context_parallel, CPConfig(data=data, attention=attention), DeviceMesh(cp=P))
+    assert got == s * b * h * (34 / P + 5 * a * s / (h * P))
