@@ -50,7 +50,8 @@ def test_four_all_reduces_of_sbh_per_layer(tp):
     assert len(block_calls) == 4 * layers + 2  # + the embedding lookup and the head's input gradient
 
 
-def test_a_swapped_shard_is_caught():
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_swapped_shard_is_caught(sp):
     """Tensor-parallel ranks that compute each other's heads: the weights come out permuted."""
     import simcluster.parallel.megatron_tp as tp_module
 
@@ -67,9 +68,9 @@ def test_a_swapped_shard_is_caught():
         ctx.mesh = Swap()
         return (yield from tp_module.megatron(ctx, cfg))
 
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False)
+    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
     data = DPConfig(model=model, global_batch=2, steps=2)
-    got, _ = run_tp(data, 2, program=swapped)
+    got, _ = run_tp(data, 2, program=swapped, sp=sp)
     verdict = report.verification("exact", reference(data), got)
     assert not verdict["bit_exact"]
 

@@ -107,13 +107,14 @@ def test_ring_communication_hides_behind_compute_only_for_big_enough_blocks():
     assert compute < transfer and gaps > 0
 
 
-def test_a_wrong_causal_mask_is_caught(monkeypatch):
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
     """Masking every key block as if it held the query's own positions."""
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=8, vocab=5, causal=True)
     data = DPConfig(model=model, global_batch=1, steps=1)
     mesh = DeviceMesh(cp=2)
     monkeypatch.setattr(ring_attention, "_positions", lambda model, owner: model.positions)
-    run = simulate(context_parallel, CPConfig(data=data, attention="ring"), mesh=mesh,
+    run = simulate(context_parallel, CPConfig(data=data, attention=attention), mesh=mesh,
                    cluster=preset("dgx-a100", gpus_per_node=2))
     got = assemble(run.results, [mesh.coords(r) for r in range(2)])
     assert not report.verification("exact", reference(data), got)["bit_exact"]
