@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Console(highlight=False)
         out.print(ReportView(outcome.report))
         out.print()
-        out.print(f"[bold]timeline[/] (one lane per rank and stream)", markup=True)
+        out.print("[bold]timeline[/] (one lane per rank and stream)", markup=True)
         out.print(Timeline(outcome.result.trace, width=args.width))
     return 0 if outcome.report["verification"].get("passed", True) else 1
 

@@ -1,6 +1,5 @@
 """DDP and ZeRO-1/2/3: bit-exact against one device; broken variants caught; clear errors."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

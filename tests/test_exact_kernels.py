@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from simcluster.numerics import exact, transcendental
 from simcluster.numerics.ops import make_ops
-from simcluster.numerics.tensor import Partial, ReduceOp, reduce
+from simcluster.numerics.tensor import ReduceOp, reduce
 
 ops = make_ops("exact")
 

@@ -1,6 +1,5 @@
 """Megatron tensor parallelism: bit-exact, the paper's communication, a broken variant, clear errors."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -91,7 +91,7 @@ class Replay:
         self.draining = False
 
     def _stream(self, s: Stream, events: list[TraceEvent]) -> Iterator[Any]:
-        env, kernel_ns = self.env, self.cluster.kernel_ns
+        kernel_ns = self.cluster.kernel_ns
         dtype, rank, name = self.cost_dtype, s.rank, s.name
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times

@@ -17,12 +17,11 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, adam_step, grad_dtype, init_params
-from simcluster.model.gpt import model_state_bytes, unscale, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params, model_state_bytes, working_copy
 from types import SimpleNamespace
 
 from simcluster.parallel import ring_attention, ulysses
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import DPConfig, sum_and_step
 from simcluster.program.context import Context
 
 ATTENTION = {
@@ -274,12 +273,7 @@ def context_parallel(ctx: Context, cfg: CPConfig) -> Generator[Any, Any, dict[st
         for j in range(data.micro_batches):
             part, where = yield from model.step(weights, step, d, n, j, acc)
             loss_sum = part if loss_sum is None else ops.add_partial(loss_sum, part)
-        names = list(master)
-        flat = ops.flat([ops.retag(acc[k], grad_dtype(data.precision)) for k in names])
-        reduced = yield ctx.comm.all_reduce(flat, group=both)
-        with ctx.annotate("optimizer", f"O{step}"):
-            grads = {k: ops.finalize(v) for k, v in zip(names, ops.unflat(reduced, [master[k].shape for k in names]))}
-            master = adam_step(ops, master, unscale(ops, grads, data.precision), state, lr=data.lr)
+        master, grads = yield from sum_and_step(ctx, master, acc, state, data, both, step)
         ctx.memory.release("gradients", "grads")
         with ctx.annotate("forward", "loss"):
             total = yield ctx.comm.all_reduce(loss_sum, group=both)

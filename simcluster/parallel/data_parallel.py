@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.model.gpt import PRECISIONS, GPTConfig, Slice, batch, unit_names, units
+from simcluster.model.gpt import PRECISIONS, AdamState, GPTConfig, Slice, adam_step, batch, grad_dtype, unit_names
+from simcluster.model.gpt import units, unscale
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,18 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
         for name, value in out[kind].items():
             flat[f"{kind}.{name}"] = value
     return flat
+
+
+def sum_and_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], state: AdamState, cfg: DPConfig,
+                 group: Any, step: int) -> Any:
+    """Sum this rank's gradient partials over `group` in one flat all-reduce (in the gradient dtype),
+    round each once, and step AdamW on the fp32 master weights: (new master, rounded gradients)."""
+    ops = ctx.ops
+    names = list(master)
+    flat = ops.flat([ops.retag(partials[k], grad_dtype(cfg.precision)) for k in names])
+    reduced = yield ctx.comm.all_reduce(flat, group=group)
+    with ctx.annotate("optimizer", f"O{step}"):
+        shapes = [tuple(master[k].shape) for k in names]
+        grads = {k: ops.finalize(g) for k, g in zip(names, ops.unflat(reduced, shapes))}
+        master = adam_step(ops, master, unscale(ops, grads, cfg.precision), state, lr=cfg.lr)
+    return master, grads

@@ -26,10 +26,9 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, adam_step, grad_dtype, init_params
-from simcluster.model.gpt import model_state_bytes, unscale, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params, model_state_bytes, working_copy
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import DPConfig, sum_and_step
 from simcluster.program.context import Context
 
 
@@ -329,7 +328,7 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
     sizes = model_state_bytes(local, data.precision)
     ctx.memory.hold("parameters", "weights", sizes["parameters"])
     ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
-    gdt, scale = grad_dtype(data.precision), LOSS_SCALE[data.precision]
+    scale = LOSS_SCALE[data.precision]
     losses, grads = [], {}
     for step in range(data.steps):
         weights = working_copy(ops, master, data.precision)
@@ -360,12 +359,7 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
                 g |= dict(zip(names, summed))
             for k, v in g.items():
                 acc[k] = v if k not in acc else ops.add_partial(acc[k], v)
-        names = list(master)
-        flat = ops.flat([ops.retag(acc[k], gdt) for k in names])
-        reduced = yield ctx.comm.all_reduce(flat, group=dp)
-        with ctx.annotate("optimizer", f"O{step}"):
-            grads = {k: ops.finalize(v) for k, v in zip(names, ops.unflat(reduced, [master[k].shape for k in names]))}
-            master = adam_step(ops, master, unscale(ops, grads, data.precision), state, lr=data.lr)
+        master, grads = yield from sum_and_step(ctx, master, acc, state, data, dp, step)
         ctx.memory.release("gradients", "grads")
         with ctx.annotate("forward", "loss"):
             total = yield ctx.comm.all_reduce(loss_sum, group=dp)

@@ -24,10 +24,9 @@ from typing import Any, Generator, Protocol
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
-from simcluster.model.gpt import unscale, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, init_params, model_state_bytes, working_copy
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import DPConfig, sum_and_step
 from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, build, check
 from simcluster.parallel.pipeline_schedules import splits_weight_gradient
 from simcluster.program.context import Context
@@ -254,12 +253,7 @@ def pipeline(ctx: Context, cfg: PipelineConfig) -> Generator[Any, Any, dict[str,
         ctx.memory.hold("gradients", "grads", sizes["gradients"])
         yield from execute(ctx, passes, work, shape.chunks, pp)
         # data parallelism around the pipeline: this stage's gradients, summed over its replicas
-        flat = ops.flat([ops.retag(work.grads[k], grad_dtype(data.precision)) for k in names])
-        reduced = yield ctx.comm.all_reduce(flat, group=dp)
-        with ctx.annotate("optimizer", f"O{step}"):
-            shapes = [mcfg.parameter_shapes()[k] for k in names]
-            grads = {k: ops.finalize(g) for k, g in zip(names, ops.unflat(reduced, shapes))}
-            master = adam_step(ops, master, unscale(ops, grads, data.precision), state, lr=data.lr)
+        master, grads = yield from sum_and_step(ctx, master, work.grads, state, data, dp, step)
         ctx.memory.release("gradients", "grads")
         if work.loss_sum is not None:
             with ctx.annotate("forward", "loss"):
