@@ -1,20 +1,32 @@
-"""`simcluster run [SCENARIO] [--json] [--set key=value ...]`."""
+"""`simcluster COMMAND`: run, verify, list, timeline, export. Run `simcluster COMMAND --help` for each."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.runner import run_scenario
-from simcluster.scenario import ScenarioError, all_keys, load
-from simcluster.viz.report_view import ReportView
-from simcluster.viz.timeline import Timeline
+from simcluster.runner import Outcome, run_all
+from simcluster.scenario import ScenarioError, all_keys, library, load
+from simcluster.viz.report_view import ReportView, _bytes
+from simcluster.viz.timeline import Timeline, format_ns
+
+
+def _scenario_args(p: argparse.ArgumentParser, optional: bool = True) -> None:
+    p.add_argument("scenario", nargs="?" if optional else None,
+                   help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
+                        + ("; default: the built-in default scenario" if optional else ""))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable). Keys: " + ", ".join(all_keys()))
+    p.add_argument("--at-scale", action="store_true",
+                   help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,14 +35,61 @@ def _parser() -> argparse.ArgumentParser:
         "every simulated rank, checks its numbers bit for bit against one device, and times it."))
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="simulate a scenario, verify it, print the report and the timeline",
-                         description="Simulate SCENARIO (a TOML file; the built-in default if omitted), verify "
-                                     "it against a single-device run, and print the report and the timeline.")
-    run.add_argument("scenario", nargs="?", help="scenario TOML file (default: the built-in default scenario)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a scenario key, e.g. --set parallel.tp=2 (repeatable). Keys: " + ", ".join(all_keys()))
+                         description="Simulate SCENARIO, verify it against a single-device run, and print the report "
+                                     "and the timeline (a table of the variants for a scenario with [compare]).")
+    _scenario_args(run)
     run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
+    verify = sub.add_parser("verify", help="check a scenario's numbers against one device, and nothing else",
+                            description="Run SCENARIO in exact mode and compare every output with the single-device "
+                                        "run byte for byte. Exit status 0 when bit-exact, 1 when not.")
+    _scenario_args(verify)
+    sub.add_parser("list", help="the scenarios in scenarios/, with what each shows",
+                   description="List the library's scenarios with a one-line description.")
+    timeline = sub.add_parser("timeline", help="draw a scenario's timeline",
+                              description="Simulate SCENARIO and draw its timeline: one lane per rank and stream.")
+    _scenario_args(timeline)
+    timeline.add_argument("--ranks", help="ranks to draw, e.g. 0,1,4 (default: all)")
+    timeline.add_argument("--streams", help="streams to draw, e.g. compute,comm:dp (default: all)")
+    timeline.add_argument("--start-us", type=float, help="start of the window, in microseconds")
+    timeline.add_argument("--end-us", type=float, help="end of the window, in microseconds")
+    timeline.add_argument("--width", type=int, default=100, help="width in columns (default 100)")
+    export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing",
+                            description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
+    _scenario_args(export)
+    export.add_argument("-o", "--output", required=True, help="where to write the trace (JSON)")
     return p
+
+
+def _ints(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ScenarioError(f"--{what} wants comma-separated integers, got {text!r}") from None
+
+
+def _comparison(outcome: Outcome) -> Table:
+    t = Table(title=f"scenario {outcome.scenario.name!r}: {len(outcome.variants)} variants", title_justify="left")
+    for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict"):
+        t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
+    for label, o in outcome.variants:
+        r = o.report
+        peak = max((v.get("total", 0) for v in r.get("memory_peak_bytes", {}).values()), default=0)
+        sent = sum(c["bytes_per_rank"] for c in r["communication"])
+        v = r["verification"]
+        status = v.get("status", "")
+        verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
+                   "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
+        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %", _bytes(peak),
+                  _bytes(sent), verdict)
+    return t
+
+
+def _passed(outcome: Outcome) -> bool:
+    reports = [o.report for _, o in outcome.variants] or [outcome.report]
+    return all(r["verification"].get("passed", True) for r in reports)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,22 +98,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    err = Console(stderr=True, highlight=False)
+    out, err = Console(highlight=False), Console(stderr=True, highlight=False)
     try:
-        scenario = load(args.scenario, args.overrides)
-        outcome = run_scenario(scenario)
+        if args.command == "list":
+            t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
+            t.add_column("name")
+            t.add_column("what it shows")
+            for f in library():
+                t.add_row(f.stem, load(str(f)).description)
+            out.print(t)
+            return 0
+        overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
+        scenario = load(args.scenario, overrides, at_scale=args.at_scale)
+        ranks = _ints(getattr(args, "ranks", None), "ranks")
+        outcome = run_all(scenario)
     except (ScenarioError, SimulationError, ProgramError) as exc:
         err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
         return 2
+    if args.command == "export":
+        from simcluster.viz.chrome import dumps
+
+        Path(args.output).write_text(dumps(outcome.result.trace, title=scenario.name))
+        out.print(f"wrote {len(outcome.result.trace)} events to {args.output}")
+        return 0
+    if args.command == "timeline":
+        trace = outcome.result.trace
+        if args.streams:
+            keep = set(args.streams.split(","))
+            trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])
+        start = int(args.start_us * 1000) if args.start_us is not None else 0
+        end = int(args.end_us * 1000) if args.end_us is not None else None
+        out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
+        return 0
+    if args.command == "verify":
+        labelled = [(label, o.report) for label, o in outcome.variants] or [(scenario.name, outcome.report)]
+        for label, r in labelled:
+            v = r["verification"]
+            out.print(f"{label}: " + ("bit-exact" if v.get("bit_exact") else
+                                      v.get("status") or f"MISMATCH {v.get('mismatches', [])[:1]}")
+                      + f" ({v.get('outputs_compared', 0)} outputs)")
+        return 0 if _passed(outcome) else 1
     if args.json:
         sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
+    elif outcome.variants:
+        out.print(_comparison(outcome))
     else:
-        out = Console(highlight=False)
         out.print(ReportView(outcome.report))
         out.print()
         out.print("[bold]timeline[/] (one lane per rank and stream)", markup=True)
         out.print(Timeline(outcome.result.trace, width=args.width))
-    return 0 if outcome.report["verification"].get("passed", True) else 1
+    return 0 if _passed(outcome) else 1
 
 
 if __name__ == "__main__":

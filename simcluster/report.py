@@ -34,6 +34,19 @@ def communication(trace: Trace) -> list[dict[str, Any]]:
     return rows
 
 
+def idle_fraction(trace: Trace) -> float:
+    """Mean over ranks of the compute stream's idle share of the run: the bubbles, whatever made them."""
+    end = trace.end
+    if not end:
+        return 0.0
+    ranks = sorted({r for r, _ in trace.lanes})
+    busy_compute = {r: 0 for r in ranks}
+    for e in trace:
+        if e.stream == "compute":
+            busy_compute[e.rank] += e.duration
+    return sum(1 - busy_compute[r] / end for r in ranks) / len(ranks)
+
+
 def busy(trace: Trace) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for e in trace:
@@ -103,6 +116,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops
         "step_time_ns": makespan // steps,
         "total_time_ns": makespan,
         "mfu": round(mfu, 6),
+        "compute_idle_fraction": round(idle_fraction(result.trace), 6),
         "busy_ns": busy(result.trace),
         "communication": communication(result.trace),
         "memory_peak_bytes": {str(r): v for r, v in sorted(result.trace.memory_peaks().items())},

@@ -8,6 +8,7 @@ from typing import Any
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.model.gpt import GPTConfig
+from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.data_parallel import assemble as assemble_dp
@@ -31,6 +32,17 @@ class Outcome:
     scenario: Scenario
     result: RunResult
     report: dict[str, Any]
+    variants: tuple[tuple[str, "Outcome"], ...] = ()
+
+
+def run_all(sc: Scenario) -> Outcome:
+    """The scenario, or each of its [compare] variants (the first variant's run stands for the whole)."""
+    if not sc.variants:
+        return run_scenario(sc)
+    outcomes = tuple((label, run_scenario(v)) for label, v in sc.variants)
+    first = outcomes[0][1]
+    report = {"scenario": sc.as_dict(), "variants": [dict(o.report, variant=label) for label, o in outcomes]}
+    return Outcome(sc, first.result, report, outcomes)
 
 
 def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
@@ -137,6 +149,20 @@ def run_scenario(sc: Scenario) -> Outcome:
             expected = assemble(ref.results, [one.coords(0)])
             got = assemble(result.results, [mesh.coords(r) for r in range(mesh.world_size)])
             verdict = _report.verification(mode, expected, got)
+    elif sc.run["program"] == "allreduce":
+        elements = sc.model["global_batch"] * sc.model["seq"] * sc.model["hidden"]
+        result = simulate(allreduce_decomposed, elements, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode,
+                          cost_dtype=dtype)
+        parameters, model_flops = 0, 0.0
+        if mode == "meta":
+            verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
+        else:
+            def limbs(x: Any) -> Any:
+                return x.limbs if hasattr(x, "limbs") else x
+            expected = {f"rank{r}": limbs(res["all_reduce"]) for r, res in enumerate(result.results)}
+            got = {f"rank{r}": limbs(res["reduce_scatter+all_gather"]) for r, res in enumerate(result.results)}
+            verdict = _report.verification(mode, expected, got)
+            verdict["reference"] = "the all-reduce's result"
     else:
         result = simulate(collectives_demo, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
         parameters, model_flops = 0, 0.0

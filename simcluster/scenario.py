@@ -70,8 +70,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),
     },
     "run": {
-        "program": Key(str, "gpt", "what to run: gpt (the GPT model, data parallel: DDP or ZeRO), mlp (a TP x DP "
-                       "two-layer MLP), collectives (every primitive)", choices=("gpt", "mlp", "collectives")),
+        "program": Key(str, "gpt", "what to run: gpt (the GPT model under the [parallel] layout), mlp (a TP x DP "
+                       "two-layer MLP), collectives (every primitive), allreduce (all-reduce against reduce-scatter "
+                       "+ all-gather of global_batch x seq x hidden values)",
+                       choices=("gpt", "mlp", "collectives", "allreduce")),
         "steps": Key(int, 3, "training steps", minimum=1),
         "numerics": Key(str, "exact", "exact (bit-exact), fast (BLAS) or meta (shapes only)",
                         choices=("exact", "fast", "meta")),
@@ -81,6 +83,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}
+LIBRARY = Path(__file__).resolve().parent.parent / "scenarios"  # the scenarios/ folder of the checkout
 
 
 def all_keys() -> list[str]:
@@ -117,6 +120,7 @@ class Scenario:
     run: dict[str, Any]
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
+    variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
 
     @property
     def world_size(self) -> int:
@@ -170,6 +174,7 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
             raise ScenarioError(f"unknown key {path!r}{_suggest(path)}")
         values[section][name] = _check(path, SCHEMA[section][name], value)
 
+    compare = doc.pop("compare", None)
     for k, v in doc.items():
         if isinstance(v, dict):
             if k not in SCHEMA:
@@ -180,20 +185,87 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
             put(k, v)
     for text in overrides:
         put(*parse_override(text))
-    return Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
+    base = Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
                     values["run"], source, tuple(overrides))
+    if compare is None:
+        return base
+    return _with_variants(base, doc, compare, overrides, source)
 
 
-def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Scenario:
-    """Load a scenario file (None: the built-in default) and apply overrides."""
+def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides: Sequence[str], source: str) -> Scenario:
+    """[compare]: section.key = [values]; several keys are zipped. Each variant is the scenario with
+    those values set (command-line overrides still win)."""
+    if not isinstance(compare, dict) or not compare:
+        raise ScenarioError("[compare] must map keys to lists of values, e.g. \"parallel.zero\" = [0, 1, 2, 3]")
+    lengths = {len(v) if isinstance(v, list) else -1 for v in compare.values()}
+    if -1 in lengths or len(lengths) != 1 or 0 in lengths:
+        raise ScenarioError("[compare] values must be non-empty lists of the same length (one per variant)")
+    given = {parse_override(o)[0] for o in overrides}
+    variants = []
+    for i in range(lengths.pop()):
+        picks = {k: v[i] for k, v in compare.items() if k not in given}
+        label = ", ".join(f"{k.split('.', 1)[-1]}={_toml(v).strip(chr(34))}" for k, v in picks.items()) or f"variant {i}"
+        texts = [f"{k}={_toml(v)}" for k, v in picks.items()] + list(overrides)
+        variants.append((label, build(dict(doc), texts, source=source)))
+    return Scenario(base.name, base.description, base.model, base.cluster, base.parallel, base.run, source,
+                    tuple(overrides), tuple(variants))
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value + '"'
+    return repr(value)
+
+
+def library() -> list[Path]:
+    """The scenario files of the library, by name."""
+    return sorted(LIBRARY.glob("*.toml")) if LIBRARY.is_dir() else []
+
+
+def resolve(name_or_path: str) -> Path:
+    """A scenario file from a path, or from a library name ("zero_memory")."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    named = LIBRARY / f"{name_or_path}.toml"
+    if named.is_file():
+        return named
+    known = [f.stem for f in library()]
+    close = difflib.get_close_matches(name_or_path, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else (f"; library scenarios: {', '.join(known)}" if known else "")
+    raise ScenarioError(f"scenario file {name_or_path!r} not found{hint}")
+
+
+def load(path: str | Path | None, overrides: Sequence[str] = (), *, at_scale: bool = False) -> Scenario:
+    """Load a scenario file (None: the built-in default) and apply overrides; with `at_scale`, first the
+    file's [at_scale] overrides (a realistic size, usually in meta mode)."""
     if path is None:
+        if at_scale:
+            raise ScenarioError("--at-scale needs a scenario file with an [at_scale] table")
         return build({}, overrides)
-    p = Path(path)
-    if not p.is_file():
-        raise ScenarioError(f"scenario file {str(p)!r} not found")
+    p = resolve(str(path))
     try:
         doc = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{p}: not valid TOML: {exc}") from None
     doc.setdefault("name", p.stem)
+    scale = doc.pop("at_scale", {})
+    if not isinstance(scale, dict):
+        raise ScenarioError(f"{p}: [at_scale] must be a table of overrides")
+    if at_scale:
+        if not scale:
+            raise ScenarioError(f"{p.stem} has no [at_scale] table")
+        overrides = [f"{k}={_toml(v)}" for k, v in _flatten(scale)] + list(overrides)
     return build(doc, overrides, source=str(p))
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out

@@ -12,6 +12,7 @@ buffer zero-padded to a multiple of N so that ZeRO can shard it evenly (rank d o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,8 +106,10 @@ def _full(mine: dict[str, Any], by_dp: dict[int, dict[str, Any]], kind: str, cfg
     return out
 
 
+@functools.lru_cache(maxsize=8)
 def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
-    """The single-device run that every data-parallel run must equal."""
+    """The single-device run that every data-parallel run must equal (cached: the configuration is
+    immutable, and every variant of a comparison shares it). Do not modify what it returns."""
     from simcluster.model.gpt import train
     from simcluster.numerics.ops import make_ops
 

@@ -1,0 +1,98 @@
+"""The scenario library and the command line: every scenario runs and verifies; list, export, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simcluster.cli import main
+from simcluster.scenario import library
+
+SCENARIOS = [f.stem for f in library()]
+
+
+def test_the_library_has_the_lessons():
+    assert {"collectives", "allreduce_decomposed", "zero_memory", "fsdp_prefetch", "pipeline_schedules", "tp_cliff",
+            "tp_sp_memory", "sequence_volume", "ring_long_sequence"} <= set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_runs_and_verifies(name, capsys):
+    assert main(["verify", name]) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and ("bit-exact" in out or "not applicable" in out)
+
+
+def test_list_shows_every_scenario_with_its_description(capsys):
+    assert main(["list"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in SCENARIOS:
+        assert name in out
+
+
+def test_compare_runs_each_variant(capsys):
+    assert main(["run", "zero_memory", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [v["variant"] for v in rep["variants"]] == [f"zero={z}" for z in range(4)]
+    peaks = [max(p["total"] for p in v["memory_peak_bytes"].values()) for v in rep["variants"]]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]  # DDP > ZeRO-1 > ZeRO-2 > ZeRO-3
+
+
+def test_at_scale_runs_in_meta_mode(capsys):
+    assert main(["run", "ring_long_sequence", "--at-scale", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["scenario"]["run"]["numerics"] == "meta" and rep["scenario"]["model"]["seq"] == 131072
+
+
+def test_exported_trace_has_the_chrome_trace_event_structure(tmp_path):
+    path = tmp_path / "trace.json"
+    assert main(["export", "collectives", "-o", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    assert events
+    lanes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        assert {"ph", "ts", "pid", "tid", "name"} <= set(e)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+            lanes.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in lanes.values():  # a stream runs one thing at a time
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+    starts = {e["id"] for e in events if e["ph"] == "s"}
+    finishes = {e["id"] for e in events if e["ph"] == "f"}
+    assert starts and starts == finishes  # every collective's flow arrow has its ends
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r}" for r in range(4)}
+
+
+def test_timeline_command_selects_ranks_and_streams(capsys):
+    assert main(["timeline", "collectives", "--ranks", "1", "--streams", "compute", "--width", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "r1 compute" in out and "r0" not in out and "comm" not in out
+
+
+KEYS = ["model.hidden", "model.heads", "parallel.dp", "parallel.tp", "parallel.zero", "run.numerics", "cluster.nodes",
+        "parallel.schedule", "model.dtype", "nonsense.key", "model.hiden", "run.steps"]
+VALUES = st.one_of(st.integers(-3, 40), st.sampled_from(['"exact"', '"fast"', '"warp"', "true", "1.5", '"1f1b"',
+                                                         '"bf16"', "[1, 2]", "{}"]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KEYS), VALUES), min_size=1, max_size=3))
+def test_random_scenario_documents_never_give_a_traceback(tmp_path_factory, pairs):
+    """Random documents: either a run, or one clear line on stderr and exit status 2; never a traceback."""
+    doc = "\n".join(f'"{k}" = {v}' for k, v in pairs) + '\n"run.numerics" = "meta"\n'
+    path = tmp_path_factory.mktemp("doc") / "random.toml"
+    path.write_text(doc)
+    proc = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", str(path), "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert "Traceback" not in proc.stderr
+    if proc.returncode == 0:
+        json.loads(proc.stdout)
+    else:
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
