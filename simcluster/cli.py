@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +15,7 @@ from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
+from simcluster.viz.memory_chart import MemoryChart
 from simcluster.viz.report_view import ReportView, _bytes
 from simcluster.viz.timeline import Timeline, format_ns
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     _scenario_args(run)
     run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
+    run.add_argument("--svg", metavar="FILE", help="also save what is printed as an SVG picture")
     verify = sub.add_parser("verify", help="check a scenario's numbers against one device, and nothing else",
                             description="Run SCENARIO in exact mode and compare every output with the single-device "
                                         "run byte for byte. Exit status 0 when bit-exact, 1 when not.")
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("--start-us", type=float, help="start of the window, in microseconds")
     timeline.add_argument("--end-us", type=float, help="end of the window, in microseconds")
     timeline.add_argument("--width", type=int, default=100, help="width in columns (default 100)")
+    timeline.add_argument("--svg", metavar="FILE", help="also save the picture as SVG")
     export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing",
                             description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
     _scenario_args(export)
@@ -87,6 +90,39 @@ def _comparison(outcome: Outcome) -> Table:
     return t
 
 
+def _with_progress(err: Console, scenario: Any) -> Outcome:
+    """Run, with a transient spinner (a bar over the variants of a comparison) on an interactive stderr."""
+    if not err.is_terminal:
+        return run_all(scenario)
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(f"simulating {scenario.name}", total=len(scenario.variants) or None)
+
+        def on_variant(i: int, n: int, label: str) -> None:
+            progress.update(task, completed=i, description=f"simulating {scenario.name}: {label}")
+
+        outcome = run_all(scenario, on_variant)
+        progress.update(task, completed=len(scenario.variants))
+    return outcome
+
+
+def render(outcome: Outcome, console: Console, width: int = 100) -> None:
+    """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
+    if outcome.variants:
+        console.print(_comparison(outcome))
+        return
+    console.print(ReportView(outcome.report))
+    console.print()
+    console.print("[bold]timeline[/] (one lane per rank and stream)", markup=True)
+    console.print(Timeline(outcome.result.trace, width=width))
+    if outcome.result.trace.memory:
+        console.print()
+        console.print("[bold]memory over time[/] (the rank with the highest peak)", markup=True)
+        console.print(MemoryChart(outcome.result.trace, width=width))
+
+
 def _passed(outcome: Outcome) -> bool:
     reports = [o.report for _, o in outcome.variants] or [outcome.report]
     return all(r["verification"].get("passed", True) for r in reports)
@@ -98,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    out, err = Console(highlight=False), Console(stderr=True, highlight=False)
+    out, err = Console(highlight=False, record=bool(getattr(args, "svg", None))), Console(stderr=True, highlight=False)
     try:
         if args.command == "list":
             t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
@@ -111,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
         ranks = _ints(getattr(args, "ranks", None), "ranks")
-        outcome = run_all(scenario)
+        outcome = _with_progress(err, scenario)
     except (ScenarioError, SimulationError, ProgramError) as exc:
         err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
         return 2
@@ -129,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = int(args.start_us * 1000) if args.start_us is not None else 0
         end = int(args.end_us * 1000) if args.end_us is not None else None
         out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
+        if args.svg:
+            out.save_svg(args.svg, title=f"simcluster timeline: {scenario.name}")
         return 0
     if args.command == "verify":
         labelled = [(label, o.report) for label, o in outcome.variants] or [(scenario.name, outcome.report)]
@@ -140,13 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if _passed(outcome) else 1
     if args.json:
         sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
-    elif outcome.variants:
-        out.print(_comparison(outcome))
     else:
-        out.print(ReportView(outcome.report))
-        out.print()
-        out.print("[bold]timeline[/] (one lane per rank and stream)", markup=True)
-        out.print(Timeline(outcome.result.trace, width=args.width))
+        render(outcome, out, args.width)
+    if getattr(args, "svg", None):
+        out.save_svg(args.svg, title=f"simcluster: {scenario.name}")
     return 0 if _passed(outcome) else 1
 
 

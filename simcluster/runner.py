@@ -35,11 +35,17 @@ class Outcome:
     variants: tuple[tuple[str, "Outcome"], ...] = ()
 
 
-def run_all(sc: Scenario) -> Outcome:
-    """The scenario, or each of its [compare] variants (the first variant's run stands for the whole)."""
+def run_all(sc: Scenario, on_variant: Any = None) -> Outcome:
+    """The scenario, or each of its [compare] variants (the first variant's run stands for the whole).
+    `on_variant(i, n, label)` is told before each variant runs (for a progress display)."""
     if not sc.variants:
         return run_scenario(sc)
-    outcomes = tuple((label, run_scenario(v)) for label, v in sc.variants)
+    outcomes = []
+    for i, (label, v) in enumerate(sc.variants):
+        if on_variant is not None:
+            on_variant(i, len(sc.variants), label)
+        outcomes.append((label, run_scenario(v)))
+    outcomes = tuple(outcomes)
     first = outcomes[0][1]
     report = {"scenario": sc.as_dict(), "variants": [dict(o.report, variant=label) for label, o in outcomes]}
     return Outcome(sc, first.result, report, outcomes)

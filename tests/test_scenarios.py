@@ -1,15 +1,20 @@
 """The scenario library and the command line: every scenario runs and verifies; list, export, errors."""
 
+import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simcluster.cli import main
-from simcluster.scenario import library
+from rich.console import Console
+
+from simcluster.cli import main, render
+from simcluster.runner import run_all
+from simcluster.scenario import library, load
 
 SCENARIOS = [f.stem for f in library()]
 
@@ -19,11 +24,25 @@ def test_the_library_has_the_lessons():
             "tp_sp_memory", "sequence_volume", "ring_long_sequence"} <= set(SCENARIOS)
 
 
+GOLDEN = Path(__file__).parent / "golden"
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_every_scenario_runs_and_verifies(name, capsys):
-    assert main(["verify", name]) == 0
-    out = capsys.readouterr().out
-    assert "MISMATCH" not in out and ("bit-exact" in out or "not applicable" in out)
+def test_every_scenario_verifies_and_prints_its_golden_picture(name, request):
+    """The plain-text output at a fixed width matches tests/golden/NAME.txt (regenerate on purpose with
+    pytest --update-golden, and read the diff): it changes only when behaviour changes."""
+    outcome = run_all(load(name))
+    reports = [o.report for _, o in outcome.variants] or [outcome.report]
+    assert all(r["verification"].get("passed", True) for r in reports)
+    assert all(r["verification"].get("bit_exact", True) for r in reports)
+    buf = io.StringIO()
+    render(outcome, Console(file=buf, width=110, color_system=None, force_terminal=False, legacy_windows=False), 80)
+    text = buf.getvalue()
+    path = GOLDEN / f"{name}.txt"
+    if request.config.getoption("--update-golden") or not path.exists():
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text()
 
 
 def test_list_shows_every_scenario_with_its_description(capsys):

@@ -12,10 +12,19 @@ def test_timeline_of_a_hand_made_trace():
     trace = Trace(events, [(0, "compute"), (0, "comm:dp"), (1, "compute")])
     assert Timeline(trace, width=20).plain() == (
         "r0 compute  FFFFFFFF....BBBBBBBB\n"
-        "r0 comm:dp  ........AAAAAAAA....\n"
+        "r0 comm:dp  ........ARAAAAAA....\n"
         "r1 compute  FFFF................\n"
         "            0 ns    50 ns 100 ns\n"
         "F forward  B backward  A all_reduce  . idle")
+
+
+def test_labels_are_written_where_a_pass_fits():
+    events = [TraceEvent(0, "compute", "forward", "F12/matmul", 0, 50), TraceEvent(0, "compute", "forward",
+                                                                                   "F12/gelu", 50, 100),
+              TraceEvent(0, "compute", "backward", "B3/matmul", 100, 110)]
+    trace = Trace(events, [(0, "compute")])
+    # F12 spans 10 columns: labelled; B3 spans one: too narrow for its label
+    assert Timeline(trace, width=11).plain().splitlines()[0] == "r0 compute  F12FFFFFFFB"
 
 
 def test_rich_rendering_fits_the_console_width():

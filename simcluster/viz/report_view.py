@@ -35,6 +35,7 @@ class ReportView:
         t.add_row("parameters", f"{r['parameters']:,}")
         t.add_row("step time", f"{format_ns(r['step_time_ns'])} ({r['steps']} step(s), {format_ns(r['total_time_ns'])} in all)")
         t.add_row("MFU", f"{100 * r['mfu']:.2f} %")
+        t.add_row("compute idle", f"{100 * r['compute_idle_fraction']:.0f} % of the run (bubbles and waits, mean over ranks)")
         return t
 
     def _comm(self) -> Table:

@@ -31,6 +31,16 @@ GLYPHS: dict[str, tuple[str, str]] = {
     "barrier": ("|", "white"),
 }
 IDLE = "."
+SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
+         "reduce": "RD", "send": "SEND", "recv": "RECV", "barrier": "BAR"}
+
+
+def label_of(e: TraceEvent) -> str:
+    """A block's label: the pass (F3, B3, W2, O0) for kernels, the collective's short name otherwise."""
+    if e.group:
+        return SHORT.get(e.kind, e.kind)
+    head = e.name.split("/", 1)[0] if "/" in e.name else ""
+    return head.split(":", 1)[0][:6]
 
 
 def format_ns(ns: float) -> str:
@@ -74,13 +84,43 @@ class Timeline:
                     row[c] = GLYPHS.get(e.kind, ("?", ""))[0]
         return row
 
-    def rows(self) -> list[tuple[str, str]]:
-        """(lane label, glyphs) for every lane."""
+    def _labels(self, events: list[TraceEvent], row: list[str]) -> list[str]:
+        """Write each block's label (F3, B3, AG...) over its glyphs where the block is wide enough."""
+        span = max(self.end - self.start, 1)
+        blocks: list[tuple[str, int, int]] = []  # (label, first column, last column)
+        for e in events:
+            lo, hi = max(e.start, self.start), min(e.end, self.end)
+            if hi <= lo:
+                continue
+            label = label_of(e)
+            c0 = int((lo - self.start) * self.width // span)
+            c1 = min(self.width - 1, int((hi - 1 - self.start) * self.width // span))
+            if blocks and blocks[-1][0] == label and blocks[-1][2] >= c0 - 1:
+                blocks[-1] = (label, blocks[-1][1], max(blocks[-1][2], c1))
+            else:
+                blocks.append((label, c0, c1))
+        out = list(row)
+        for label, c0, c1 in blocks:
+            if label and c1 - c0 + 1 >= len(label) + 1:
+                for i, ch in enumerate(label):
+                    out[c0 + i] = ch
+        return out
+
+    def _lanes(self) -> dict[tuple[int, str], list[TraceEvent]]:
         by_lane: dict[tuple[int, str], list[TraceEvent]] = {lane: [] for lane in self.lanes}
         for e in self.trace:
             if (e.rank, e.stream) in by_lane:
                 by_lane[(e.rank, e.stream)].append(e)
-        return [(f"r{rank} {stream}", "".join(self._row(by_lane[(rank, stream)]))) for rank, stream in self.lanes]
+        return by_lane
+
+    def rows(self, labels: bool = True) -> list[tuple[str, str]]:
+        """(lane label, glyphs) for every lane; block labels written in where they fit."""
+        by_lane = self._lanes()
+        out = []
+        for lane in self.lanes:
+            row = self._row(by_lane[lane])
+            out.append((f"r{lane[0]} {lane[1]}", "".join(self._labels(by_lane[lane], row) if labels else row)))
+        return out
 
     def _axis(self, label_width: int) -> str:
         left, right = format_ns(self.start), format_ns(self.end)
@@ -99,12 +139,12 @@ class Timeline:
     def _legend(self, used: set[str]) -> str:
         return "  ".join(f"{g} {kind}" for kind, (g, _) in GLYPHS.items() if g in used) + f"  {IDLE} idle"
 
-    def plain(self) -> str:
-        rows = self.rows()
+    def plain(self, labels: bool = True) -> str:
+        rows = self.rows(labels)
         w = max((len(label) for label, _ in rows), default=0) + 2
         lines = [label.ljust(w) + glyphs for label, glyphs in rows]
         lines.append(self._axis(w))
-        lines.append(self._legend({c for _, g in rows for c in g}))
+        lines.append(self._legend({c for _, g in self.rows(labels=False) for c in g}))
         return "\n".join(lines)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -115,11 +155,12 @@ class Timeline:
             fitted.lanes = self.lanes
             yield from fitted.__rich_console__(console, options)
             return
-        rows = self.rows()
-        for label, glyphs in rows:
+        rows, kinds = self.rows(), self.rows(labels=False)
+        for (label, glyphs), (_, plain) in zip(rows, kinds):
             text = Text(label.ljust(w), style="dim")
-            for ch in glyphs:
-                text.append(ch, style=styles.get(ch, "dim"))
+            for ch, kind in zip(glyphs, plain):  # coloured by what runs there, labels written over it
+                style = styles.get(kind, "dim")
+                text.append(ch, style=f"reverse {style}" if ch != kind else style)
             yield text
         yield Text(self._axis(w), style="dim")
-        yield Text(self._legend({c for _, g in rows for c in g}), style="dim")
+        yield Text(self._legend({c for _, g in kinds for c in g}), style="dim")

@@ -1,0 +1,83 @@
+"""Memory over time for one rank: one row per category, bar heights scaled to the rank's peak total.
+
+    parameters   ▂▂▂▂▂▂▂▂▂▂
+    activations  ▁▃▅▇▅▃▁▁▁▁
+    total        ▃▅▇█▇▅▃▂▂▂   peak 1.2 MB at 340 us
+
+Each column shows the largest amount held in its time slice.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.text import Text
+
+from simcluster.engine.trace import Trace
+
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+class MemoryChart:
+    def __init__(self, trace: Trace, *, rank: int | None = None, width: int = 80) -> None:
+        peaks = trace.memory_peaks()
+        if rank is None:  # the rank that holds the most at its peak
+            rank = max(peaks, key=lambda r: (peaks[r]["total"], -r)) if peaks else 0
+        self.trace, self.rank, self.width = trace, rank, width
+        self.end = max(trace.end, 1)
+
+    def series(self) -> dict[str, list[int]]:
+        """Per category (and "total"): the most held in each of `width` time slices."""
+        events = [e for e in self.trace.memory if e.rank == self.rank]
+        categories = sorted({e.category for e in events})
+        held = dict.fromkeys(categories, 0)
+        out = {c: [0] * self.width for c in categories + ["total"]}
+        i = 0
+        for col in range(self.width):
+            t1 = (col + 1) * self.end / self.width
+            for c in categories:
+                out[c][col] = held[c]
+            out["total"][col] = sum(held.values())
+            while i < len(events) and events[i].at < t1:
+                j = i
+                while j < len(events) and events[j].at == events[i].at:  # one instant: net the changes
+                    held[events[j].category] += events[j].bytes
+                    j += 1
+                i = j
+                for c in categories:
+                    out[c][col] = max(out[c][col], held[c])
+                out["total"][col] = max(out["total"][col], sum(held.values()))
+        return out
+
+    def rows(self) -> list[tuple[str, str]]:
+        series = self.series()
+        top = max(series["total"], default=0) or 1
+        return [(name, "".join(BARS[min(8, round(8 * v / top))] for v in values)) for name, values in series.items()]
+
+    def caption(self) -> str:
+        total = self.series()["total"]
+        peak = max(total, default=0)
+        at = total.index(peak) * self.end / self.width if total else 0
+        return f"rank {self.rank}: peak {_bytes(peak)} at {at / 1e3:.3g} us (bars scaled to the peak)"
+
+    def plain(self) -> str:
+        rows = self.rows()
+        w = max((len(n) for n, _ in rows), default=0) + 2
+        return "\n".join([self.caption()] + [n.ljust(w) + bars for n, bars in rows])
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.width + 16 > options.max_width:
+            fitted = MemoryChart(self.trace, rank=self.rank, width=max(10, options.max_width - 16))
+            yield from fitted.__rich_console__(console, options)
+            return
+        yield Text(self.caption(), style="bold")
+        rows = self.rows()
+        w = max((len(n) for n, _ in rows), default=0) + 2
+        for name, bars in rows:
+            yield Text(name.ljust(w), style="dim") + Text(bars, style="cyan" if name != "total" else "bold cyan")
