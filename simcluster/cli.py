@@ -16,7 +16,7 @@ from simcluster.program.comm import ProgramError
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.memory_chart import MemoryChart
-from simcluster.viz.report_view import ReportView, _bytes
+from simcluster.viz.report_view import ReportView, format_bytes
 from simcluster.viz.timeline import Timeline, format_ns
 
 
@@ -85,8 +85,8 @@ def _comparison(outcome: Outcome) -> Table:
         status = v.get("status", "")
         verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
-        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %", _bytes(peak),
-                  _bytes(sent), verdict)
+        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %", format_bytes(peak),
+                  format_bytes(sent), verdict)
     return t
 
 

@@ -13,15 +13,9 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
 from simcluster.engine.trace import Trace
+from simcluster.viz.report_view import format_bytes
 
 BARS = " ▁▂▃▄▅▆▇█"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 class MemoryChart:
@@ -64,7 +58,7 @@ class MemoryChart:
         total = self.series()["total"]
         peak = max(total, default=0)
         at = total.index(peak) * self.end / self.width if total else 0
-        return f"rank {self.rank}: peak {_bytes(peak)} at {at / 1e3:.3g} us (bars scaled to the peak)"
+        return f"rank {self.rank}: peak {format_bytes(peak)} at {at / 1e3:.3g} us (bars scaled to the peak)"
 
     def plain(self) -> str:
         rows = self.rows()

@@ -11,7 +11,8 @@ from rich.table import Table
 from simcluster.viz.timeline import format_ns
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as the paper tables)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
@@ -43,7 +44,7 @@ class ReportView:
         for col in ("group", "collective", "calls", "bytes sent", "time"):
             t.add_column(col, justify="left" if col in ("group", "collective") else "right")
         for row in self.report["communication"]:
-            t.add_row(row["group"], row["collective"], str(row["calls_per_rank"]), _bytes(row["bytes_per_rank"]),
+            t.add_row(row["group"], row["collective"], str(row["calls_per_rank"]), format_bytes(row["bytes_per_rank"]),
                       format_ns(row["time_ns_per_rank"]))
         return t
 
@@ -70,7 +71,7 @@ class ReportView:
         t.add_column("peak", justify="right")
         categories = sorted({c for v in peaks.values() for c in v if c != "total"})
         for c in categories + ["total"]:
-            t.add_row(c, _bytes(max(v.get(c, 0) for v in peaks.values())))
+            t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
         return t
 
     def _verdict(self) -> Table:
