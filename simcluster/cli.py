@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("--end-us", type=float, help="end of the window, in microseconds")
     timeline.add_argument("--width", type=int, default=100, help="width in columns (default 100)")
     timeline.add_argument("--svg", metavar="FILE", help="also save the picture as SVG")
+    timeline.add_argument("--passes", action="store_true",
+                          help="the pipeline picture instead: one row per rank, numbered F/B/W passes")
     export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing",
                             description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
     _scenario_args(export)
@@ -164,7 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])
         start = int(args.start_us * 1000) if args.start_us is not None else 0
         end = int(args.end_us * 1000) if args.end_us is not None else None
-        out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
+        if args.passes:
+            from simcluster.viz.pipeline_picture import picture
+
+            chosen = ranks if ranks is not None else sorted({r for r, _ in trace.lanes})
+            out.print(picture(trace, chosen, width=min(args.width, out.width)), highlight=False, markup=False)
+        else:
+            out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
         if args.svg:
             out.save_svg(args.svg, title=f"simcluster timeline: {scenario.name}")
         return 0

@@ -115,3 +115,13 @@ def test_random_scenario_documents_never_give_a_traceback(tmp_path_factory, pair
     else:
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
+
+
+def test_timeline_passes_draws_the_pipeline_grid(capsys):
+    assert main(["timeline", "pipeline_schedules", "--set", "parallel.schedule=1f1b", "--set",
+                 "parallel.virtual_stages=1", "--passes", "--ranks", "0,1,2,3", "--width", "200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"stage {s}" for s in range(4)]
+    for line in lines:  # every stage runs every micro-batch's forward and backward
+        for j in range(4):
+            assert f"F{j}" in line and f"B{j}" in line

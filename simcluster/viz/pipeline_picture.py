@@ -33,13 +33,17 @@ def passes(trace: Trace, rank: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None) -> str:
+def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None, width: int | None = None) -> str:
+    """`width` (columns) caps the picture: the unit grows until it fits."""
     by_rank = {r: passes(trace, r) for r in ranks}
     spans = [end - start for ps in by_rank.values() for _, start, end in ps]
     if not spans:
         return "(no passes in this trace)"
-    unit = unit_ns or min(spans)
     end = max(e for ps in by_rank.values() for _, _, e in ps)
+    unit = unit_ns or min(spans)
+    if width is not None:
+        cell = max(len(label) for ps in by_rank.values() for label, _, _ in ps) + 1
+        unit = max(unit, math.ceil(end / max(1, (width - 10) // cell)))
     cols = math.ceil(end / unit)
     width = max(len(label) for ps in by_rank.values() for label, _, _ in ps)
     lines = []
