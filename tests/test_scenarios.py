@@ -125,3 +125,11 @@ def test_timeline_passes_draws_the_pipeline_grid(capsys):
     for line in lines:  # every stage runs every micro-batch's forward and backward
         for j in range(4):
             assert f"F{j}" in line and f"B{j}" in line
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_has_a_realistic_size_in_meta_mode(name, capsys):
+    assert main(["run", name, "--at-scale", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    first = rep["variants"][0] if "variants" in rep else rep
+    assert first["scenario"]["run"]["numerics"] == "meta" and first["step_time_ns"] > 0

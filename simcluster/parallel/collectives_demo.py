@@ -10,6 +10,7 @@ Phases: 1. reductions (all_reduce sum/max/min, reduce_scatter, reduce) on tp, dp
 
 from __future__ import annotations
 
+import math
 from typing import Any, Generator
 
 import numpy as np
@@ -17,14 +18,12 @@ import numpy as np
 from simcluster.numerics.tensor import Partial, ReduceOp
 from simcluster.program.context import Context
 
-ROWS, COLS = 4, 6  # every rank's block; ROWS must be divisible by the dp and world sizes used
-
-
 def collectives_demo(ctx: Context, seed: int = 0) -> Generator[Any, Any, dict[str, Any]]:
     r, n = ctx.rank, ctx.world_size
+    ROWS, COLS = math.lcm(4, n), math.lcm(6, n)  # every rank's block: divisible by every group size
     tp, dp, world = ctx.mesh.tp, ctx.mesh.dp, ctx.mesh.world
-    x = ctx.ops.uniform(seed, "demo.x", (ROWS, COLS), offset=(ROWS * r, 0), full_shape=(ROWS * n, COLS))  # (4, 6)
-    ints = np.arange(ROWS * COLS, dtype=np.int64).reshape(ROWS, COLS) * (r + 1) - 7 * r  # (4, 6)
+    x = ctx.ops.uniform(seed, "demo.x", (ROWS, COLS), offset=(ROWS * r, 0), full_shape=(ROWS * n, COLS))  # (ROWS, COLS)
+    ints = np.arange(ROWS * COLS, dtype=np.int64).reshape(ROWS, COLS) * (r + 1) - 7 * r  # (ROWS, COLS)
     exact = Partial.from_values(np.asarray(x, dtype=np.float64)) if isinstance(x, np.ndarray) else x
     out: dict[str, Any] = {}
 
