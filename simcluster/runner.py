@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
@@ -19,7 +20,6 @@ from simcluster.parallel.megatron_tp import TPConfig, megatron
 from simcluster.parallel.megatron_tp import assemble as assemble_tp
 from simcluster.parallel.pipeline import PipelineConfig, pipeline
 from simcluster.parallel.pipeline import assemble as assemble_pp
-from simcluster.parallel.pipeline_schedules import check
 from simcluster.parallel.zero import zero
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
@@ -57,13 +57,20 @@ def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
             raise ScenarioError(f"run.program = 'mlp' uses dp and tp only; parallel.{axis}={sc.parallel[axis]} "
                                 f"needs a program that has that axis")
     m, r = sc.model, sc.run
-    try:
+    with _as_scenario_error():
         cfg = MLPConfig(hidden=m["hidden"], ffn_hidden=m["ffn_hidden"], tokens=m["global_batch"] * m["seq"],
                         steps=r["steps"], lr=r["lr"], seed=r["seed"])
         cfg.check_mesh(mesh.sizes["dp"], mesh.sizes["tp"])
+    return cfg, cfg.parameters, 6.0 * cfg.parameters * cfg.tokens * cfg.steps
+
+
+@contextmanager
+def _as_scenario_error() -> Iterator[None]:
+    """A configuration the programs reject is the user's mistake: one line, no traceback."""
+    try:
+        yield
     except ValueError as exc:
         raise ScenarioError(str(exc)) from None
-    return cfg, cfg.parameters, 6.0 * cfg.parameters * cfg.tokens * cfg.steps
 
 
 def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
@@ -77,7 +84,7 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
-    try:
+    with _as_scenario_error():
         model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
                           seq=m["seq"], vocab=m["vocab"], causal=m["causal"], tied_head=m["tied_head"],
                           dropout=m["dropout"], seed=r["seed"], recompute=p["recompute"], dtype=m["dtype"])
@@ -90,8 +97,6 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
                        steps=r["steps"], lr=r["lr"], precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
         cfg.check(dp)
-    except ValueError as exc:
-        raise ScenarioError(str(exc)) from None
     return cfg
 
 
@@ -102,33 +107,20 @@ def run_scenario(sc: Scenario) -> Outcome:
     if sc.run["program"] == "gpt":
         cfg = _gpt(sc, mesh)
         coords = [mesh.coords(r) for r in range(mesh.world_size)]
-        if mesh.sizes["pp"] > 1:
-            try:
-                pcfg = PipelineConfig(data=cfg, schedule=sc.parallel["schedule"], virtual=sc.parallel["virtual_stages"])
-                check(pcfg.schedule, pcfg.shape(mesh.sizes["pp"]), cfg.model.layers)
-                if cfg.model.tied_head:
-                    raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
-                                     "set model.tied_head = false for pipeline parallelism")
-            except ValueError as exc:
-                raise ScenarioError(str(exc)) from None
-            result = simulate(pipeline, pcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: assemble_pp(result.results, coords))
-        elif mesh.sizes["cp"] > 1:
-            ccfg = CPConfig(data=cfg, attention=sc.parallel["attention"])
-            try:
-                ccfg.check(mesh.sizes["cp"])
-            except ValueError as exc:
-                raise ScenarioError(str(exc)) from None
-            result = simulate(context_parallel, ccfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: assemble_cp(result.results, coords))
-        elif mesh.sizes["tp"] > 1:
-            tcfg = TPConfig(data=cfg, sequence_parallel=sc.parallel["sp"])
-            try:
-                tcfg.check(mesh.sizes["tp"])
-            except ValueError as exc:
-                raise ScenarioError(str(exc)) from None
-            result = simulate(megatron, tcfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: assemble_tp(result.results, coords))
+        p = sc.parallel
+        axis = next((a for a in ("pp", "cp", "tp") if mesh.sizes[a] > 1), None)  # at most one (checked)
+        if axis is not None:
+            # per axis: the program, its configuration, how its results join into one device's view
+            program, layout, join = {
+                "pp": lambda: (pipeline, PipelineConfig(data=cfg, schedule=p["schedule"], virtual=p["virtual_stages"]),
+                               assemble_pp),
+                "cp": lambda: (context_parallel, CPConfig(data=cfg, attention=p["attention"]), assemble_cp),
+                "tp": lambda: (megatron, TPConfig(data=cfg, sequence_parallel=p["sp"]), assemble_tp),
+            }[axis]()
+            with _as_scenario_error():
+                layout.check(mesh.sizes[axis])
+            result = simulate(program, layout, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: join(result.results, coords))
         else:
             program = ddp if cfg.zero == 0 else zero
             result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)

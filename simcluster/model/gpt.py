@@ -152,11 +152,12 @@ class GPT:
         return self.ops.add(self.ops.matmul(x, w), b)
 
     def _heads(self, x: Any) -> Any:
-        """(b, s, h) -> (b, a, s, d)."""
-        bsz, s, _ = x.shape
+        """(b, s, a*d) -> (b, a, s, d), for all heads or a tensor-parallel rank's share of them."""
+        bsz, s, width = x.shape
+        a, d = width // self.cfg.head_dim, self.cfg.head_dim
         if isinstance(x, MetaTensor):
-            return MetaTensor((bsz, self.cfg.heads, s, self.cfg.head_dim), x.dtype)
-        return np.ascontiguousarray(x.reshape(bsz, s, self.cfg.heads, self.cfg.head_dim).transpose(0, 2, 1, 3))
+            return MetaTensor((bsz, a, s, d), x.dtype)
+        return np.ascontiguousarray(x.reshape(bsz, s, a, d).transpose(0, 2, 1, 3))
 
     def _merge(self, x: Any) -> Any:
         """(b, a, s, d) -> (b, s, h)."""
@@ -166,11 +167,12 @@ class GPT:
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(bsz, s, a * d))
 
     def _split3(self, x: Any) -> tuple[Any, Any, Any]:
-        h = self.cfg.hidden
+        """q, k, v from the QKV projection's output (b, s, 3w): its thirds."""
+        n = x.shape[-1] // 3
         if isinstance(x, MetaTensor):
-            part = MetaTensor(x.shape[:-1] + (h,), x.dtype)
+            part = MetaTensor(x.shape[:-1] + (n,), x.dtype)
             return part, part, part
-        return x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
+        return x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
 
     def _allowed(self, s: int) -> Any:
         if not self.cfg.causal or self.ops.mode is Mode.META:  # meta mode needs no mask

@@ -21,7 +21,7 @@ from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params,
 from types import SimpleNamespace
 
 from simcluster.parallel import ring_attention, ulysses
-from simcluster.parallel.data_parallel import DPConfig, sum_and_step
+from simcluster.parallel.data_parallel import DPConfig, finish_step
 from simcluster.program.context import Context
 
 ATTENTION = {
@@ -271,13 +271,10 @@ def context_parallel(ctx: Context, cfg: CPConfig) -> Generator[Any, Any, dict[st
         loss_sum = None
         ctx.memory.hold("gradients", "grads", sizes["gradients"])
         for j in range(data.micro_batches):
-            part, where = yield from model.step(weights, step, d, n, j, acc)
+            part, _ = yield from model.step(weights, step, d, n, j, acc)
             loss_sum = part if loss_sum is None else ops.add_partial(loss_sum, part)
-        master, grads = yield from sum_and_step(ctx, master, acc, state, data, both, step)
-        ctx.memory.release("gradients", "grads")
-        with ctx.annotate("forward", "loss"):
-            total = yield ctx.comm.all_reduce(loss_sum, group=both)
-        losses.append(model.gpt.loss(total, where))
+        master, grads, loss = yield from finish_step(ctx, master, acc, state, data, both, step, loss_sum)
+        losses.append(loss)
     return {"loss": losses, "params": master, "grads": grads, "adam_m": state.m, "adam_v": state.v}
 
 

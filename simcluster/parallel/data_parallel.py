@@ -122,10 +122,12 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     return flat
 
 
-def sum_and_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], state: AdamState, cfg: DPConfig,
-                 group: Any, step: int) -> Any:
-    """Sum this rank's gradient partials over `group` in one flat all-reduce (in the gradient dtype),
-    round each once, and step AdamW on the fp32 master weights: (new master, rounded gradients)."""
+def finish_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], state: AdamState, cfg: DPConfig,
+                group: Any, step: int, loss_sum: Any) -> Any:
+    """The end of a training step: sum this rank's gradient partials over `group` in one flat
+    all-reduce (in the gradient dtype), round each once, step AdamW on the fp32 master weights, free
+    the gradients, and sum the loss over `group` (when this rank has one: a pipeline's last stage).
+    Returns (new master, rounded gradients, mean loss or None)."""
     ops = ctx.ops
     names = list(master)
     flat = ops.flat([ops.retag(partials[k], grad_dtype(cfg.precision)) for k in names])
@@ -134,4 +136,9 @@ def sum_and_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], sta
         shapes = [tuple(master[k].shape) for k in names]
         grads = {k: ops.finalize(g) for k, g in zip(names, ops.unflat(reduced, shapes))}
         master = adam_step(ops, master, unscale(ops, grads, cfg.precision), state, lr=cfg.lr)
-    return master, grads
+    ctx.memory.release("gradients", "grads")
+    if loss_sum is None:
+        return master, grads, None
+    with ctx.annotate("forward", "loss"):
+        total = yield ctx.comm.all_reduce(loss_sum, group=group)
+    return master, grads, ops.scale(ops.finalize(total), 1.0 / (cfg.global_batch * cfg.model.seq))

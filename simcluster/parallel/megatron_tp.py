@@ -28,7 +28,7 @@ import numpy as np
 
 from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params, model_state_bytes, working_copy
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig, sum_and_step
+from simcluster.parallel.data_parallel import DPConfig, finish_step
 from simcluster.program.context import Context
 
 
@@ -124,25 +124,6 @@ class TPModel:
     def drop(self, x: Any, keep: Any) -> Any:
         return x if keep is None else self.ops.scale(self.ops.zero_where(keep, x), 1.0 / (1.0 - self.m.dropout))
 
-    def heads_of(self, x: Any) -> Any:
-        b, s, _ = x.shape
-        if isinstance(x, MetaTensor):
-            return MetaTensor((b, self.heads, s, self.m.head_dim), x.dtype)
-        return np.ascontiguousarray(x.reshape(b, s, self.heads, self.m.head_dim).transpose(0, 2, 1, 3))
-
-    def merge(self, x: Any) -> Any:
-        b, a, s, d = x.shape
-        if isinstance(x, MetaTensor):
-            return MetaTensor((b, s, a * d), x.dtype)
-        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(b, s, a * d))
-
-    def split3(self, x: Any) -> tuple[Any, Any, Any]:
-        n = x.shape[-1] // 3
-        if isinstance(x, MetaTensor):
-            part = MetaTensor(x.shape[:-1] + (n,), x.dtype)
-            return part, part, part
-        return x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
-
     def reduce(self, partial: Any) -> Generator[Any, Any, Any]:
         """Sum a partial over tp and round once (where the single device rounds): all-reduce, or with
         sequence parallelism a reduce-scatter to this rank's tokens (g-bar forward, g backward)."""
@@ -183,10 +164,10 @@ class TPModel:
         a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
         a = yield from self.gather(a_mine)  # (b, s, h)
         qkv = ops.add(ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s, 3h/t): column parallel
-        q, k, v = (self.heads_of(z) for z in self.split3(qkv))  # (b, a/t, s, d)
+        q, k, v = (self.gpt._heads(z) for z in self.gpt._split3(qkv))  # (b, a/t, s, d)
         core = self.core(q, k, v, i, step, where)
         out = core["out"]
-        ctx_ = self.merge(out)  # (b, s, h/t)
+        ctx_ = self.gpt._merge(out)  # (b, s, h/t)
         y = ops.add((yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))),
                     p[pre + "attn.b_proj"])  # row parallel + g
         keep_a = self.keep(f"resid_attn.{i}", tuple(y.shape), step, where)
@@ -292,9 +273,9 @@ class TPModel:
         grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
         dy = yield from self.gather(dy_mine)
         grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True)
-        dout = self.heads_of(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))
+        dout = self.gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))
         dq, dk, dv = self.gpt.attention_backward(dout, c)
-        dqkv = ops.concat([self.merge(dq), self.merge(dk), self.merge(dv)], -1)  # (b, s, 3h/t)
+        dqkv = ops.concat([self.gpt._merge(dq), self.gpt._merge(dk), self.gpt._merge(dv)], -1)  # (b, s, 3h/t)
         grads[pre + "attn.w_qkv"] = ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True)
         grads[pre + "attn.b_qkv"] = ops.sum(dqkv, (0, 1), partial=True)
         da = yield from self.reduce(ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True))
@@ -359,11 +340,8 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
                 g |= dict(zip(names, summed))
             for k, v in g.items():
                 acc[k] = v if k not in acc else ops.add_partial(acc[k], v)
-        master, grads = yield from sum_and_step(ctx, master, acc, state, data, dp, step)
-        ctx.memory.release("gradients", "grads")
-        with ctx.annotate("forward", "loss"):
-            total = yield ctx.comm.all_reduce(loss_sum, group=dp)
-        losses.append(model.gpt.loss(total, where))
+        master, grads, loss = yield from finish_step(ctx, master, acc, state, data, dp, step, loss_sum)
+        losses.append(loss)
     return {"loss": losses, "params": master, "grads": grads, "adam_m": state.m, "adam_v": state.v}
 
 

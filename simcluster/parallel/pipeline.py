@@ -26,7 +26,7 @@ import numpy as np
 
 from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, init_params, model_state_bytes, working_copy
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig, sum_and_step
+from simcluster.parallel.data_parallel import DPConfig, finish_step
 from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, build, check
 from simcluster.parallel.pipeline_schedules import splits_weight_gradient
 from simcluster.program.context import Context
@@ -45,6 +45,13 @@ class PipelineConfig:
 
     def shape(self, stages: int) -> PipelineShape:
         return PipelineShape(stages, self.data.micro_batches, self.virtual)
+
+    def check(self, stages: int) -> None:
+        """Clear errors for what this pipeline cannot run on `stages` stages."""
+        check(self.schedule, self.shape(stages), self.data.model.layers)
+        if self.data.model.tied_head and stages > 1:
+            raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
+                             "set model.tied_head = false for pipeline parallelism")
 
 
 def partition(layers: int, chunks: int) -> list[range]:
@@ -230,11 +237,8 @@ def pipeline(ctx: Context, cfg: PipelineConfig) -> Generator[Any, Any, dict[str,
     d, n = ctx.mesh.coord("dp"), dp.size
     data, mcfg = cfg.data, cfg.data.model
     data.check(n)
+    cfg.check(p)
     shape = cfg.shape(p)
-    check(cfg.schedule, shape, mcfg.layers)
-    if mcfg.tied_head and p > 1:
-        raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
-                         "set model.tied_head = false for pipeline parallelism")
     passes = build(cfg.schedule, shape)[s]
     ranges = partition(mcfg.layers, shape.chunks)
     names = stage_parameters(cfg, ranges, [g for g in range(shape.chunks) if g % p == s])
@@ -253,12 +257,9 @@ def pipeline(ctx: Context, cfg: PipelineConfig) -> Generator[Any, Any, dict[str,
         ctx.memory.hold("gradients", "grads", sizes["gradients"])
         yield from execute(ctx, passes, work, shape.chunks, pp)
         # data parallelism around the pipeline: this stage's gradients, summed over its replicas
-        master, grads = yield from sum_and_step(ctx, master, work.grads, state, data, dp, step)
-        ctx.memory.release("gradients", "grads")
-        if work.loss_sum is not None:
-            with ctx.annotate("forward", "loss"):
-                total = yield ctx.comm.all_reduce(work.loss_sum, group=dp)
-            losses.append(work.model.loss(total, data.micro_batch(step, d, n, 0)[0]))
+        master, grads, loss = yield from finish_step(ctx, master, work.grads, state, data, dp, step, work.loss_sum)
+        if loss is not None:  # the last stage
+            losses.append(loss)
     return {"loss": losses, "params": master, "grads": grads, "adam_m": state.m, "adam_v": state.v}
 
 

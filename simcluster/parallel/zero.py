@@ -59,24 +59,31 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
     def gather(u: str) -> dict[str, Any]:
         return {x: ctx.comm.all_gather(shard[x], group=dp, async_op=True) for x in needs[u]}
 
-    def walk(sequence: list[str]) -> Generator[Any, Any, Any]:
-        """Yield (unit, its weights) in `sequence`, gathering them (stage 3) with or without prefetch."""
-        if stage < 3:
-            for u in sequence:
-                yield u, weights
-            return
-        inflight = gather(sequence[0])
-        for i, u in enumerate(sequence):
-            current = inflight
-            if cfg.prefetch and i + 1 < len(sequence):
-                inflight = gather(sequence[i + 1])  # runs on the dp stream while u computes
-            flats = yield ("wait", [current[x] for x in needs[u]])
-            gathered = sum(f.shape[0] for f in flats) * per["parameters"]
-            ctx.memory.hold("communication", f"gathered {u}", gathered)
-            yield u, unit_params(u, flats)
-            ctx.memory.release("communication", f"gathered {u}")
-            if not cfg.prefetch and i + 1 < len(sequence):
-                inflight = gather(sequence[i + 1])
+    class Gathered:
+        """Each unit's weights, in `sequence` order: stage 3 all-gathers them (with prefetch, the next
+        unit's gather is issued before this one computes); stages 1 and 2 hold them all already."""
+
+        def __init__(self, sequence: list[str]) -> None:
+            self.sequence = sequence
+            self.inflight = gather(sequence[0]) if stage == 3 else None
+
+        def take(self, i: int) -> Generator[Any, Any, dict[str, Any]]:
+            if stage < 3:
+                return weights
+            u, current = self.sequence[i], self.inflight
+            if cfg.prefetch and i + 1 < len(self.sequence):
+                self.inflight = gather(self.sequence[i + 1])  # runs on the dp stream while u computes
+            flats = yield [current[x] for x in needs[u]]
+            ctx.memory.hold("communication", f"gathered {u}", sum(f.shape[0] for f in flats) * per["parameters"])
+            return unit_params(u, flats)
+
+        def done(self, i: int) -> None:
+            """Unit i has computed: free its gathered weights (and, without prefetch, gather the next)."""
+            if stage < 3:
+                return
+            ctx.memory.release("communication", f"gathered {self.sequence[i]}")
+            if not cfg.prefetch and i + 1 < len(self.sequence):
+                self.inflight = gather(self.sequence[i + 1])
 
     losses: list[Any] = []
     for step in range(cfg.steps):
@@ -94,18 +101,9 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
             # 1. forward, unit by unit
             caches: dict[str, Any] = {}
             x = None
-            steps_fwd = walk(order)
-            got = None
-            while True:
-                try:
-                    item = steps_fwd.send(got)
-                except StopIteration:
-                    break
-                if item[0] == "wait":
-                    got = yield item[1]
-                    continue
-                u, p = item
-                got = None
+            forward = Gathered(order)
+            for index, u in enumerate(order):
+                p = yield from forward.take(index)
                 with ctx.annotate("forward", f"F{j}:{u}"):
                     if u == "embed":
                         x, caches[u] = model.embed_forward(p, ids, step, where)
@@ -118,22 +116,14 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                         caches[u] = model._stored(cache)
                 held = model.layer_bytes(x) if u.startswith("block") else model._bytes(caches[u])
                 ctx.memory.hold("activations", f"{u}", held)
+                forward.done(index)
 
             # 2. backward, unit by unit in reverse; gradients leave as soon as a unit is done
             scattering: dict[str, Any] = {}
             dx, head_wte = None, None
-            steps_bwd = walk(order[::-1])
-            got = None
-            while True:
-                try:
-                    item = steps_bwd.send(got)
-                except StopIteration:
-                    break
-                if item[0] == "wait":
-                    got = yield item[1]
-                    continue
-                u, p = item
-                got = None
+            backward = Gathered(order[::-1])
+            for index, u in enumerate(order[::-1]):
+                p = yield from backward.take(index)
                 with ctx.annotate("backward", f"B{j}:{u}"):
                     if u == "head":
                         dx, g = model.head_backward(p, caches[u], where, LOSS_SCALE[cfg.precision])
@@ -151,6 +141,7 @@ def zero(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
                         scattering[u] = ctx.comm.reduce_scatter(stage1_full[u], group=dp, async_op=True)
                 else:
                     scattering[u] = ctx.comm.reduce_scatter(flat, group=dp, async_op=True)
+                backward.done(index)
             if stage >= 2 or last:
                 for u, part in zip(order, (yield [scattering[u] for u in order])):
                     grad_shard[u] = part if u not in grad_shard else ops.add_partial(grad_shard[u], part)
