@@ -14,11 +14,15 @@ def execute(kind: CommKind, ops: Sequence[CommOp]) -> list[Any]:
     xs = [op.tensor for op in ops]
     if kind is CommKind.ALL_REDUCE:
         total = T.reduce(xs, ops[0].op)
+        if isinstance(total, T.MetaTensor):  # immutable: one value serves every member
+            return [total] * n
         return [T.copy(total) for _ in range(n)]
     if kind is CommKind.REDUCE_SCATTER:
         return T.split(T.reduce(xs, ops[0].op), n, ops[0].dim)
     if kind is CommKind.ALL_GATHER:
         full = T.concat(xs, ops[0].dim)
+        if isinstance(full, T.MetaTensor):
+            return [full] * n
         return [T.copy(full) for _ in range(n)]
     if kind is CommKind.ALL_TO_ALL:
         chunks = [T.split(x, n, ops[0].split_dim) for x in xs]

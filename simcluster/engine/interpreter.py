@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from typing import Any, Callable, Sequence
+from functools import partial
+from typing import Any, Sequence
 
 from simcluster.engine import collectives
 from simcluster.engine.errors import CollectiveMismatchError, DeadlockError
@@ -26,7 +27,7 @@ from simcluster.numerics.ops import Mode, make_ops
 from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
-from simcluster.program.mesh import DeviceMesh
+from simcluster.program.mesh import DeviceMesh, ProcessGroup
 from simcluster.model.memory import CATEGORIES
 
 KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
@@ -34,7 +35,8 @@ KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
 
 class Stream:
     """One rank's stream: items run in order. Kernel: (KERNEL, name, kind, flops, bytes);
-    wait: (WAIT, stream, index); communication: (COMM, call, op, label);
+    wait: (WAIT, stream, index); communication: (COMM, call, kind, label, member index, stream, index),
+    where the call is joined once that item of that stream (None: no wait) has ended;
     memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
 
     __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
@@ -48,27 +50,71 @@ class Stream:
         self.waiters: dict[int, Any] = {}
 
 
-def _add_wait(waiter: Stream, dep: Stream, index: int) -> None:
-    if waiter is dep or waiter.waited_upto.get(dep.name, -1) >= index:
-        return
-    waiter.items.append((WAIT, dep, index))
+def _wait_index(waiter: Stream, dep: Stream, index: int) -> int:
+    """The item of `dep` that `waiter` must wait for, from now on, to wait for item `index` (and so
+    for everything before it); -1 if it need not wait at all.
+
+    Waits that cannot delay anything are left out: on items already waited for, and on trailing
+    items of `dep` that end when its previous item ends (a memory item, or a wait on `waiter`
+    itself, which `waiter` has passed in order). The replay's times are the same either way.
+    """
+    if waiter is dep:
+        return -1
+    covered = waiter.waited_upto.get(dep.name, -1)
+    if index <= covered:
+        return -1
     waiter.waited_upto[dep.name] = index
+    items = dep.items
+    while index > covered:
+        item = items[index]
+        if item[0] == MEMORY or (item[0] == WAIT and item[1] is waiter):
+            index -= 1
+            continue
+        return index
+    return -1
+
+
+def _add_wait(waiter: Stream, dep: Stream, index: int) -> None:
+    j = _wait_index(waiter, dep, index)
+    if j >= 0:
+        waiter.items.append((WAIT, dep, j))
+
+
+class Channel:
+    """Where calls are matched: a process group (the k-th call of each member is one call), or a
+    (src, dst, tag) message channel (the k-th send and the k-th recv are one message)."""
+
+    __slots__ = ("kind", "group", "members", "position", "issued", "open", "where", "streams", "routes")
+
+    def __init__(self, kind: CommKind | None, group: ProcessGroup | None, members: tuple[int, ...],
+                 where: str, streams: tuple[str, ...]) -> None:
+        self.kind = kind  # SEND for a message channel, None for a group
+        self.group = group
+        self.members = members
+        self.position = {r: i for i, r in enumerate(members)}
+        self.issued = [0] * len(members)  # calls issued so far, per member
+        self.open: dict[int, Call] = {}  # by sequence number
+        self.where = where
+        self.streams = streams  # default stream, per member
+        self.routes: dict[tuple, Any] = {}  # the timed replay's plans, by call shape
 
 
 class Call:
     """One collective call on a group, or one message on a (src, dst, tag) channel."""
 
-    __slots__ = ("kind", "group", "channel", "seq", "members", "ops", "works",
-                 "arrived", "start", "end", "done", "sent", "where_text")
+    __slots__ = ("kind", "channel", "seq", "members", "ops", "works", "count", "key",
+                 "arrived", "start", "end", "done", "sent")
 
-    def __init__(self, kind: CommKind, group: Any, channel: tuple, seq: int, members: tuple[int, ...]) -> None:
+    def __init__(self, kind: CommKind, channel: Channel, seq: int) -> None:
         self.kind = kind  # SEND for a message (members: sender, receiver)
-        self.group = group
         self.channel = channel
         self.seq = seq
-        self.members = members
-        self.ops: dict[int, CommOp] = {}
-        self.works: dict[int, Work] = {}
+        self.members = channel.members
+        n = len(self.members)
+        self.ops: list[CommOp | None] = [None] * n  # in member order
+        self.works: list[Work | None] = [None] * n
+        self.count = 0  # members that have issued it
+        self.key: Any = None  # what every member must agree on
         # filled by the timed replay
         self.arrived = 0
         self.start = 0
@@ -81,17 +127,33 @@ class Call:
         return self.kind is CommKind.SEND
 
     @property
+    def group(self) -> ProcessGroup | None:
+        return self.channel.group
+
+    @property
     def where(self) -> str:
-        if self.is_message:
-            src, dst, tag = self.channel[1:]
-            return f"p2p[{src}->{dst}]" + (f" tag {tag}" if tag else "")
-        return str(self.group)
+        return self.channel.where
+
+    def op_of(self, rank: int) -> CommOp | None:
+        return self.ops[self.channel.position[rank]]
+
+    def missing(self) -> list[int]:
+        return [m for m, op in zip(self.members, self.ops) if op is None]
 
     def describe(self, rank: int) -> str:
-        op = self.ops.get(rank)
+        op = self.op_of(rank)
         if self.is_message:
             return f"{op.describe() if op else 'message'} (message #{self.seq} on {self.where})"
         return f"{op.describe() if op else self.kind.value} on group {self.where} (call #{self.seq} on that group)"
+
+
+class EmulatedWork(Work):
+    """A work with where it runs: item `index` of `stream`, part of `call`."""
+
+    __slots__ = ("stream", "index", "call")
+
+    def __init__(self, op: CommOp, sync: bool) -> None:
+        self.op, self.sync, self.done, self.value, self.waited, self.backend = op, sync, False, None, False, None
 
 
 class RankState:
@@ -102,7 +164,7 @@ class RankState:
         self.gen: Any = None
         self.comm: Comm | None = None
         self.streams: dict[str, Stream] = {}
-        self.current = COMPUTE
+        self.cur = self.stream(COMPUTE)  # the current stream
         self.label: tuple[str | None, str | None] = (None, None)
         self.blocked: list[Work] | None = None
         self.single = True
@@ -111,7 +173,14 @@ class RankState:
         self.result: Any = None
         self.works: list[Work] = []
         self.held: dict[tuple[str, str], int] = {}
-        self.stream(COMPUTE)
+
+    @property
+    def current(self) -> str:
+        return self.cur.name
+
+    @current.setter
+    def current(self, name: str) -> None:
+        self.cur = self.stream(name)
 
     def stream(self, name: str) -> Stream:
         s = self.streams.get(name)
@@ -122,7 +191,7 @@ class RankState:
     def wait_stream(self, name: str) -> None:
         dep = self.streams.get(name)
         if dep is not None and dep.items:
-            _add_wait(self.stream(self.current), dep, len(dep.items) - 1)
+            _add_wait(self.cur, dep, len(dep.items) - 1)
 
     # -- memory: ctx.memory -----------------------------------------------------------------------
     @property
@@ -136,18 +205,17 @@ class RankState:
         if (category, name) in self.held:
             raise ValueError(f"rank {self.rank} already holds {category} buffer {name!r}")
         self.held[(category, name)] = int(nbytes)
-        self.stream(self.current).items.append((MEMORY, category, name, int(nbytes)))
+        self.cur.items.append((MEMORY, category, name, int(nbytes)))
 
     def release(self, category: str, name: str) -> None:
         nbytes = self.held.pop((category, name), None)
         if nbytes is None:
             raise ValueError(f"rank {self.rank} releases {category} buffer {name!r}, which it does not hold")
-        self.stream(self.current).items.append((MEMORY, category, name, -nbytes))
+        self.cur.items.append((MEMORY, category, name, -nbytes))
 
     def kernel(self, name: str, flops: float, nbytes: float) -> None:
         kind, label = self.label
-        self.stream(self.current).items.append(
-            (KERNEL, f"{label}/{name}" if label else name, kind or COMPUTE, flops, nbytes))
+        self.cur.items.append((KERNEL, f"{label}/{name}" if label else name, kind or COMPUTE, flops, nbytes))
 
 
 class Interpreter:
@@ -156,8 +224,10 @@ class Interpreter:
         self.mode = Mode(mode) if isinstance(mode, str) else mode
         self.cost_dtype = cost_dtype
         self.ranks = [RankState(r) for r in range(mesh.world_size)]
-        self.calls_issued: dict[tuple, int] = {}
-        self.open: dict[tuple, Call] = {}
+        self.groups: dict[ProcessGroup, Channel] = {}
+        self.by_id: dict[int, Channel] = {}
+        self.kept: list[ProcessGroup] = []
+        self.messages: dict[tuple[int, int, int], Channel] = {}
         self.calls: list[Call] = []
         self.ready: deque[int] = deque()
 
@@ -168,7 +238,7 @@ class Interpreter:
         if len(programs) != len(self.ranks):
             raise ValueError(f"{len(programs)} programs for {len(self.ranks)} ranks")
         for st, prog in zip(self.ranks, programs):
-            st.comm = Comm(self._issuer(st), st.rank, self.mesh.world_size)
+            st.comm = Comm(partial(self._issue, st), st.rank, self.mesh.world_size)
             ops = make_ops(self.mode, st.kernel, cost_dtype=self.cost_dtype)
             ctx = Context(rank=st.rank, mesh=self.mesh.view(st.rank), ops=ops, comm=st.comm, streams=st,
                           memory=st)
@@ -185,27 +255,37 @@ class Interpreter:
         return [st.result for st in self.ranks]
 
     def _advance(self, st: RankState) -> None:
+        send, rank, comm = st.gen.send, st.rank, st.comm
         while True:
             try:
-                y = st.gen.send(st.send_value)
+                y = send(st.send_value)
             except StopIteration as stop:
                 st.finished, st.result, st.gen = True, stop.value, None
-                if st.comm.pending_sync is not None and not st.comm.pending_sync.waited:
+                if comm.pending_sync is not None and not comm.pending_sync.waited:
                     raise ProgramError(f"rank {st.rank} ended without yielding its synchronous "
-                                       f"{st.comm.pending_sync.op.describe()}")
+                                       f"{comm.pending_sync.op.describe()}")
                 return
             except (DeadlockError, CollectiveMismatchError, ProgramError):
                 raise
             except Exception as exc:
                 raise ProgramError(f"rank {st.rank}: {type(exc).__name__}: {exc}") from exc
-            works, single = self._works_of(st, y)
-            cur = st.stream(st.current)
+            pending = comm.pending_sync
+            free = pending is None or pending.waited
+            if type(y) is EmulatedWork and y.op.rank == rank and (free or pending is y):
+                works, single = (y,), True  # the common cases, checked in full by _works_of otherwise
+            elif (type(y) is list and y and all(type(w) is EmulatedWork and w.op.rank == rank for w in y)
+                  and (free or any(w is pending for w in y))):
+                works, single = y, False
+            else:
+                works, single = self._works_of(st, y)
+            cur = st.cur
+            done = True
             for w in works:
                 w.waited = True
-                stream, index, _ = w.backend
-                _add_wait(cur, stream, index)
+                _add_wait(cur, w.stream, w.index)
+                done = done and w.done
             st.single = single
-            if all(w.done for w in works):
+            if done:
                 st.send_value = works[0].value if single else [w.value for w in works]
                 continue
             st.blocked = works
@@ -229,65 +309,83 @@ class Interpreter:
         return works, single
 
     # -- communication -------------------------------------------------------------------------
-    def _issuer(self, st: RankState) -> Callable[[CommOp, bool], Work]:
-        return lambda op, sync: self._issue(st, op, sync)
+    def _group_channel(self, group: ProcessGroup) -> Channel:
+        ch = self.groups.get(group)
+        if ch is None:
+            ch = self.groups[group] = Channel(None, group, group.ranks, str(group),
+                                              (f"comm:{group.name}",) * group.size)
+        # Found by identity from now on; the group is kept alive here, so its id stays its own.
+        self.by_id[id(group)] = ch
+        self.kept.append(group)
+        return ch
+
+    def _message_channel(self, src: int, dst: int, tag: int) -> Channel:
+        key = (src, dst, tag)
+        ch = self.messages.get(key)
+        if ch is None:
+            where = f"p2p[{src}->{dst}]" + (f" tag {tag}" if tag else "")
+            ch = self.messages[key] = Channel(CommKind.SEND, None, (src, dst), where, (f"send->{dst}", f"recv<-{src}"))
+        return ch
 
     def _issue(self, st: RankState, op: CommOp, sync: bool) -> Work:
-        work = Work(op, sync)
-        st.works.append(work)
-        if op.kind is CommKind.SEND:
-            channel, members, counter = ("p2p", op.rank, op.peer, op.tag), (op.rank, op.peer), ("send",)
-        elif op.kind is CommKind.RECV:
-            channel, members, counter = ("p2p", op.peer, op.rank, op.tag), (op.peer, op.rank), ("recv",)
+        kind = op.kind
+        if kind is CommKind.SEND:
+            ch, pos = self._message_channel(op.rank, op.peer, op.tag), 0
+        elif kind is CommKind.RECV:
+            ch, pos = self._message_channel(op.peer, op.rank, op.tag), 1
         else:
-            channel, members, counter = (op.group.name, op.group.ranks), op.group.ranks, (op.rank,)
-        ckey = channel + counter
-        seq = self.calls_issued.get(ckey, 0)
-        self.calls_issued[ckey] = seq + 1
-        call = self.open.get((channel, seq))
+            ch = self.by_id.get(id(op.group)) or self._group_channel(op.group)
+            pos = ch.position[op.rank]
+        seq = ch.issued[pos]
+        ch.issued[pos] = seq + 1
+        call = ch.open.get(seq)
+        key = op.sig if ch.kind is CommKind.SEND else op.match_key()
         if call is None:
-            kind = CommKind.SEND if channel[0] == "p2p" else op.kind
-            call = self.open[(channel, seq)] = Call(kind, op.group, channel, seq, members)
+            call = ch.open[seq] = Call(ch.kind or kind, ch, seq)
+            call.key = key
             self.calls.append(call)
-        self._check_match(call, op)
-        call.ops[op.rank] = op
-        call.works[op.rank] = work
+        elif key != call.key:
+            self._mismatch(call, op)
+        if not op.stream:
+            op.stream = ch.streams[pos]
+        work = EmulatedWork(op, sync)
+        st.works.append(work)
+        call.ops[pos] = op
+        call.works[pos] = work
+        call.count += 1
 
-        cur, target = st.stream(st.current), st.stream(op.stream)
-        if cur.items:
-            _add_wait(target, cur, len(cur.items) - 1)  # the input is ready when issued work is done
-        target.items.append((COMM, call, op, st.label[1]))
-        work.backend = (target, len(target.items) - 1, call)
-        if len(call.ops) == len(call.members):
+        cur, target = st.cur, st.streams.get(op.stream) or st.stream(op.stream)
+        # the input is ready when the work issued before it on the current stream is done
+        j = _wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
+        target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j))
+        work.stream, work.index, work.call = target, len(target.items) - 1, call
+        if call.count == len(call.members):
             self._complete(call)
         return work
 
-    def _check_match(self, call: Call, op: CommOp) -> None:
+    def _mismatch(self, call: Call, op: CommOp) -> None:
+        issued = [(r, o) for r, o in zip(call.members, call.ops) if o is not None]
         if call.is_message:
-            other = next(iter(call.ops.values()), None)
-            if other is not None and other.sig != op.sig:
-                send, recv = (other, op) if other.kind is CommKind.SEND else (op, other)
-                raise CollectiveMismatchError(
-                    f"message #{call.seq} on {call.where}: rank {send.rank} sends {describe_signature(send.sig)} "
-                    f"but rank {recv.rank} expects {describe_signature(recv.sig)}")
-            return
-        first = next(iter(call.ops.values()), None)
-        if first is not None and first.match_key() != op.match_key():
-            lines = [f"collective mismatch on group {call.where}, call #{call.seq} on that group:"]
-            for r, o in sorted(list(call.ops.items()) + [(op.rank, op)]):
-                lines.append(f"  rank {r} issued {o.describe()}")
-            raise CollectiveMismatchError("\n".join(lines))
+            other = issued[0][1]
+            send, recv = (other, op) if other.kind is CommKind.SEND else (op, other)
+            raise CollectiveMismatchError(
+                f"message #{call.seq} on {call.where}: rank {send.rank} sends {describe_signature(send.sig)} "
+                f"but rank {recv.rank} expects {describe_signature(recv.sig)}")
+        lines = [f"collective mismatch on group {call.where}, call #{call.seq} on that group:"]
+        for r, o in sorted(issued + [(op.rank, op)], key=lambda ro: ro[0]):
+            lines.append(f"  rank {r} issued {o.describe()}")
+        raise CollectiveMismatchError("\n".join(lines))
 
     def _complete(self, call: Call) -> None:
-        ordered = [call.ops[r] for r in call.members]
-        results = collectives.execute(call.kind, ordered)
-        del self.open[(call.channel, call.seq)]
-        for r, value in zip(call.members, results):
-            w = call.works[r]
+        results = collectives.execute(call.kind, call.ops)
+        del call.channel.open[call.seq]
+        ranks = self.ranks
+        for r, w, value in zip(call.members, call.works, results):
             w.value, w.done = value, True
-            st = self.ranks[r]
-            if st.blocked is not None and all(x.done for x in st.blocked):
-                st.send_value = st.blocked[0].value if st.single else [x.value for x in st.blocked]
+            st = ranks[r]
+            blocked = st.blocked
+            if blocked is not None and (blocked[0] is w if len(blocked) == 1 else all(x.done for x in blocked)):
+                st.send_value = value if st.single else [x.value for x in blocked]
                 st.blocked = None
                 self.ready.append(r)
 
@@ -297,7 +395,7 @@ class Interpreter:
         if st.finished:
             return "finished"
         waiting = [w for w in (st.blocked or []) if not w.done]
-        return "waiting in " + "; ".join(w.backend[2].describe(r) for w in waiting)
+        return "waiting in " + "; ".join(w.call.describe(r) for w in waiting)
 
     def _check_end(self) -> None:
         stuck = [st for st in self.ranks if not st.finished]
@@ -307,17 +405,17 @@ class Interpreter:
                 for w in st.blocked or []:
                     if w.done:
                         continue
-                    call = w.backend[2]
-                    missing = [m for m in call.members if m not in call.ops]
+                    call = w.call
                     lines.append(f"  rank {st.rank} waits in {call.describe(st.rank)}")
-                    for m in missing:
+                    for m in call.missing():
                         lines.append(f"    rank {m} has not issued it: rank {m} is {self._state_of(m)}")
             raise DeadlockError("\n".join(lines))
-        if self.open:
+        open_calls = [c for c in self.calls if c.count < len(c.members)]
+        if open_calls:
             lines = ["a rank ended while others wait:"]
-            for call in self.open.values():
-                missing = [m for m in call.members if m not in call.ops]
-                for r in sorted(call.ops):
+            for call in open_calls:
+                missing = call.missing()
+                for r in sorted(r for r, op in zip(call.members, call.ops) if op is not None):
                     lines.append(f"  rank {r} issued {call.describe(r)}, but rank(s) "
                                  f"{', '.join(map(str, missing))} finished without issuing it")
             raise DeadlockError("\n".join(lines))
@@ -325,5 +423,5 @@ class Interpreter:
             unwaited = [w for w in st.works if not w.waited]
             if unwaited:
                 raise ProgramError(f"rank {st.rank} finished without waiting for "
-                                   + "; ".join(w.backend[2].describe(st.rank) for w in unwaited)
+                                   + "; ".join(w.call.describe(st.rank) for w in unwaited)
                                    + " (yield the work before the program ends)")

@@ -71,19 +71,24 @@ class Network:
         touched, self.dirty, self.dirty_at = self.dirty, [], None
         self._refill([link for link in touched if link in self.on_link])
 
-    def _component(self, links: list[int]) -> tuple[list[int], list[_Flow]]:
+    def _component(self, links: list[int]) -> tuple[set[int], list[_Flow]]:
+        """The links and flows connected to `links` (in discovery order: the filling below depends
+        only on link ids and on each link's flow order, never on this order)."""
+        on_link = self.on_link
         seen_links = set(links)
-        stack = list(links)
-        flows: dict[int, _Flow] = {}
+        stack = list(seen_links)
+        seen: set[int] = set()
+        flows: list[_Flow] = []
         while stack:
-            for f in self.on_link.get(stack.pop(), ()):
-                if f.seq not in flows:
-                    flows[f.seq] = f
+            for f in on_link.get(stack.pop(), ()):
+                if f.seq not in seen:
+                    seen.add(f.seq)
+                    flows.append(f)
                     for other in f.links:
                         if other not in seen_links:
                             seen_links.add(other)
                             stack.append(other)
-        return sorted(seen_links), [flows[k] for k in sorted(flows)]
+        return seen_links, flows
 
     def _refill(self, touched: list[int]) -> None:
         """Recompute the rates of the flows connected to `touched` links and reschedule their ends."""
@@ -93,6 +98,13 @@ class Network:
             f.remaining -= f.rate * (now - f.since)
             f.since = now
             f.rate = -1.0
+        on_link, capacity = self.on_link, self.capacity
+        if all(len(on_link[link]) == 1 for link in links):
+            # No link is shared: each flow runs at its slowest link (what the filling below gives).
+            for f in flows:
+                f.rate = float(min(capacity[link] for link in f.links))
+            self._reschedule(flows, now)
+            return
         cap = {link: float(self.capacity[link]) for link in links}
         count = {link: len(self.on_link.get(link, ())) for link in links}
         version = dict.fromkeys(links, 0)
@@ -112,6 +124,9 @@ class Network:
                     if other != link and count[other]:
                         version[other] += 1
                         heapq.heappush(heap, (cap[other] / count[other], other, version[other]))
+        self._reschedule(flows, now)
+
+    def _reschedule(self, flows: list[_Flow], now: int) -> None:
         for f in flows:
             f.version += 1
             end = now + max(1, math.ceil(f.remaining / f.rate - 1e-9)) if f.remaining > 1e-6 else now

@@ -10,8 +10,9 @@ counter, and processes start in (rank, stream) order, so a scenario gives the sa
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import simpy
 
@@ -20,8 +21,7 @@ from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import COMM, KERNEL, MEMORY, WAIT, Call, RankState, Stream
 from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
-from simcluster.numerics.tensor import nbytes as tensor_bytes
-from simcluster.program.comm import CommKind
+from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
@@ -37,29 +37,29 @@ class Replay:
         self.events: list[TraceEvent] = []
         self.finished = 0
         self.runnable: deque[Iterator[Any]] = deque()
-        self.route_cache: dict[tuple, tuple[list[tuple[int, list]], dict[int, float]]] = {}
         self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
         self.memory_seq = 0
         self.draining = False
+        self.timers: dict[int, list[Callable[[], None]]] = {}
 
     def run(self) -> Trace:
         lanes: list[tuple[int, str]] = []
         streams: list[Stream] = []
-        for st in self.ranks:
-            for s in st.streams.values():
-                if s.items:
-                    s.end_times = [None] * len(s.items)
-                    streams.append(s)
-                    lanes.append((s.rank, s.name))
-        for call in self.calls:
-            call.done = []  # the streams waiting for it
-            call.where_text = call.where
         lists = []
         with gc_paused():
+            for st in self.ranks:
+                for s in st.streams.values():
+                    if s.items:
+                        s.end_times = [None] * len(s.items)
+                        streams.append(s)
+                        lanes.append((s.rank, s.name))
+            for call in self.calls:
+                call.done = []  # the streams waiting for it
             for s in streams:
                 events: list[TraceEvent] = []
                 lists.append(events)
-                self._resume(self._stream(s, events))
+                self.runnable.append(self._stream(s, events))
+                self._drain()
             self.env.run()
         if self.finished != len(streams):
             self._report_stuck(streams)
@@ -68,14 +68,14 @@ class Replay:
         trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, c, n, b in sorted(self.memory))
         return trace
 
-    def _resume(self, gen: Iterator[Any]) -> None:
-        """Make a stream runnable now; run every runnable stream until it waits (FIFO, no recursion).
+    def _drain(self) -> None:
+        """Run every runnable stream until it waits (FIFO, no recursion).
 
         A lighter stand-in for simpy.Process: a stream yields the list of streams waiting for what
-        it needs (a call's end, another stream's item), and whatever completes that resumes them
-        here directly, without one scheduled event per waiter. SimPy keeps the clock and the queue.
+        it needs (a call's end, another stream's item), and whatever completes that makes them
+        runnable here directly, without one scheduled event per waiter. SimPy keeps the clock and
+        the queue.
         """
-        self.runnable.append(gen)
         if self.draining:
             return
         self.draining = True
@@ -95,7 +95,7 @@ class Replay:
         dtype, rank, name = self.cost_dtype, s.rank, s.name
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
-        memory = self.memory
+        memory, runnable, waiters = self.memory, self.runnable, s.waiters
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
@@ -106,9 +106,6 @@ class Replay:
                     d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
                 append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
                 t += d
-            elif tag == MEMORY:
-                memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
-                self.memory_seq += 1
             elif tag == WAIT:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]
@@ -117,9 +114,15 @@ class Replay:
                     end = dep.end_times[j]
                 if end > t:
                     t = end
-            else:
-                assert tag == COMM
-                call, op, label = item[1], item[2], item[3]
+            elif tag == COMM:
+                _, call, kind, label, position, dep, j = item
+                if dep is not None:  # the input is ready when the work issued before it is done
+                    end = dep.end_times[j]
+                    if end is None:
+                        yield dep.waiters.setdefault(j, [])
+                        end = dep.end_times[j]
+                    if end > t:
+                        t = end
                 # No need to bring SimPy's clock up to ours: the call starts at the latest arrival.
                 if t > call.start:
                     call.start = t
@@ -127,34 +130,37 @@ class Replay:
                 if call.arrived == len(call.members):
                     self._launch(call)
                 if call.done is not None:  # (a call of one member with nothing to move ends at once)
-                    yield call.done  # resumed when the call ends
+                    yield call.done  # runnable again when the call ends
                 t = call.end
-                kind = op.kind.value
-                append(new(event, (rank, name, kind, label or kind, call.start, call.end,
-                                   int(round(call.sent.get(rank, 0.0))), call.where_text)))
+                append(new(event, (rank, name, kind, label or kind, call.start, t, call.sent[position],
+                                   call.channel.where)))
+            else:
+                assert tag == MEMORY
+                memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
+                self.memory_seq += 1
             end_times[i] = t
-            if s.waiters:
-                for waiter in s.waiters.pop(i, ()):
-                    self._resume(waiter)
+            if waiters:
+                woken = waiters.pop(i, None)
+                if woken:
+                    runnable.extend(woken)
+                    self._drain()  # (returns at once: a stream runs only from inside the drain)
 
-    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], dict[int, float]]:
-        """The call's phases as (latency to wait, flows over links), and bytes sent per rank.
+    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int]]:
+        """The call's phases as (latency to wait, flows over links), and bytes sent per member.
 
-        Calls of the same kind, members and size move the same bytes: computed once, then shared.
+        Calls of the same kind, group and signature move the same bytes: computed once per
+        channel, then shared.
         """
-        ops = [call.ops[r] for r in call.members]
-        if call.is_message:
-            key: tuple = (CommKind.SEND, call.members, tensor_bytes(ops[0].tensor), None)
-        else:
-            first = ops[0] if call.kind is not CommKind.BROADCAST else next(o for o in ops if o.rank == o.peer)
-            size = 0 if first.tensor is None else tensor_bytes(first.tensor)
-            key = (call.kind, call.members, semantic_bytes(call.kind, size, len(call.members)), first.peer)
-        cached = self.route_cache.get(key)
+        op = call.ops[0]
+        key = (call.kind, op.sig, op.peer)
+        routes = call.channel.routes
+        cached = routes.get(key)
         if cached is None:
-            kind, members, nbytes, peer = key
+            size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
+            nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
             steps: list[tuple[int, list]] = []
             sent: dict[int, float] = {}
-            for phase in plan(kind, members, nbytes, self.cluster, peer=peer):
+            for phase in plan(call.kind, call.members, nbytes, self.cluster, peer=op.peer):
                 flows = []
                 latency = 0
                 for src, dst, b in phase.flows:
@@ -163,40 +169,51 @@ class Replay:
                     flows.append((links, b))
                     sent[src] = sent.get(src, 0.0) + b
                 steps.append((phase.steps * latency, flows))
-            cached = self.route_cache[key] = (steps, sent)
+            cached = routes[key] = (steps, [int(round(sent.get(r, 0.0))) for r in call.members])
         return cached
 
     def _launch(self, call: Call) -> None:
         """Run the call's plan from call.start: a chain of callbacks (no process per call)."""
-        env = self.env
-        assert call.start >= env.now  # every member's clock is at or ahead of SimPy's
+        assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
         steps, call.sent = self._routes(call)
-        wait = call.start - env.now  # folded into the first phase's latency
+        self._phase(call, steps, 0, call.start - self.env.now)  # the wait folds into the first latency
 
-        def run(index: int, wait: int) -> None:
-            if index == len(steps):
-                if wait:
-                    env.timeout(wait).callbacks.append(lambda _e: finish())
-                else:
-                    finish()
-                return
-            latency, flows = steps[index]
-            wait += latency
+    def _phase(self, call: Call, steps: list[tuple[int, list]], index: int, wait: int) -> None:
+        if index == len(steps):
             if wait:
-                env.timeout(wait).callbacks.append(lambda _e: transfer(index))
+                self._at(wait, lambda: self._finish(call))
             else:
-                transfer(index)
+                self._finish(call)
+            return
+        latency, flows = steps[index]
+        wait += latency
 
-        def transfer(index: int) -> None:
-            self.network.transfer(steps[index][1], lambda: run(index + 1, 0))
+        def transfer() -> None:
+            self.network.transfer(flows, lambda: self._phase(call, steps, index + 1, 0))
 
-        def finish() -> None:
-            call.end = env.now
-            waiting, call.done = call.done, None
-            for gen in waiting:
-                self._resume(gen)
+        if wait:
+            self._at(wait, transfer)
+        else:
+            transfer()
 
-        run(0, wait)
+    def _at(self, delay: int, fn: Callable[[], None]) -> None:
+        """Call `fn` in `delay` ns; what falls due at the same ns shares one SimPy event, in order."""
+        when = self.env.now + delay
+        batch = self.timers.get(when)
+        if batch is None:
+            batch = self.timers[when] = []
+            self.env.timeout(delay).callbacks.append(lambda _e: self._fire(when))
+        batch.append(fn)
+
+    def _fire(self, when: int) -> None:
+        for fn in self.timers.pop(when):
+            fn()
+
+    def _finish(self, call: Call) -> None:
+        call.end = self.env.now
+        waiting, call.done = call.done, None
+        self.runnable.extend(waiting)
+        self._drain()
 
     def _report_stuck(self, streams: list[Stream]) -> None:
         lines = ["deadlock in the timed replay (streams wait on each other in a cycle):"]

@@ -165,6 +165,8 @@ def is_partial(x: Any) -> bool:
 
 def signature(x: Any) -> tuple[bool, str, tuple[int, ...]]:
     """What must agree across ranks for a collective on `x`: partial or not, dtype, shape."""
+    if x.__class__ is MetaTensor:
+        return (x.partial, x.dtype, x.shape)
     kind_of(x)  # type check
     return (is_partial(x), logical_dtype(x), shape_of(x))
 

@@ -45,7 +45,8 @@ class CommOp:
     """One rank's side of a communication. `peer` is the root/src/dst, a global rank.
 
     `sig` is the (partial, dtype, shape) of the data it moves: the tensor's, or for a recv the
-    signature expected. Treat an op as immutable once issued.
+    signature expected. `stream`: the stream it runs on; "" asks the backend for its default (one
+    per group, one per peer and direction). Treat an op as immutable once issued.
     """
 
     kind: CommKind
@@ -112,10 +113,14 @@ class Work:
 Issue = Callable[[CommOp, bool], Work]
 
 
+def _reduce_op(op: Any) -> ReduceOp:
+    return op if op.__class__ is ReduceOp else ReduceOp(op)
+
+
 def _check_group(group: Any, rank: int, what: str) -> ProcessGroup:
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"{what}: group must be a ProcessGroup (e.g. ctx.mesh.tp), got {type(group).__name__}")
-    if rank not in group:
+    if rank not in group.ranks:
         raise ValueError(f"{what}: rank {rank} is not a member of group {group}")
     return group
 
@@ -138,35 +143,34 @@ class Comm:
         self.world_size = world_size
         self.pending_sync: Work | None = None  # a sync request not yet yielded
 
-    def _submit(self, op: CommOp, async_op: bool, default_stream: str) -> Work:
+    def _submit(self, op: CommOp, async_op: bool) -> Work:
         if self.pending_sync is not None and not self.pending_sync.waited:
             raise ProgramError(
                 f"rank {self.rank}: {self.pending_sync.op.describe()} is a synchronous request that was "
                 f"never yielded; write `x = yield ctx.comm.{self.pending_sync.op.kind.value}(...)` "
                 f"or pass async_op=True")
-        if not op.stream:
-            op.stream = default_stream
         work = self._issue(op, not async_op)
         self.pending_sync = None if async_op else work
         return work
 
-    def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None, **kw: Any) -> Work:
-        what = kind.value
-        g = _check_group(group, self.rank, what)
+    def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None,
+                  op: ReduceOp | None = None, peer: int | None = None, dim: int = 0, split_dim: int = 0,
+                  concat_dim: int = 0) -> Work:
+        g = _check_group(group, self.rank, kind.value)
         sig = None if tensor is None else signature(tensor)  # also a type check with a clear message
-        op = CommOp(kind, self.rank, g, tensor, sig=sig, stream=stream or "", **kw)
-        return self._submit(op, async_op, f"comm:{g.name}")
+        return self._submit(CommOp(kind, self.rank, g, tensor, op, peer, dim, split_dim, concat_dim, sig, 0,
+                                   stream or ""), async_op)
 
     def all_reduce(self, tensor: Any, *, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM,
                    async_op: bool = False, stream: str | None = None) -> Work:
         """Every rank gets the reduction (SUM, MAX, MIN) of all ranks' tensors."""
-        return self._group_op(CommKind.ALL_REDUCE, tensor, group, async_op, stream, op=ReduceOp(op))
+        return self._group_op(CommKind.ALL_REDUCE, tensor, group, async_op, stream, op=_reduce_op(op))
 
     def reduce_scatter(self, tensor: Any, *, group: ProcessGroup, dim: int = 0, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False, stream: str | None = None) -> Work:
         """Group rank i gets chunk i (along `dim`) of the reduction of all ranks' tensors."""
         _check_dim(tensor, dim, "reduce_scatter", _check_group(group, self.rank, "reduce_scatter").size)
-        return self._group_op(CommKind.REDUCE_SCATTER, tensor, group, async_op, stream, op=ReduceOp(op), dim=dim)
+        return self._group_op(CommKind.REDUCE_SCATTER, tensor, group, async_op, stream, op=_reduce_op(op), dim=dim)
 
     def all_gather(self, tensor: Any, *, group: ProcessGroup, dim: int = 0,
                    async_op: bool = False, stream: str | None = None) -> Work:
@@ -196,13 +200,13 @@ class Comm:
         g = _check_group(group, self.rank, "reduce")
         if dst not in g:
             raise ValueError(f"reduce: dst rank {dst} is not in group {g}")
-        return self._group_op(CommKind.REDUCE, tensor, group, async_op, stream, op=ReduceOp(op), peer=dst)
+        return self._group_op(CommKind.REDUCE, tensor, group, async_op, stream, op=_reduce_op(op), peer=dst)
 
     def barrier(self, *, group: ProcessGroup, async_op: bool = False, stream: str | None = None) -> Work:
         return self._group_op(CommKind.BARRIER, None, group, async_op, stream)
 
     def _check_peer(self, peer: Any, what: str) -> int:
-        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
+        if type(peer) is not int or not 0 <= peer < self.world_size:  # (not a bool, not a float)
             raise ValueError(f"{what}: peer rank {peer!r} is not in 0..{self.world_size - 1}")
         if peer == self.rank:
             raise ValueError(f"{what}: rank {self.rank} cannot send to or receive from itself")
@@ -211,12 +215,11 @@ class Comm:
     def send(self, tensor: Any, *, dst: int, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
         """Point to point; a synchronous send waits until the matching recv is posted."""
         dst = self._check_peer(dst, "send")
-        op = CommOp(CommKind.SEND, self.rank, None, tensor, peer=dst, sig=signature(tensor), tag=tag,
-                    stream=stream or "")
-        return self._submit(op, async_op, f"send->{dst}")
+        return self._submit(CommOp(CommKind.SEND, self.rank, None, tensor, None, dst, 0, 0, 0, signature(tensor), tag,
+                                   stream or ""), async_op)
 
     def recv(self, *, src: int, like: Any, tag: int = 0, async_op: bool = False, stream: str | None = None) -> Work:
         """Receive a value shaped like `like` (any value or MetaTensor of the expected partial/dtype/shape)."""
         src = self._check_peer(src, "recv")
-        op = CommOp(CommKind.RECV, self.rank, None, None, peer=src, sig=signature(like), tag=tag, stream=stream or "")
-        return self._submit(op, async_op, f"recv<-{src}")
+        return self._submit(CommOp(CommKind.RECV, self.rank, None, None, None, src, 0, 0, 0, signature(like), tag,
+                                   stream or ""), async_op)

@@ -22,6 +22,16 @@ class ProcessGroup:
     name: str
     ranks: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "_hash", hash((self.name, self.ranks)))  # groups are dict keys in hot paths
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:  # rebuilt, not copied: string hashes differ between processes
+        return ProcessGroup, (self.name, self.ranks)
+
     @property
     def size(self) -> int:
         return len(self.ranks)
@@ -61,6 +71,7 @@ class DeviceMesh:
         self.world_size = int(np.prod(list(self.sizes.values())))
         self.ranks = np.arange(self.world_size).reshape(tuple(self.sizes[a] for a in AXES))
         self._groups: dict[tuple[int, tuple[str, ...]], ProcessGroup] = {}
+        self._interned: dict[ProcessGroup, ProcessGroup] = {}
 
     def __repr__(self) -> str:
         return "DeviceMesh(" + ", ".join(f"{a}={n}" for a, n in self.sizes.items()) + ")"
@@ -80,7 +91,8 @@ class DeviceMesh:
             index = tuple(slice(None) if a in axes else c[a] for a in AXES)
             members = tuple(int(r) for r in self.ranks[index].reshape(-1))
             name = "world" if axes == AXES else "+".join(axes)
-            self._groups[key] = ProcessGroup(name, members)
+            g = ProcessGroup(name, members)
+            self._groups[key] = self._interned.setdefault(g, g)  # every member shares one object
         return self._groups[key]
 
     def groups(self, *axes: str) -> list[ProcessGroup]:
