@@ -4,7 +4,9 @@ A program of 64 ranks (dp=8 x tp=8 on 8 DGX nodes) in meta mode. Per round each 
 `--kernels` kernels, an all-reduce on tp, an async all-gather on dp overlapped with `--kernels`
 more kernels, and a send/recv ring: per rank and round 2K kernel events and 4 communication events.
 Throughput counts trace events over the wall time of both passes (the interpreter that runs the
-programs and matches their communication, and the timed replay), best of `--repeat` runs.
+programs and matches their communication, and the timed replay; the replay's time includes the
+garbage collection their objects cost when the collector resumes), best of `--repeat` runs. The previous
+run's structures are collected before each run starts, outside the timing, as in a fresh process.
 
     python benchmarks/engine_throughput.py [--rounds N] [--kernels K] [--repeat R]
 """
@@ -12,8 +14,10 @@ programs and matches their communication, and the timed replay), best of `--repe
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
+from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Interpreter
 from simcluster.engine.timing import Replay
 from simcluster.numerics.tensor import MetaTensor
@@ -43,11 +47,13 @@ def measure(rounds: int, kernels: int, repeat: int) -> tuple[int, float, float]:
     cluster = Cluster(preset("dgx-a100", nodes=8, gpus_per_node=8))
     best = None
     for _ in range(repeat):
+        gc.collect()
         t0 = time.perf_counter()
-        interp = Interpreter(mesh, "meta", cost_dtype="bf16")
-        interp.run(many_small, rounds, kernels)
-        t1 = time.perf_counter()
-        trace = Replay(interp.ranks, interp.calls, cluster, "bf16").run()
+        with gc_paused():  # as simulate() does
+            interp = Interpreter(mesh, "meta", cost_dtype="bf16")
+            interp.run(many_small, rounds, kernels)
+            t1 = time.perf_counter()
+            trace = Replay(interp.ranks, interp.calls, cluster, "bf16").run()
         t2 = time.perf_counter()
         if best is None or t2 - t0 < best[1] + best[2]:
             best = (len(trace), t1 - t0, t2 - t1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, SimulationError
+from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Interpreter
 from simcluster.engine.timing import Replay
 from simcluster.engine.trace import Trace, TraceEvent
@@ -45,10 +46,11 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
         raise ValueError(
             f"the mesh has {mesh.world_size} ranks ({', '.join(f'{a}={n}' for a, n in mesh.sizes.items())}) but the "
             f"cluster has {spec.world_size} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); they must be equal")
-    interp = Interpreter(mesh, mode, cost_dtype=cost_dtype)
-    results = interp.run(program, *args)
     topo = Cluster(spec)
-    trace = Replay(interp.ranks, interp.calls, topo, cost_dtype).run()
+    with gc_paused():  # (one pause over both passes: the collector then walks their objects once)
+        interp = Interpreter(mesh, mode, cost_dtype=cost_dtype)
+        results = interp.run(program, *args)
+        trace = Replay(interp.ranks, interp.calls, topo, cost_dtype).run()
     return RunResult(results, trace, mesh, topo)
 
 

@@ -39,7 +39,7 @@ class Stream:
     where the call is joined once that item of that stream (None: no wait) has ended;
     memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
 
-    __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
+    __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters", "joins")
 
     def __init__(self, rank: int, name: str) -> None:
         self.rank = rank
@@ -47,7 +47,8 @@ class Stream:
         self.items: list[tuple] = []
         self.waited_upto: dict[str, int] = {}
         self.end_times: list[int | None] = []
-        self.waiters: dict[int, Any] = {}
+        self.waiters: dict[int, Any] = {}  # the replay's: streams waiting for item i
+        self.joins: dict[int, Any] = {}  # the replay's: calls to join for other streams after item i
 
 
 def _wait_index(waiter: Stream, dep: Stream, index: int) -> int:
@@ -171,7 +172,8 @@ class RankState:
         self.send_value: Any = None
         self.finished = False
         self.result: Any = None
-        self.works: list[Work] = []
+        self.works: list[Work] = []  # possibly not yet waited for
+        self.prune_at = 64
         self.held: dict[tuple[str, str], int] = {}
 
     @property
@@ -349,7 +351,11 @@ class Interpreter:
         if not op.stream:
             op.stream = ch.streams[pos]
         work = EmulatedWork(op, sync)
-        st.works.append(work)
+        works = st.works  # (kept to check that each is waited for; pruned as they are)
+        works.append(work)
+        if len(works) > st.prune_at:
+            st.works = [w for w in works if not w.waited]
+            st.prune_at = 2 * len(st.works) + 64
         call.ops[pos] = op
         call.works[pos] = work
         call.count += 1
@@ -380,7 +386,8 @@ class Interpreter:
         results = collectives.execute(call.kind, call.ops)
         del call.channel.open[call.seq]
         ranks = self.ranks
-        for r, w, value in zip(call.members, call.works, results):
+        works, call.works = call.works, None  # (no longer needed: let them go with the program)
+        for r, w, value in zip(call.members, works, results):
             w.value, w.done = value, True
             st = ranks[r]
             blocked = st.blocked

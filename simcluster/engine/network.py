@@ -48,24 +48,32 @@ class Network:
         self.seq = 0
         self.dirty: list[int] = []  # links of flows started at this instant, not yet given rates
         self.dirty_at: int | None = None
+        self.slowest: dict[tuple[int, ...], float] = {}  # the smallest capacity on a route
 
     def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[], None]) -> None:
         """Start flows (links, bytes) now; call `on_done` when all have arrived."""
-        live = [(links, b) for links, b in flows if b > 0]
-        if not live:
-            on_done()
-            return
-        t = _Transfer(len(live), on_done)
+        t = _Transfer(0, on_done)
         now = self.env.now
-        if self.dirty_at != now:  # the first start at this instant: refill once, after the others
+        on_link, dirty, seq = self.on_link, self.dirty, self.seq
+        for links, b in flows:
+            if b <= 0:
+                continue
+            f = _Flow(links, b, t, seq, now)
+            seq += 1
+            t.pending += 1
+            for link in links:
+                sharing = on_link.get(link)
+                if sharing is None:
+                    on_link[link] = [f]
+                else:
+                    sharing.append(f)
+            dirty += links
+        self.seq = seq
+        if not t.pending:
+            on_done()
+        elif self.dirty_at != now:  # the first start at this instant: refill once, after the others
             self.dirty_at = now
             self.env.timeout(0).callbacks.append(self._refill_dirty)
-        for links, b in live:
-            f = _Flow(links, b, t, self.seq, now)
-            self.seq += 1
-            for link in links:
-                self.on_link.setdefault(link, []).append(f)
-            self.dirty.extend(links)
 
     def _refill_dirty(self, _event: Any) -> None:
         touched, self.dirty, self.dirty_at = self.dirty, [], None
@@ -101,8 +109,12 @@ class Network:
         on_link, capacity = self.on_link, self.capacity
         if all(len(on_link[link]) == 1 for link in links):
             # No link is shared: each flow runs at its slowest link (what the filling below gives).
+            slowest = self.slowest
             for f in flows:
-                f.rate = float(min(capacity[link] for link in f.links))
+                rate = slowest.get(f.links)
+                if rate is None:
+                    rate = slowest[f.links] = float(min(capacity[link] for link in f.links))
+                f.rate = rate
             self._reschedule(flows, now)
             return
         cap = {link: float(self.capacity[link]) for link in links}

@@ -95,7 +95,7 @@ class Replay:
         dtype, rank, name = self.cost_dtype, s.rank, s.name
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
-        memory, runnable, waiters = self.memory, self.runnable, s.waiters
+        memory, runnable, waiters, joins = self.memory, self.runnable, s.waiters, s.joins
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
@@ -116,21 +116,18 @@ class Replay:
                     t = end
             elif tag == COMM:
                 _, call, kind, label, position, dep, j = item
-                if dep is not None:  # the input is ready when the work issued before it is done
-                    end = dep.end_times[j]
-                    if end is None:
-                        yield dep.waiters.setdefault(j, [])
-                        end = dep.end_times[j]
-                    if end > t:
-                        t = end
-                # No need to bring SimPy's clock up to ours: the call starts at the latest arrival.
-                if t > call.start:
-                    call.start = t
-                call.arrived += 1
-                if call.arrived == len(call.members):
-                    self._launch(call)
-                if call.done is not None:  # (a call of one member with nothing to move ends at once)
-                    yield call.done  # runnable again when the call ends
+                # The input is ready when the work issued before it (item j of dep) is done.
+                if dep is not None and dep.end_times[j] is None:
+                    # dep joins the call for this stream when it gets there; this stream sleeps
+                    # until the call ends, without being woken in between
+                    dep.joins.setdefault(j, []).append((call, t))
+                    yield call.done
+                else:
+                    if dep is not None and dep.end_times[j] > t:
+                        t = dep.end_times[j]
+                    self._join(call, t)
+                    if call.done is not None:  # (a call of one member with nothing to move ends at once)
+                        yield call.done  # runnable again when the call ends
                 t = call.end
                 append(new(event, (rank, name, kind, label or kind, call.start, t, call.sent[position],
                                    call.channel.where)))
@@ -139,11 +136,23 @@ class Replay:
                 memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
                 self.memory_seq += 1
             end_times[i] = t
+            if joins:
+                for call, at in joins.pop(i, ()):
+                    self._join(call, at if at > t else t)
             if waiters:
                 woken = waiters.pop(i, None)
                 if woken:
                     runnable.extend(woken)
                     self._drain()  # (returns at once: a stream runs only from inside the drain)
+
+    def _join(self, call: Call, t: int) -> None:
+        """A member joins `call` at its clock `t`; the last one launches it."""
+        # No need to bring SimPy's clock up to ours: the call starts at the latest arrival.
+        if t > call.start:
+            call.start = t
+        call.arrived += 1
+        if call.arrived == len(call.members):
+            self._launch(call)
 
     def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int]]:
         """The call's phases as (latency to wait, flows over links), and bytes sent per member.

@@ -112,6 +112,15 @@ class MetaTensor:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def signature(self) -> tuple[bool, str, tuple[int, ...]]:
+        """(partial, dtype, shape), made once: a meta program communicates the same tensors often."""
+        sig = self.__dict__.get("_signature")
+        if sig is None:
+            sig = (self.partial, self.dtype, self.shape)
+            object.__setattr__(self, "_signature", sig)
+        return sig
+
 
 class ReduceOp(Enum):
     SUM = "sum"
@@ -166,7 +175,7 @@ def is_partial(x: Any) -> bool:
 def signature(x: Any) -> tuple[bool, str, tuple[int, ...]]:
     """What must agree across ranks for a collective on `x`: partial or not, dtype, shape."""
     if x.__class__ is MetaTensor:
-        return (x.partial, x.dtype, x.shape)
+        return x.signature
     kind_of(x)  # type check
     return (is_partial(x), logical_dtype(x), shape_of(x))
 
