@@ -39,7 +39,7 @@ class Stream:
     where the call is joined once that item of that stream (None: no wait) has ended;
     memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
 
-    __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters", "joins")
+    __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
 
     def __init__(self, rank: int, name: str) -> None:
         self.rank = rank
@@ -47,8 +47,8 @@ class Stream:
         self.items: list[tuple] = []
         self.waited_upto: dict[str, int] = {}
         self.end_times: list[int | None] = []
-        self.waiters: dict[int, Any] = {}  # the replay's: streams waiting for item i
-        self.joins: dict[int, Any] = {}  # the replay's: calls to join for other streams after item i
+        # the replay's, by item: its end, and what waits for it (streams to wake, calls to join)
+        self.waiters: list[list | None] = []
 
 
 def _wait_index(waiter: Stream, dep: Stream, index: int) -> int:

@@ -51,6 +51,7 @@ class Replay:
                 for s in st.streams.values():
                     if s.items:
                         s.end_times = [None] * len(s.items)
+                        s.waiters = [None] * len(s.items)
                         streams.append(s)
                         lanes.append((s.rank, s.name))
             for call in self.calls:
@@ -95,7 +96,7 @@ class Replay:
         dtype, rank, name = self.cost_dtype, s.rank, s.name
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
-        memory, runnable, waiters, joins = self.memory, self.runnable, s.waiters, s.joins
+        memory, runnable, waiters = self.memory, self.runnable, s.waiters
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
@@ -110,7 +111,10 @@ class Replay:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]
                 if end is None:
-                    yield dep.waiters.setdefault(j, [])
+                    waiting = dep.waiters[j]
+                    if waiting is None:
+                        waiting = dep.waiters[j] = []
+                    yield waiting
                     end = dep.end_times[j]
                 if end > t:
                     t = end
@@ -120,7 +124,10 @@ class Replay:
                 if dep is not None and dep.end_times[j] is None:
                     # dep joins the call for this stream when it gets there; this stream sleeps
                     # until the call ends, without being woken in between
-                    dep.joins.setdefault(j, []).append((call, t))
+                    waiting = dep.waiters[j]
+                    if waiting is None:
+                        waiting = dep.waiters[j] = []
+                    waiting.append((call, t))
                     yield call.done
                 else:
                     if dep is not None and dep.end_times[j] > t:
@@ -136,14 +143,14 @@ class Replay:
                 memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
                 self.memory_seq += 1
             end_times[i] = t
-            if joins:
-                for call, at in joins.pop(i, ()):
-                    self._join(call, at if at > t else t)
-            if waiters:
-                woken = waiters.pop(i, None)
-                if woken:
-                    runnable.extend(woken)
-                    self._drain()  # (returns at once: a stream runs only from inside the drain)
+            waiting = waiters[i]
+            if waiting is not None:
+                waiters[i] = None
+                for w in waiting:
+                    if type(w) is tuple:  # a call to join for another stream
+                        self._join(w[0], w[1] if w[1] > t else t)
+                    else:  # a stream to wake
+                        runnable.append(w)
 
     def _join(self, call: Call, t: int) -> None:
         """A member joins `call` at its clock `t`; the last one launches it."""
