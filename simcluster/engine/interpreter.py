@@ -31,12 +31,13 @@ from simcluster.program.mesh import DeviceMesh, ProcessGroup
 from simcluster.model.memory import CATEGORIES
 
 KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
+_SEND, _RECV = CommKind.SEND, CommKind.RECV
 
 
 class Stream:
     """One rank's stream: items run in order. Kernel: (KERNEL, name, kind, flops, bytes);
-    wait: (WAIT, stream, index); communication: (COMM, call, kind, label, member index, stream, index),
-    where the call is joined once that item of that stream (None: no wait) has ended;
+    wait: (WAIT, stream, index); communication: (COMM, call, kind, label, member index, stream, index,
+    where), where the call is joined once that item of that stream (None: no wait) has ended;
     memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
 
     __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
@@ -104,7 +105,7 @@ class Call:
     """One collective call on a group, or one message on a (src, dst, tag) channel."""
 
     __slots__ = ("kind", "channel", "seq", "members", "ops", "works", "count", "key",
-                 "arrived", "start", "end", "done", "sent")
+                 "arrived", "start", "end", "done", "sent", "steps", "phase")
 
     def __init__(self, kind: CommKind, channel: Channel, seq: int) -> None:
         self.kind = kind  # SEND for a message (members: sender, receiver)
@@ -120,8 +121,10 @@ class Call:
         self.arrived = 0
         self.start = 0
         self.end = 0
-        self.done: Any = None
-        self.sent: dict[int, int] = {}
+        self.done: Any = None  # the streams waiting for its end
+        self.sent: list[int] = []  # bytes each member sends
+        self.steps: list[tuple[int, list]] = []  # its plan: (latency, flows) per phase
+        self.phase = 0  # the next phase
 
     @property
     def is_message(self) -> bool:
@@ -153,8 +156,9 @@ class EmulatedWork(Work):
 
     __slots__ = ("stream", "index", "call")
 
-    def __init__(self, op: CommOp, sync: bool) -> None:
+    def __init__(self, op: CommOp, sync: bool, stream: Stream, index: int, call: Call) -> None:
         self.op, self.sync, self.done, self.value, self.waited, self.backend = op, sync, False, None, False, None
+        self.stream, self.index, self.call = stream, index, call
 
 
 class RankState:
@@ -275,9 +279,13 @@ class Interpreter:
             free = pending is None or pending.waited
             if type(y) is EmulatedWork and y.op.rank == rank and (free or pending is y):
                 works, single = (y,), True  # the common cases, checked in full by _works_of otherwise
-            elif (type(y) is list and y and all(type(w) is EmulatedWork and w.op.rank == rank for w in y)
-                  and (free or any(w is pending for w in y))):
-                works, single = y, False
+            elif type(y) is list and y and (free or pending in y):
+                for w in y:
+                    if type(w) is not EmulatedWork or w.op.rank != rank:
+                        works, single = self._works_of(st, y)
+                        break
+                else:
+                    works, single = y, False
             else:
                 works, single = self._works_of(st, y)
             cur = st.cur
@@ -304,6 +312,8 @@ class Interpreter:
         for w in works:
             if w.op.rank != st.rank:
                 raise ProgramError(f"rank {st.rank} yielded a work issued by rank {w.op.rank}")
+            if not isinstance(w, EmulatedWork):
+                raise ProgramError(f"rank {st.rank} yielded a work that this emulator did not issue: {w!r}")
         pending = st.comm.pending_sync
         if pending is not None and not pending.waited and not any(w is pending for w in works):
             raise ProgramError(f"rank {st.rank}: synchronous {pending.op.describe()} was not yielded before "
@@ -331,17 +341,17 @@ class Interpreter:
 
     def _issue(self, st: RankState, op: CommOp, sync: bool) -> Work:
         kind = op.kind
-        if kind is CommKind.SEND:
-            ch, pos = self._message_channel(op.rank, op.peer, op.tag), 0
-        elif kind is CommKind.RECV:
-            ch, pos = self._message_channel(op.peer, op.rank, op.tag), 1
+        if kind is _SEND:
+            ch, pos = self.messages.get((op.rank, op.peer, op.tag)) or self._message_channel(op.rank, op.peer, op.tag), 0
+        elif kind is _RECV:
+            ch, pos = self.messages.get((op.peer, op.rank, op.tag)) or self._message_channel(op.peer, op.rank, op.tag), 1
         else:
             ch = self.by_id.get(id(op.group)) or self._group_channel(op.group)
             pos = ch.position[op.rank]
         seq = ch.issued[pos]
         ch.issued[pos] = seq + 1
         call = ch.open.get(seq)
-        key = op.sig if ch.kind is CommKind.SEND else op.match_key()
+        key = op.sig if ch.kind is _SEND else op.match_key()
         if call is None:
             call = ch.open[seq] = Call(ch.kind or kind, ch, seq)
             call.key = key
@@ -350,7 +360,11 @@ class Interpreter:
             self._mismatch(call, op)
         if not op.stream:
             op.stream = ch.streams[pos]
-        work = EmulatedWork(op, sync)
+        cur, target = st.cur, st.streams.get(op.stream) or st.stream(op.stream)
+        # the input is ready when the work issued before it on the current stream is done
+        j = _wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
+        target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
+        work = EmulatedWork(op, sync, target, len(target.items) - 1, call)
         works = st.works  # (kept to check that each is waited for; pruned as they are)
         works.append(work)
         if len(works) > st.prune_at:
@@ -359,12 +373,6 @@ class Interpreter:
         call.ops[pos] = op
         call.works[pos] = work
         call.count += 1
-
-        cur, target = st.cur, st.streams.get(op.stream) or st.stream(op.stream)
-        # the input is ready when the work issued before it on the current stream is done
-        j = _wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
-        target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j))
-        work.stream, work.index, work.call = target, len(target.items) - 1, call
         if call.count == len(call.members):
             self._complete(call)
         return work

@@ -31,11 +31,12 @@ class _Flow:
 
 
 class _Transfer:
-    __slots__ = ("pending", "on_done")
+    __slots__ = ("pending", "on_done", "arg")
 
-    def __init__(self, pending: int, on_done: Callable[[], None]) -> None:
+    def __init__(self, pending: int, on_done: Callable[[Any], None], arg: Any) -> None:
         self.pending = pending
         self.on_done = on_done
+        self.arg = arg
 
 
 class Network:
@@ -50,9 +51,10 @@ class Network:
         self.dirty_at: int | None = None
         self.slowest: dict[tuple[int, ...], float] = {}  # the smallest capacity on a route
 
-    def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[], None]) -> None:
-        """Start flows (links, bytes) now; call `on_done` when all have arrived."""
-        t = _Transfer(0, on_done)
+    def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[Any], None],
+                 arg: Any = None) -> None:
+        """Start flows (links, bytes) now; call `on_done(arg)` when all have arrived."""
+        t = _Transfer(0, on_done, arg)
         now = self.env.now
         on_link, dirty, seq = self.on_link, self.dirty, self.seq
         for links, b in flows:
@@ -70,7 +72,7 @@ class Network:
             dirty += links
         self.seq = seq
         if not t.pending:
-            on_done()
+            on_done(arg)
         elif self.dirty_at != now:  # the first start at this instant: refill once, after the others
             self.dirty_at = now
             self.env.timeout(0).callbacks.append(self._refill_dirty)
@@ -185,4 +187,4 @@ class Network:
         else:
             self._schedule()
         for t in finished:
-            t.on_done()
+            t.on_done(t.arg)

@@ -40,7 +40,7 @@ class Replay:
         self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
         self.memory_seq = 0
         self.draining = False
-        self.timers: dict[int, list[Callable[[], None]]] = {}
+        self.timers: dict[int, list[tuple[Callable[[Call], None], Call]]] = {}
 
     def run(self) -> Trace:
         lanes: list[tuple[int, str]] = []
@@ -119,7 +119,7 @@ class Replay:
                 if end > t:
                     t = end
             elif tag == COMM:
-                _, call, kind, label, position, dep, j = item
+                _, call, kind, label, position, dep, j, where = item
                 # The input is ready when the work issued before it (item j of dep) is done.
                 if dep is not None and dep.end_times[j] is None:
                     # dep joins the call for this stream when it gets there; this stream sleeps
@@ -136,8 +136,7 @@ class Replay:
                     if call.done is not None:  # (a call of one member with nothing to move ends at once)
                         yield call.done  # runnable again when the call ends
                 t = call.end
-                append(new(event, (rank, name, kind, label or kind, call.start, t, call.sent[position],
-                                   call.channel.where)))
+                append(new(event, (rank, name, kind, label or kind, call.start, t, call.sent[position], where)))
             else:
                 assert tag == MEMORY
                 memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
@@ -168,7 +167,7 @@ class Replay:
         channel, then shared.
         """
         op = call.ops[0]
-        key = (call.kind, op.sig, op.peer)
+        key = (call.kind._value_, op.sig, op.peer)
         routes = call.channel.routes
         cached = routes.get(key)
         if cached is None:
@@ -189,41 +188,43 @@ class Replay:
         return cached
 
     def _launch(self, call: Call) -> None:
-        """Run the call's plan from call.start: a chain of callbacks (no process per call)."""
+        """Run the call's plan from call.start: phase after phase, each after its latency."""
         assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
-        steps, call.sent = self._routes(call)
-        self._phase(call, steps, 0, call.start - self.env.now)  # the wait folds into the first latency
+        call.steps, call.sent = self._routes(call)
+        call.phase = 0
+        self._next(call, call.start - self.env.now)  # the wait folds into the first latency
 
-    def _phase(self, call: Call, steps: list[tuple[int, list]], index: int, wait: int) -> None:
-        if index == len(steps):
+    def _next(self, call: Call, wait: int = 0) -> None:
+        """Start the call's next phase after its latency (and `wait` more ns), or end the call."""
+        if call.phase == len(call.steps):
             if wait:
-                self._at(wait, lambda: self._finish(call))
+                self._at(wait, self._finish, call)
             else:
                 self._finish(call)
             return
-        latency, flows = steps[index]
-        wait += latency
-
-        def transfer() -> None:
-            self.network.transfer(flows, lambda: self._phase(call, steps, index + 1, 0))
-
+        wait += call.steps[call.phase][0]
         if wait:
-            self._at(wait, transfer)
+            self._at(wait, self._transfer, call)
         else:
-            transfer()
+            self._transfer(call)
 
-    def _at(self, delay: int, fn: Callable[[], None]) -> None:
-        """Call `fn` in `delay` ns; what falls due at the same ns shares one SimPy event, in order."""
+    def _transfer(self, call: Call) -> None:
+        flows = call.steps[call.phase][1]
+        call.phase += 1
+        self.network.transfer(flows, self._next, call)
+
+    def _at(self, delay: int, fn: Callable[[Call], None], call: Call) -> None:
+        """Call `fn(call)` in `delay` ns; what falls due at the same ns shares one SimPy event, in order."""
         when = self.env.now + delay
         batch = self.timers.get(when)
         if batch is None:
             batch = self.timers[when] = []
             self.env.timeout(delay).callbacks.append(lambda _e: self._fire(when))
-        batch.append(fn)
+        batch.append((fn, call))
 
     def _fire(self, when: int) -> None:
-        for fn in self.timers.pop(when):
-            fn()
+        for fn, call in self.timers.pop(when):
+            fn(call)
 
     def _finish(self, call: Call) -> None:
         call.end = self.env.now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import chain
 from typing import Iterable, Iterator, NamedTuple
 
 COMPUTE_KINDS = frozenset({"compute", "forward", "backward", "weight_grad", "optimizer", "recompute"})
@@ -84,7 +85,7 @@ class Trace:
         """From per-lane lists already in start order (lanes in rank order)."""
         trace = cls.__new__(cls)
         trace.lanes = tuple(lanes)
-        trace.events = tuple(e for lane in events for e in lane)
+        trace.events = tuple(chain.from_iterable(events))
         return trace
 
     def __iter__(self) -> Iterator[TraceEvent]:

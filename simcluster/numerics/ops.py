@@ -9,6 +9,7 @@ This is the minimal set the engine needs; the numerics issue grows it into the f
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ class Mode(Enum):
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)
 
 
 def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -143,12 +143,15 @@ class Comm:
         self.world_size = world_size
         self.pending_sync: Work | None = None  # a sync request not yet yielded
 
+    def _unyielded(self) -> ProgramError:
+        return ProgramError(
+            f"rank {self.rank}: {self.pending_sync.op.describe()} is a synchronous request that was "
+            f"never yielded; write `x = yield ctx.comm.{self.pending_sync.op.kind.value}(...)` "
+            f"or pass async_op=True")
+
     def _submit(self, op: CommOp, async_op: bool) -> Work:
         if self.pending_sync is not None and not self.pending_sync.waited:
-            raise ProgramError(
-                f"rank {self.rank}: {self.pending_sync.op.describe()} is a synchronous request that was "
-                f"never yielded; write `x = yield ctx.comm.{self.pending_sync.op.kind.value}(...)` "
-                f"or pass async_op=True")
+            raise self._unyielded()
         work = self._issue(op, not async_op)
         self.pending_sync = None if async_op else work
         return work
@@ -158,8 +161,12 @@ class Comm:
                   concat_dim: int = 0) -> Work:
         g = _check_group(group, self.rank, kind.value)
         sig = None if tensor is None else signature(tensor)  # also a type check with a clear message
-        return self._submit(CommOp(kind, self.rank, g, tensor, op, peer, dim, split_dim, concat_dim, sig, 0,
-                                   stream or ""), async_op)
+        if self.pending_sync is not None and not self.pending_sync.waited:
+            raise self._unyielded()
+        work = self._issue(CommOp(kind, self.rank, g, tensor, op, peer, dim, split_dim, concat_dim, sig, 0,
+                                  stream or ""), not async_op)
+        self.pending_sync = None if async_op else work
+        return work
 
     def all_reduce(self, tensor: Any, *, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM,
                    async_op: bool = False, stream: str | None = None) -> Work:
