@@ -43,7 +43,7 @@ def idle_fraction(trace: Trace) -> float:
     busy_compute = {r: 0 for r in ranks}
     for e in trace:
         if e.stream == "compute":
-            busy_compute[e.rank] += e.duration
+            busy_compute[e.rank] += e.end - e.start
     return sum(1 - busy_compute[r] / end for r in ranks) / len(ranks)
 
 
@@ -51,7 +51,7 @@ def busy(trace: Trace) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for e in trace:
         lane = out.setdefault(str(e.rank), {})
-        lane[e.stream] = lane.get(e.stream, 0) + e.duration
+        lane[e.stream] = lane.get(e.stream, 0) + e.end - e.start
     return out
 
 

@@ -392,6 +392,8 @@ class Interpreter:
 
     def _complete(self, call: Call) -> None:
         results = collectives.execute(call.kind, call.ops)
+        for op in call.ops:
+            op.tensor = None  # the data lives on in the results; a long run keeps no inputs alive
         del call.channel.open[call.seq]
         ranks = self.ranks
         works, call.works = call.works, None  # (no longer needed: let them go with the program)

@@ -18,6 +18,8 @@ Shapes: b batch, s sequence, h hidden, a heads, d = h/a, F ffn_hidden, V vocab.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -69,6 +71,9 @@ class GPTConfig:
         return self.hidden // self.heads
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(_parameter_shapes(self))
+
+    def _build_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         h, F, V = self.hidden, self.ffn_hidden, self.vocab
         shapes: dict[str, tuple[int, ...]] = {"wte": (V, h), "wpe": (self.seq, h)}
         for i in range(self.layers):
@@ -83,7 +88,7 @@ class GPTConfig:
 
     @property
     def parameters(self) -> int:
-        return sum(int(np.prod(s)) for s in self.parameter_shapes().values())
+        return sum(math.prod(s) for s in self.parameter_shapes().values())
 
 
 def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
@@ -401,7 +406,7 @@ class GPT:
         for v in tensors.values():
             if v is None or isinstance(v, (int, float)):
                 continue
-            n = int(np.prod(v.shape))
+            n = math.prod(v.shape)
             is_mask = getattr(v, "dtype", None) in (np.bool_, "bool") or (isinstance(v, np.ndarray) and v.dtype == bool)
             total += n * (1 if is_mask else self.item)
         return total
@@ -414,13 +419,23 @@ def units(cfg: GPTConfig) -> list[str]:
 
 def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
     """The parameters of a unit, in a fixed order (what a bucket or a ZeRO-3 unit flattens)."""
-    names = list(cfg.parameter_shapes())
+    return list(_unit_names(cfg, unit))
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_names(cfg: GPTConfig, unit: str) -> tuple[str, ...]:
     if unit == "embed":
-        return ["wte", "wpe"]
+        return ("wte", "wpe")
     if unit == "head":
-        return ["lnf.g", "lnf.b"] + (["head"] if not cfg.tied_head else [])
+        return ("lnf.g", "lnf.b") + (("head",) if not cfg.tied_head else ())
     prefix = f"layers.{unit[len('block'):]}."
-    return [n for n in names if n.startswith(prefix)]
+    return tuple(n for n in _parameter_shapes(cfg) if n.startswith(prefix))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """(Cached: meta-mode programs at scale ask for it per unit and per step. Not to be mutated.)"""
+    return cfg._build_parameter_shapes()
 
 
 def ops_t(ops: Ops, w: Any) -> Any:

@@ -34,6 +34,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's broadcast of two shapes (equal shapes, the common case, without numpy)."""
+    return tuple(a) if tuple(a) == tuple(b) else tuple(np.broadcast_shapes(a, b))
+
+
 def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     if len(a) < 2 or len(b) != 2 or a[-1] != b[0]:
         raise ValueError(f"matmul of shapes {a} and {b}: need (..., k) @ (k, n)")
@@ -90,15 +95,15 @@ class Ops:
         return self._sum(x, axis, partial, out_shape)
 
     def add(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("add", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
+        self._elementwise_cost("add", _broadcast(a.shape, b.shape), 2)
         return self._binary(np.add, a, b)
 
     def sub(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("sub", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
+        self._elementwise_cost("sub", _broadcast(a.shape, b.shape), 2)
         return self._binary(np.subtract, a, b)
 
     def mul(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("mul", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
+        self._elementwise_cost("mul", _broadcast(a.shape, b.shape), 2)
         return self._binary(np.multiply, a, b)
 
     def scale(self, a: Any, s: float) -> Any:
@@ -140,7 +145,7 @@ class Ops:
         ib, io = rest.split("->")
         size = dict(zip(ia, a.shape)) | dict(zip(ib, b.shape))
         out_shape = tuple(size[c] for c in io)
-        flops = 2.0 * float(np.prod([size[c] for c in size], dtype=np.float64))
+        flops = 2.0 * float(math.prod(size.values()))
         self._record("einsum", flops, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
         if self.mode is Mode.META:
             return MetaTensor(out_shape, getattr(a, "dtype", "fp32"), partial)
@@ -274,7 +279,7 @@ class Ops:
         return np.where(keep, x, x.dtype.type(0))
 
     def div(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("div", tuple(np.broadcast_shapes(a.shape, b.shape)), 2)
+        self._elementwise_cost("div", _broadcast(a.shape, b.shape), 2)
         return self._binary(np.divide, a, b)
 
     def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
@@ -538,7 +543,7 @@ class MetaOps(Ops):
         return MetaTensor(out_shape, x.dtype, partial)
 
     def _binary(self, f: Callable, a: Any, b: Any) -> Any:
-        return MetaTensor(tuple(np.broadcast_shapes(a.shape, b.shape)), getattr(a, "dtype", "fp32"))
+        return MetaTensor(_broadcast(a.shape, b.shape), getattr(a, "dtype", "fp32"))
 
     def _unary(self, f: Callable, a: Any) -> Any:
         return MetaTensor(tuple(a.shape), a.dtype)

@@ -12,7 +12,6 @@ definition of each collective serves all three kinds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
 
@@ -94,19 +93,47 @@ class Partial:
         return f"Partial(shape={self.shape}, dtype={self.dtype})"
 
 
-@dataclass(frozen=True)
+_set = object.__setattr__
+
+
 class MetaTensor:
-    """Shape and dtype only; `partial` marks an unrounded sum (charged in `dtype`)."""
+    """Shape and dtype only; `partial` marks an unrounded sum (charged in `dtype`). Immutable.
 
-    shape: tuple[int, ...]
-    dtype: str = "fp32"
-    partial: bool = False
+    (A plain class with slots, not a dataclass: meta-mode programs at scale make millions.)
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"negative dimension in shape {self.shape}")
-        dtype_name(self.dtype)
+    __slots__ = ("shape", "dtype", "partial", "_signature")
+
+    def __init__(self, shape: Sequence[int], dtype: str = "fp32", partial: bool = False) -> None:
+        shape = tuple(map(int, shape))
+        if shape and min(shape) < 0:
+            raise ValueError(f"negative dimension in shape {shape}")
+        if dtype.__class__ is not str or dtype not in ITEMSIZE:
+            dtype_name(dtype)
+        _set(self, "shape", shape)
+        _set(self, "dtype", dtype)
+        _set(self, "partial", partial)
+        _set(self, "_signature", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"MetaTensor is immutable (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"MetaTensor is immutable (cannot delete {name!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not MetaTensor:
+            return NotImplemented
+        return (self.shape, self.dtype, self.partial) == (other.shape, other.dtype, other.partial)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype, self.partial))
+
+    def __repr__(self) -> str:
+        return f"MetaTensor(shape={self.shape!r}, dtype={self.dtype!r}, partial={self.partial!r})"
+
+    def __reduce__(self) -> tuple:
+        return MetaTensor, (self.shape, self.dtype, self.partial)
 
     @property
     def ndim(self) -> int:
@@ -115,10 +142,10 @@ class MetaTensor:
     @property
     def signature(self) -> tuple[bool, str, tuple[int, ...]]:
         """(partial, dtype, shape), made once: a meta program communicates the same tensors often."""
-        sig = self.__dict__.get("_signature")
+        sig = self._signature
         if sig is None:
             sig = (self.partial, self.dtype, self.shape)
-            object.__setattr__(self, "_signature", sig)
+            _set(self, "_signature", sig)
         return sig
 
 

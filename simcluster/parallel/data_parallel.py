@@ -13,6 +13,7 @@ buffer zero-padded to a multiple of N so that ZeRO can shard it evenly (rank d o
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ def unit_shapes(cfg: GPTConfig, unit: str) -> list[tuple[int, ...]]:
 
 
 def unit_size(cfg: GPTConfig, unit: str) -> int:
-    return sum(int(np.prod(s)) for s in unit_shapes(cfg, unit))
+    return sum(math.prod(s) for s in unit_shapes(cfg, unit))
 
 
 def padded(n: int, dp: int) -> int:
@@ -100,7 +101,7 @@ def _full(mine: dict[str, Any], by_dp: dict[int, dict[str, Any]], kind: str, cfg
         flat = np.concatenate([by_dp[d][kind][unit] for d in range(dp)])
         at = 0
         for name, shape in zip(unit_names(cfg.model, unit), unit_shapes(cfg.model, unit)):
-            n = int(np.prod(shape))
+            n = math.prod(shape)
             out[name] = flat[at:at + n].reshape(shape)
             at += n
     return out

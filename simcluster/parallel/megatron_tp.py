@@ -21,6 +21,7 @@ All partial sums are exact, so the result equals the single-device run byte for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Generator
 
@@ -305,7 +306,7 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
     model = TPModel(ctx, cfg)
     master = {k: shard(v, shard_kind(k), t, r) for k, v in init_params(ops, mcfg).items()}
     state = adam_init(ops, master)
-    local = sum(int(np.prod(v.shape)) for v in master.values())
+    local = sum(math.prod(v.shape) for v in master.values())
     sizes = model_state_bytes(local, data.precision)
     ctx.memory.hold("parameters", "weights", sizes["parameters"])
     ctx.memory.hold("optimizer", "adam", sizes["optimizer"])

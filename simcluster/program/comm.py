@@ -46,7 +46,8 @@ class CommOp:
 
     `sig` is the (partial, dtype, shape) of the data it moves: the tensor's, or for a recv the
     signature expected. `stream`: the stream it runs on; "" asks the backend for its default (one
-    per group, one per peer and direction). Treat an op as immutable once issued.
+    per group, one per peer and direction). Treat an op as immutable once issued; a backend may let
+    go of `tensor` once the call has completed.
     """
 
     kind: CommKind
@@ -88,7 +89,7 @@ class CommOp:
             args.append(f"src={self.peer}")
         if self.kind is CommKind.REDUCE:
             args.append(f"dst={self.peer}")
-        data = "" if self.tensor is None else f" of {describe(self.tensor)}"
+        data = "" if self.sig is None else f" of {describe_signature(self.sig)}"
         return f"{k}({', '.join(args)}){data}"
 
 
