@@ -53,29 +53,50 @@ class Network:
 
     def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[Any], None],
                  arg: Any = None) -> None:
-        """Start flows (links, bytes) now; call `on_done(arg)` when all have arrived."""
+        """Start flows (links, bytes) now; call `on_done(arg)` when all have arrived.
+
+        A flow that finds all its links idle runs at its slowest link at once (what max-min gives a
+        flow that shares nothing); one that shares a link is given its rate with the others started
+        at this instant, by one refill after them. A later start that lands on an idle-started
+        flow's link marks it for that refill too, so every rate is max-min over all of them.
+        """
         t = _Transfer(0, on_done, arg)
         now = self.env.now
-        on_link, dirty, seq = self.on_link, self.dirty, self.seq
+        on_link, dirty, seq, slowest, ends = self.on_link, self.dirty, self.seq, self.slowest, self.ends
+        alone = False
         for links, b in flows:
             if b <= 0:
                 continue
             f = _Flow(links, b, t, seq, now)
             seq += 1
             t.pending += 1
+            shared = False
             for link in links:
                 sharing = on_link.get(link)
                 if sharing is None:
                     on_link[link] = [f]
                 else:
                     sharing.append(f)
-            dirty += links
+                    shared = True
+            if shared:
+                dirty += links
+                continue
+            rate = slowest.get(links)
+            if rate is None:
+                rate = slowest[links] = float(min(self.capacity[link] for link in links))
+            f.rate = rate
+            f.version = 1
+            heapq.heappush(ends, (now + max(1, math.ceil(b / rate - 1e-9)) if b > 1e-6 else now, f.seq, 1, f))
+            alone = True
         self.seq = seq
         if not t.pending:
             on_done(arg)
-        elif self.dirty_at != now:  # the first start at this instant: refill once, after the others
+            return
+        if dirty and self.dirty_at != now:  # the first shared start at this instant: refill once, after the others
             self.dirty_at = now
             self.env.timeout(0).callbacks.append(self._refill_dirty)
+        if alone:
+            self._schedule()
 
     def _refill_dirty(self, _event: Any) -> None:
         touched, self.dirty, self.dirty_at = self.dirty, [], None
@@ -182,8 +203,9 @@ class Network:
             f.transfer.pending -= 1
             if f.transfer.pending == 0:
                 finished.append(f.transfer)
-        if touched:
-            self._refill([link for link in touched if link in self.on_link])
+        still = [link for link in touched if link in self.on_link]
+        if still:
+            self._refill(still)
         else:
             self._schedule()
         for t in finished:
