@@ -1,11 +1,14 @@
 """Phase two of a run: replay every rank's streams on the cluster, in integer nanoseconds.
 
-Each stream is a SimPy process with its own clock: kernels advance it without SimPy events (a
-stream is in order, so a kernel starts when the previous item ended); a wait takes the later of its
-clock and the awaited item's end; a communication item first brings SimPy's clock up to the stream's,
-then joins its call. When every member has joined, the call's plan (topology/plans.py) runs on the
-shared network, and every member's item ends when the plan ends. Ties are broken by SimPy's insertion
-counter, and processes start in (rank, stream) order, so a scenario gives the same trace every run.
+Each stream is a generator with its own clock, run from a queue (not a SimPy process each: that was
+the bottleneck): kernels advance the clock without SimPy events (a stream is in order, so a kernel
+starts when the previous item ended); a wait takes the later of its clock and the awaited item's
+end; a communication item joins its call at the stream's clock, once the work issued before it
+has ended (the stream it waits on joins for it, so that the stream itself sleeps until the call
+ends). When every member has joined, the call's plan (topology/plans.py) runs on the shared
+network, phase after phase, and every member's item ends when the plan ends. SimPy keeps the clock
+and the queue of timed callbacks; ties are broken by insertion order, and streams start in (rank,
+stream) order, so a scenario gives the same trace every run. A replay consumes its input.
 """
 
 from __future__ import annotations
@@ -62,8 +65,13 @@ class Replay:
                 self.runnable.append(self._stream(s, events))
                 self._drain()
             self.env.run()
-        if self.finished != len(streams):
-            self._report_stuck(streams)
+            if self.finished != len(streams):
+                self._report_stuck(streams)
+            # A replay runs once: let its input go now, by reference counting, rather than have
+            # the collector walk it when the pause ends and free it later.
+            for s in streams:
+                s.items, s.end_times, s.waiters = [], [], []
+            self.calls.clear()
         # each stream emits its events in order, so lanes concatenated in order are already sorted
         trace = Trace.from_lanes(lanes, lists)
         trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, c, n, b in sorted(self.memory))
