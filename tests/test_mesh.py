@@ -28,3 +28,18 @@ def test_bad_mesh_and_axis_errors_name_the_value():
         DeviceMesh(tp=0)
     with pytest.raises(ValueError, match="unknown mesh axis 'ep'; valid axes: dp, pp, cp, tp"):
         DeviceMesh(dp=2).group(0, "ep")
+
+
+def test_members_share_one_group_object_and_groups_survive_pickling():
+    import pickle
+
+    from simcluster.program.mesh import ProcessGroup
+
+    mesh = DeviceMesh(dp=2, tp=4)
+    g = mesh.group(0, "tp")
+    assert all(mesh.group(r, "tp") is g for r in g.ranks)
+    assert mesh.group(4, "tp") is not g and mesh.group(4, "tp") != g
+    made = ProcessGroup("tp", [np.int64(0), 1, 2, 3])  # ranks become a tuple of ints
+    assert made == g and hash(made) == hash(g) and {g: 1}[made] == 1
+    back = pickle.loads(pickle.dumps(g))
+    assert back == g and hash(back) == hash(g) and str(back) == "tp[0, 1, 2, 3]"

@@ -104,6 +104,32 @@ def test_concurrent_transfers_share_a_link():
     assert abs(two - (ALPHA_NVL + 2 * S / B_NVL)) <= 1
 
 
+def test_a_transfer_starting_mid_flight_halves_the_rate_of_the_one_running():
+    """Flow 1 (0 -> 1) runs alone from alpha; flow 2 (0 -> 2, the same NVLink port out) starts at
+    T + alpha, after a kernel of length T. Max-min: both at B/2 until flow 1 is done, then flow 2
+    alone, so flow 1 ends at alpha + 2S/B - T and flow 2 at alpha + 2S/B."""
+    S = 30 * 2**20
+
+    def prog(ctx):
+        x = MetaTensor((S // 4,), "fp32")
+        if ctx.rank == 0:
+            first = ctx.comm.send(x, dst=1, async_op=True)
+            ctx.ops.kernel("k", flops=0.0, nbytes=5e7)
+            second = ctx.comm.send(x, dst=2, async_op=True)
+            yield [first, second]
+        else:
+            yield ctx.comm.recv(src=0, like=x)
+
+    trace = simulate(prog, mesh=DeviceMesh(dp=3), cluster=preset("dgx-a100", gpus_per_node=3), mode="meta").trace
+    (kernel,) = [e for e in trace if e.kind == "compute"]
+    sends = {e.group: e for e in trace if e.kind == "send"}
+    T = kernel.end
+    assert 0 < T < S / B_NVL, "the second flow must start while the first is running"
+    assert abs(sends["p2p[0->1]"].end - (ALPHA_NVL + 2 * S / B_NVL - T)) <= 2
+    assert abs(sends["p2p[0->2]"].end - (ALPHA_NVL + 2 * S / B_NVL)) <= 2
+    assert sends["p2p[0->2]"].start == T
+
+
 def test_kernel_time_is_the_roofline_plus_overhead():
     spec = preset("dgx-a100", gpus_per_node=1)
 
