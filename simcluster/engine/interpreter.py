@@ -292,7 +292,9 @@ class Interpreter:
             done = True
             for w in works:
                 w.waited = True
-                _add_wait(cur, w.stream, w.index)
+                j = _wait_index(cur, w.stream, w.index)
+                if j >= 0:
+                    cur.items.append((WAIT, w.stream, j))
                 done = done and w.done
             st.single = single
             if done:
@@ -360,7 +362,8 @@ class Interpreter:
             self._mismatch(call, op)
         if not op.stream:
             op.stream = ch.streams[pos]
-        cur, target = st.cur, st.streams.get(op.stream) or st.stream(op.stream)
+        target = st.streams.get(op.stream) or st.stream(op.stream)
+        cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
         j = _wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
         target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))

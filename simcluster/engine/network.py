@@ -191,19 +191,23 @@ class Network:
             _, _, version, f = heapq.heappop(ends)
             if version == f.version:
                 done.append(f)
-        touched: list[int] = []
+        on_link = self.on_link
+        touched: list[int] = []  # links that other flows still cross: theirs may speed up
         finished: list[_Transfer] = []
         for f in done:
             f.version += 1  # no longer scheduled
             for link in f.links:
-                self.on_link[link].remove(f)
-                if not self.on_link[link]:
-                    del self.on_link[link]
-                touched.append(link)
-            f.transfer.pending -= 1
-            if f.transfer.pending == 0:
-                finished.append(f.transfer)
-        still = [link for link in touched if link in self.on_link]
+                sharing = on_link[link]
+                if len(sharing) == 1:
+                    del on_link[link]
+                else:
+                    sharing.remove(f)
+                    touched.append(link)
+            t = f.transfer
+            t.pending -= 1
+            if not t.pending:
+                finished.append(t)
+        still = [link for link in touched if link in on_link] if touched else touched
         if still:
             self._refill(still)
         else:

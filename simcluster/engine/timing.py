@@ -140,7 +140,11 @@ class Replay:
                 else:
                     if dep is not None and dep.end_times[j] > t:
                         t = dep.end_times[j]
-                    self._join(call, t)
+                    if t > call.start:  # join the call (as _join does)
+                        call.start = t
+                    call.arrived += 1
+                    if call.arrived == len(call.members):
+                        self._launch(call)
                     if call.done is not None:  # (a call of one member with nothing to move ends at once)
                         yield call.done  # runnable again when the call ends
                 t = call.end

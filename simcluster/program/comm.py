@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
-from simcluster.numerics.tensor import ReduceOp, describe, describe_signature, shape_of, signature
+from simcluster.numerics.tensor import MetaTensor, ReduceOp, describe, describe_signature, shape_of, signature
 from simcluster.program.mesh import ProcessGroup
 
 
@@ -160,8 +160,13 @@ class Comm:
     def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None,
                   op: ReduceOp | None = None, peer: int | None = None, dim: int = 0, split_dim: int = 0,
                   concat_dim: int = 0) -> Work:
-        g = _check_group(group, self.rank, kind.value)
-        sig = None if tensor is None else signature(tensor)  # also a type check with a clear message
+        # (the commonest path of every program: the checks' usual outcomes are tested inline first)
+        g = group if group.__class__ is ProcessGroup and self.rank in group.ranks else \
+            _check_group(group, self.rank, kind.value)
+        if tensor.__class__ is MetaTensor:
+            sig = tensor.signature
+        else:
+            sig = None if tensor is None else signature(tensor)  # also a type check with a clear message
         if self.pending_sync is not None and not self.pending_sync.waited:
             raise self._unyielded()
         work = self._issue(CommOp(kind, self.rank, g, tensor, op, peer, dim, split_dim, concat_dim, sig, 0,

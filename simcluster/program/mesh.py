@@ -123,6 +123,9 @@ class MeshView:
         self.rank = rank
         self._coords = mesh.coords(rank)
         self._groups: dict[tuple[str, ...], ProcessGroup] = {}
+        # this rank's group along each axis and the world (plain attributes: programs use them per call)
+        self.dp, self.pp, self.cp, self.tp = (self.group(a) for a in AXES)
+        self.world = self.group()
 
     def group(self, *axes: str) -> ProcessGroup:
         g = self._groups.get(axes)
@@ -137,23 +140,3 @@ class MeshView:
     def size(self, axis: str) -> int:
         _check_axes((axis,))
         return self.mesh.sizes[axis]
-
-    @property
-    def dp(self) -> ProcessGroup:
-        return self.group("dp")
-
-    @property
-    def pp(self) -> ProcessGroup:
-        return self.group("pp")
-
-    @property
-    def cp(self) -> ProcessGroup:
-        return self.group("cp")
-
-    @property
-    def tp(self) -> ProcessGroup:
-        return self.group("tp")
-
-    @property
-    def world(self) -> ProcessGroup:
-        return self.group()
