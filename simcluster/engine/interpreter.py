@@ -278,8 +278,19 @@ class Interpreter:
             pending = comm.pending_sync
             free = pending is None or pending.waited
             if type(y) is EmulatedWork and y.op.rank == rank and (free or pending is y):
-                works, single = (y,), True  # the common cases, checked in full by _works_of otherwise
-            elif type(y) is list and y and (free or pending in y):
+                # the commonest case (one work, checked in full by _works_of otherwise), unrolled
+                y.waited = True
+                cur = st.cur
+                j = _wait_index(cur, y.stream, y.index)
+                if j >= 0:
+                    cur.items.append((WAIT, y.stream, j))
+                st.single = True
+                if y.done:
+                    st.send_value = y.value
+                    continue
+                st.blocked = [y]
+                return
+            if type(y) is list and y and (free or pending in y):
                 for w in y:
                     if type(w) is not EmulatedWork or w.op.rank != rank:
                         works, single = self._works_of(st, y)
@@ -345,15 +356,17 @@ class Interpreter:
         kind = op.kind
         if kind is _SEND:
             ch, pos = self.messages.get((op.rank, op.peer, op.tag)) or self._message_channel(op.rank, op.peer, op.tag), 0
+            key = op.sig
         elif kind is _RECV:
             ch, pos = self.messages.get((op.peer, op.rank, op.tag)) or self._message_channel(op.peer, op.rank, op.tag), 1
+            key = op.sig
         else:
             ch = self.by_id.get(id(op.group)) or self._group_channel(op.group)
             pos = ch.position[op.rank]
+            key = op.match_key()
         seq = ch.issued[pos]
         ch.issued[pos] = seq + 1
         call = ch.open.get(seq)
-        key = op.sig if ch.kind is _SEND else op.match_key()
         if call is None:
             call = ch.open[seq] = Call(ch.kind or kind, ch, seq)
             call.key = key

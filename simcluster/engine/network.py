@@ -17,13 +17,23 @@ from typing import Any, Callable, Sequence
 import simpy
 
 
-class _Flow:
-    __slots__ = ("links", "remaining", "rate", "since", "transfer", "seq", "version")
+Prepared = tuple[tuple[tuple[int, ...], float, float, int], ...]  # (links, bytes, rate alone, ns alone)
 
-    def __init__(self, links: tuple[int, ...], nbytes: float, transfer: "_Transfer", seq: int, now: int) -> None:
+
+def _ns(nbytes: float, rate: float) -> int:
+    """Whole ns to move `nbytes` at `rate` bytes/ns: the first ns by which it is done (at least 1)."""
+    return max(1, math.ceil(nbytes / rate - 1e-9)) if nbytes > 1e-6 else 0
+
+
+class _Flow:
+    __slots__ = ("links", "remaining", "rate", "alone", "since", "transfer", "seq", "version")
+
+    def __init__(self, links: tuple[int, ...], nbytes: float, alone: float, transfer: "_Transfer", seq: int,
+                 now: int) -> None:
         self.links = links
         self.remaining = nbytes
         self.rate = 0.0
+        self.alone = alone  # its rate when it shares no link: its slowest link's capacity
         self.since = now  # when `remaining` was last brought up to date
         self.transfer = transfer
         self.seq = seq  # creation order: breaks ties between flows ending at the same ns
@@ -49,27 +59,35 @@ class Network:
         self.seq = 0
         self.dirty: list[int] = []  # links of flows started at this instant, not yet given rates
         self.dirty_at: int | None = None
-        self.slowest: dict[tuple[int, ...], float] = {}  # the smallest capacity on a route
 
-    def transfer(self, flows: Sequence[tuple[tuple[int, ...], float]], on_done: Callable[[Any], None],
-                 arg: Any = None) -> None:
-        """Start flows (links, bytes) now; call `on_done(arg)` when all have arrived.
+    def prepare(self, flows: Sequence[tuple[tuple[int, ...], float]]) -> Prepared:
+        """Flows (links, bytes) as `transfer` takes them: with each one's rate and time when alone,
+        and without the empty ones. Worth keeping: a plan's flows are prepared once."""
+        out = []
+        for links, b in flows:
+            if b > 0:
+                rate = float(min(self.capacity[link] for link in links))
+                out.append((links, b, rate, _ns(b, rate)))
+        return tuple(out)
+
+    def transfer(self, flows: Prepared, on_done: Callable[[Any], None], arg: Any = None) -> None:
+        """Start prepared flows now; call `on_done(arg)` when all have arrived.
 
         A flow that finds all its links idle runs at its slowest link at once (what max-min gives a
         flow that shares nothing); one that shares a link is given its rate with the others started
         at this instant, by one refill after them. A later start that lands on an idle-started
         flow's link marks it for that refill too, so every rate is max-min over all of them.
         """
-        t = _Transfer(0, on_done, arg)
+        if not flows:
+            on_done(arg)
+            return
+        t = _Transfer(len(flows), on_done, arg)
         now = self.env.now
-        on_link, dirty, seq, slowest, ends = self.on_link, self.dirty, self.seq, self.slowest, self.ends
+        on_link, dirty, seq, ends = self.on_link, self.dirty, self.seq, self.ends
         alone = False
-        for links, b in flows:
-            if b <= 0:
-                continue
-            f = _Flow(links, b, t, seq, now)
+        for links, b, rate, ns in flows:
+            f = _Flow(links, b, rate, t, seq, now)
             seq += 1
-            t.pending += 1
             shared = False
             for link in links:
                 sharing = on_link.get(link)
@@ -80,18 +98,12 @@ class Network:
                     shared = True
             if shared:
                 dirty += links
-                continue
-            rate = slowest.get(links)
-            if rate is None:
-                rate = slowest[links] = float(min(self.capacity[link] for link in links))
-            f.rate = rate
-            f.version = 1
-            heapq.heappush(ends, (now + max(1, math.ceil(b / rate - 1e-9)) if b > 1e-6 else now, f.seq, 1, f))
-            alone = True
+            else:
+                f.rate = rate
+                f.version = 1
+                heapq.heappush(ends, (now + ns, f.seq, 1, f))
+                alone = True
         self.seq = seq
-        if not t.pending:
-            on_done(arg)
-            return
         if dirty and self.dirty_at != now:  # the first shared start at this instant: refill once, after the others
             self.dirty_at = now
             self.env.timeout(0).callbacks.append(self._refill_dirty)
@@ -129,15 +141,11 @@ class Network:
             f.remaining -= f.rate * (now - f.since)
             f.since = now
             f.rate = -1.0
-        on_link, capacity = self.on_link, self.capacity
+        on_link = self.on_link
         if all(len(on_link[link]) == 1 for link in links):
             # No link is shared: each flow runs at its slowest link (what the filling below gives).
-            slowest = self.slowest
             for f in flows:
-                rate = slowest.get(f.links)
-                if rate is None:
-                    rate = slowest[f.links] = float(min(capacity[link] for link in f.links))
-                f.rate = rate
+                f.rate = f.alone
             self._reschedule(flows, now)
             return
         cap = {link: float(self.capacity[link]) for link in links}
@@ -164,8 +172,7 @@ class Network:
     def _reschedule(self, flows: list[_Flow], now: int) -> None:
         for f in flows:
             f.version += 1
-            end = now + max(1, math.ceil(f.remaining / f.rate - 1e-9)) if f.remaining > 1e-6 else now
-            heapq.heappush(self.ends, (end, f.seq, f.version, f))
+            heapq.heappush(self.ends, (now + _ns(f.remaining, f.rate), f.seq, f.version, f))
         self._schedule()
 
     def _schedule(self) -> None:

@@ -195,7 +195,7 @@ class Replay:
                     latency = max(latency, lat)
                     flows.append((links, b))
                     sent[src] = sent.get(src, 0.0) + b
-                steps.append((phase.steps * latency, flows))
+                steps.append((phase.steps * latency, self.network.prepare(flows)))
             cached = routes[key] = (steps, [int(round(sent.get(r, 0.0))) for r in call.members])
         return cached
 
