@@ -192,16 +192,13 @@ class Network:
         if self.wake_at != now:
             return  # superseded by an earlier wake-up, which rescheduled
         self.wake_at = None
-        ends = self.ends
-        done: list[_Flow] = []
-        while ends and ends[0][0] <= now:
-            _, _, version, f = heapq.heappop(ends)
-            if version == f.version:
-                done.append(f)
-        on_link = self.on_link
+        ends, on_link = self.ends, self.on_link
         touched: list[int] = []  # links that other flows still cross: theirs may speed up
         finished: list[_Transfer] = []
-        for f in done:
+        while ends and ends[0][0] <= now:
+            _, _, version, f = heapq.heappop(ends)
+            if version != f.version:
+                continue  # rescheduled since
             f.version += 1  # no longer scheduled
             for link in f.links:
                 sharing = on_link[link]
