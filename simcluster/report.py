@@ -24,7 +24,7 @@ def communication(trace: Trace) -> list[dict[str, Any]]:
         acc = per.setdefault((group, e.kind), {}).setdefault(e.rank, [0, 0, 0])
         acc[0] += 1
         acc[1] += e.bytes
-        acc[2] += e.duration
+        acc[2] += e.end - e.start
     rows = []
     for (group, kind), ranks in sorted(per.items()):
         rows.append({"group": group, "collective": kind,
@@ -48,10 +48,13 @@ def idle_fraction(trace: Trace) -> float:
 
 
 def busy(trace: Trace) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
+    per: dict[tuple[int, str], int] = {}
     for e in trace:
-        lane = out.setdefault(str(e.rank), {})
-        lane[e.stream] = lane.get(e.stream, 0) + e.end - e.start
+        key = (e.rank, e.stream)
+        per[key] = per.get(key, 0) + e.end - e.start
+    out: dict[str, dict[str, int]] = {}
+    for (rank, stream), ns in per.items():  # (in order of first event, as before)
+        out.setdefault(str(rank), {})[stream] = ns
     return out
 
 

@@ -96,7 +96,11 @@ class Trace:
 
     @property
     def end(self) -> int:
-        return max((e.end for e in self.events), default=0)
+        """When the last event ends (computed once: events never change)."""
+        end = self.__dict__.get("_end")
+        if end is None:
+            end = self.__dict__["_end"] = max((e.end for e in self.events), default=0)
+        return end
 
     def lane(self, rank: int, stream: str) -> list[TraceEvent]:
         return [e for e in self.events if e.rank == rank and e.stream == stream]
