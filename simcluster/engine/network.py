@@ -4,8 +4,9 @@ Each flow crosses a few links (sender's port out, receiver's port in). When flow
 rates of the flows connected to them through shared links (their component) are recomputed by
 progressive filling: the link whose remaining capacity, split among its unfixed flows, is smallest
 fixes those flows at that share; repeat. Components that share no link are independent under
-max-min fairness, so the rest keep their rates. Times are whole nanoseconds: a flow ends at the
-first nanosecond it is done by.
+max-min fairness, so the rest keep their rates. A flow that starts on idle links is its own
+component: it runs at its slowest link at once, until another flow lands on one of its links.
+Times are whole nanoseconds: a flow ends at the first nanosecond it is done by.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ class Replay:
         self.cost_dtype = cost_dtype
         self.env = simpy.Environment()
         self.network = Network(self.env, cluster.capacity)
-        self.events: list[TraceEvent] = []
         self.finished = 0
         self.runnable: deque[Iterator[Any]] = deque()
         self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
