@@ -17,11 +17,11 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params, model_state_bytes, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, init_params
 from types import SimpleNamespace
 
 from simcluster.parallel import ring_attention, ulysses
-from simcluster.parallel.data_parallel import DPConfig, finish_step
+from simcluster.parallel.data_parallel import DPConfig, begin_step, finish_step, hold_model_state
 from simcluster.program.context import Context
 
 ATTENTION = {
@@ -259,17 +259,13 @@ def context_parallel(ctx: Context, cfg: CPConfig) -> Generator[Any, Any, dict[st
     data.check(n)
     model = CPModel(ctx, cfg)
     master = init_params(ops, mcfg)
-    state = adam_init(ops, master)
-    sizes = model_state_bytes(mcfg.parameters, data.precision)
-    ctx.memory.hold("parameters", "weights", sizes["parameters"])
-    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
+    state, sizes = hold_model_state(ctx, master, mcfg.parameters, data.precision)
     both = ctx.mesh.group("dp", "cp")  # every rank that saw some of the batch's tokens
     losses, grads = [], {}
     for step in range(data.steps):
-        weights = working_copy(ops, master, data.precision)
+        weights = begin_step(ctx, master, sizes, data.precision)
         acc: dict[str, Any] = {}
         loss_sum = None
-        ctx.memory.hold("gradients", "grads", sizes["gradients"])
         for j in range(data.micro_batches):
             part, _ = yield from model.step(weights, step, d, n, j, acc)
             loss_sum = part if loss_sum is None else ops.add_partial(loss_sum, part)

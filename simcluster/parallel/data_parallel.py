@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.model.gpt import PRECISIONS, AdamState, GPTConfig, Slice, adam_step, batch, grad_dtype, unit_names
-from simcluster.model.gpt import units, unscale
+from simcluster.model.gpt import adam_init, model_state_bytes, units, unscale, working_copy
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,23 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
         for name, value in out[kind].items():
             flat[f"{kind}.{name}"] = value
     return flat
+
+
+def hold_model_state(ctx: Any, master: dict[str, Any], parameters: int, precision: str) -> tuple[AdamState, dict[str, int]]:
+    """The start of training: Adam state for `master`, and this rank's weight and optimizer memory
+    held for the run (`parameters`: how many this rank keeps). Returns (state, bytes by category)."""
+    state = adam_init(ctx.ops, master)
+    sizes = model_state_bytes(parameters, precision)
+    ctx.memory.hold("parameters", "weights", sizes["parameters"])
+    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
+    return state, sizes
+
+
+def begin_step(ctx: Any, master: dict[str, Any], sizes: dict[str, int], precision: str) -> dict[str, Any]:
+    """The start of a step: the working copy of the weights, then the step's gradient memory held."""
+    weights = working_copy(ctx.ops, master, precision)
+    ctx.memory.hold("gradients", "grads", sizes["gradients"])
+    return weights
 
 
 def finish_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], state: AdamState, cfg: DPConfig,

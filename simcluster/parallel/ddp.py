@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, adam_step, grad_dtype, init_params, model_state_bytes
-from simcluster.model.gpt import unit_names, units, unscale, working_copy
-from simcluster.parallel.data_parallel import DPConfig, unit_shapes
+from simcluster.model.gpt import GPT, LOSS_SCALE, adam_step, grad_dtype, init_params
+from simcluster.model.gpt import unit_names, units, unscale
+from simcluster.parallel.data_parallel import DPConfig, begin_step, hold_model_state, unit_shapes
 from simcluster.program.context import Context
 
 
@@ -29,18 +29,14 @@ def ddp(ctx: Context, cfg: DPConfig) -> Generator[Any, Any, dict[str, Any]]:
     mcfg = cfg.model
     model = GPT(ops, mcfg, memory=ctx.memory)
     master = init_params(ops, mcfg)
-    state = adam_init(ops, master)
-    sizes = model_state_bytes(mcfg.parameters, cfg.precision)
-    ctx.memory.hold("parameters", "weights", sizes["parameters"])
-    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
+    state, sizes = hold_model_state(ctx, master, mcfg.parameters, cfg.precision)
     gdt = grad_dtype(cfg.precision)
     losses, grads = [], {}
     for step in range(cfg.steps):
-        weights = working_copy(ops, master, cfg.precision)
+        weights = begin_step(ctx, master, sizes, cfg.precision)
         acc: dict[str, Any] = {}
         buckets: dict[str, Any] = {}
         loss_sum = None
-        ctx.memory.hold("gradients", "grads", sizes["gradients"])
         for j in range(cfg.micro_batches):
             where, ids, targets = cfg.micro_batch(step, d, n, j)
             with ctx.annotate("forward", f"F{j}"):

@@ -27,9 +27,9 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, adam_init, init_params, model_state_bytes, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, Slice, init_params
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig, finish_step
+from simcluster.parallel.data_parallel import DPConfig, begin_step, finish_step, hold_model_state
 from simcluster.program.context import Context
 
 
@@ -305,18 +305,14 @@ def megatron(ctx: Context, cfg: TPConfig) -> Generator[Any, Any, dict[str, Any]]
     data.check(n)
     model = TPModel(ctx, cfg)
     master = {k: shard(v, shard_kind(k), t, r) for k, v in init_params(ops, mcfg).items()}
-    state = adam_init(ops, master)
     local = sum(math.prod(v.shape) for v in master.values())
-    sizes = model_state_bytes(local, data.precision)
-    ctx.memory.hold("parameters", "weights", sizes["parameters"])
-    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
+    state, sizes = hold_model_state(ctx, master, local, data.precision)
     scale = LOSS_SCALE[data.precision]
     losses, grads = [], {}
     for step in range(data.steps):
-        weights = working_copy(ops, master, data.precision)
+        weights = begin_step(ctx, master, sizes, data.precision)
         acc: dict[str, Any] = {}
         loss_sum = None
-        ctx.memory.hold("gradients", "grads", sizes["gradients"])
         for j in range(data.micro_batches):
             where, ids, targets = data.micro_batch(step, d, n, j)
             with ctx.annotate("forward", f"F{j}"):

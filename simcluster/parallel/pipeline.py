@@ -24,9 +24,9 @@ from typing import Any, Generator, Protocol
 
 import numpy as np
 
-from simcluster.model.gpt import GPT, LOSS_SCALE, adam_init, init_params, model_state_bytes, working_copy
+from simcluster.model.gpt import GPT, LOSS_SCALE, init_params
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig, finish_step
+from simcluster.parallel.data_parallel import DPConfig, begin_step, finish_step, hold_model_state
 from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, build, check
 from simcluster.parallel.pipeline_schedules import splits_weight_gradient
 from simcluster.program.context import Context
@@ -244,17 +244,13 @@ def pipeline(ctx: Context, cfg: PipelineConfig) -> Generator[Any, Any, dict[str,
     names = stage_parameters(cfg, ranges, [g for g in range(shape.chunks) if g % p == s])
     full = init_params(ops, mcfg)
     master = {k: full[k] for k in names}
-    state = adam_init(ops, master)
     psi_here = sum(math.prod(mcfg.parameter_shapes()[k]) for k in names)
-    sizes = model_state_bytes(psi_here, data.precision)
-    ctx.memory.hold("parameters", "weights", sizes["parameters"])
-    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
+    state, sizes = hold_model_state(ctx, master, psi_here, data.precision)
     losses: list[Any] = []
     grads: dict[str, Any] = {}
     for step in range(data.steps):
-        work = GPTStage(ctx, cfg, working_copy(ops, master, data.precision), ranges, step, d, n,
+        work = GPTStage(ctx, cfg, begin_step(ctx, master, sizes, data.precision), ranges, step, d, n,
                         splits_weight_gradient(cfg.schedule))
-        ctx.memory.hold("gradients", "grads", sizes["gradients"])
         yield from execute(ctx, passes, work, shape.chunks, pp)
         # data parallelism around the pipeline: this stage's gradients, summed over its replicas
         master, grads, loss = yield from finish_step(ctx, master, work.grads, state, data, dp, step, work.loss_sum)
