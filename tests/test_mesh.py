@@ -43,3 +43,20 @@ def test_members_share_one_group_object_and_groups_survive_pickling():
     assert made == g and hash(made) == hash(g) and {g: 1}[made] == 1
     back = pickle.loads(pickle.dumps(g))
     assert back == g and hash(back) == hash(g) and str(back) == "tp[0, 1, 2, 3]"
+
+
+def test_a_group_unpickled_in_another_process_hashes_as_that_process_does():
+    # string hashes differ between processes (the spawn runner sends groups to its workers):
+    # a cached hash must be made again there, not copied
+    import pickle
+    import subprocess
+    import sys
+
+    g = DeviceMesh(tp=4).group(0, "tp")
+    check = ("import pickle, sys; from simcluster.program.mesh import ProcessGroup; "
+             "g = pickle.loads(sys.stdin.buffer.read()); "
+             "assert hash(g) == hash(ProcessGroup('tp', (0, 1, 2, 3))) and {g: 1}[ProcessGroup('tp', (0, 1, 2, 3))] == 1")
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(g), capture_output=True,
+                              env={"PYTHONHASHSEED": seed, "PATH": ""})
+        assert done.returncode == 0, done.stderr.decode()
