@@ -13,13 +13,10 @@ from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.data_parallel import assemble as assemble_dp
-from simcluster.parallel.context_parallel import CPConfig, context_parallel
-from simcluster.parallel.context_parallel import assemble as assemble_cp
+from simcluster.parallel.composed import assemble as assemble_composed
+from simcluster.parallel.composed import composed
 from simcluster.parallel.ddp import ddp
-from simcluster.parallel.megatron_tp import TPConfig, megatron
-from simcluster.parallel.megatron_tp import assemble as assemble_tp
-from simcluster.parallel.pipeline import PipelineConfig, pipeline
-from simcluster.parallel.pipeline import assemble as assemble_pp
+from simcluster.parallel.plan import Plan
 from simcluster.parallel.zero import zero
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
@@ -73,14 +70,7 @@ def _as_scenario_error() -> Iterator[None]:
         raise ScenarioError(str(exc)) from None
 
 
-def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
-    if sum(sc.parallel[a] > 1 for a in ("pp", "cp", "tp")) > 1:
-        raise ScenarioError("run.program = 'gpt' does not combine pipeline, context and tensor parallelism yet; "
-                            "use at most one of parallel.pp, parallel.cp, parallel.tp above 1 (with dp around it)")
-    for axis, what in (("pp", "pipeline"), ("tp", "tensor"), ("cp", "context")):
-        if sc.parallel[axis] > 1 and sc.parallel["zero"] != 0:
-            raise ScenarioError(f"{what} parallelism (parallel.{axis}={sc.parallel[axis]}) runs with DDP around it: "
-                                f"set parallel.zero = 0")
+def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
@@ -96,8 +86,14 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> DPConfig:
                              f"(global_batch {m['global_batch']} / dp {dp})")
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
                        steps=r["steps"], lr=r["lr"], precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
-        cfg.check(dp)
-    return cfg
+        if p["schedule"] == "interleaved" and p["pp"] > 1 and cfg.micro_batches % p["pp"]:
+            raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
+                             f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "
+                             f"micro_batch is a multiple of {p['pp']}")
+        plan = Plan(data=cfg, sp=p["sp"], attention=p["attention"], schedule=p["schedule"],
+                    virtual=p["virtual_stages"], zero_over=p["zero_over"])
+        plan.check(**{a: mesh.sizes[a] for a in ("dp", "pp", "cp", "tp")})
+    return plan
 
 
 def run_scenario(sc: Scenario) -> Outcome:
@@ -105,26 +101,16 @@ def run_scenario(sc: Scenario) -> Outcome:
     mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
     mode, dtype = sc.run["numerics"], sc.model["dtype"]
     if sc.run["program"] == "gpt":
-        cfg = _gpt(sc, mesh)
+        plan = _gpt(sc, mesh)
+        cfg = plan.data
         coords = [mesh.coords(r) for r in range(mesh.world_size)]
-        p = sc.parallel
-        axis = next((a for a in ("pp", "cp", "tp") if mesh.sizes[a] > 1), None)  # at most one (checked)
-        if axis is not None:
-            # per axis: the program, its configuration, how its results join into one device's view
-            program, layout, join = {
-                "pp": lambda: (pipeline, PipelineConfig(data=cfg, schedule=p["schedule"], virtual=p["virtual_stages"]),
-                               assemble_pp),
-                "cp": lambda: (context_parallel, CPConfig(data=cfg, attention=p["attention"]), assemble_cp),
-                "tp": lambda: (megatron, TPConfig(data=cfg, sequence_parallel=p["sp"]), assemble_tp),
-            }[axis]()
-            with _as_scenario_error():
-                layout.check(mesh.sizes[axis])
-            result = simulate(program, layout, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: join(result.results, coords))
-        else:
+        if all(mesh.sizes[a] == 1 for a in ("pp", "cp", "tp")):  # data parallelism alone, in the papers' order
             program = ddp if cfg.zero == 0 else zero
             result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
             assembled = (lambda: assemble_dp(result.results, coords, cfg))
+        else:
+            result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+            assembled = (lambda: assemble_composed(result.results, coords, plan))
         parameters = cfg.model.parameters
         model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps
         if not sc.run["verify"]:

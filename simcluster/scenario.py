@@ -63,7 +63,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "sp": Key(bool, False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)"),
         "attention": Key(str, "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring "
                          "(keys and values around a ring), allgather (Llama 3)", choices=("ulysses", "ring", "allgather")),
-        "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP)", choices=(0, 1, 2, 3)),
+        "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP), around whatever a rank holds",
+                    choices=(0, 1, 2, 3)),
+        "zero_over": Key(str, "dp_cp", "what ZeRO shards over when cp > 1: dp_cp (the flattened dp x cp group, as "
+                         "Megatron's distributed optimizer and torchtitan's FSDP do) or dp (after a sum over cp)",
+                         choices=("dp_cp", "dp")),
         "prefetch": Key(bool, True, "ZeRO-3: gather the next unit's weights while this one computes"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
         "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1")),

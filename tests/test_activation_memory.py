@@ -5,10 +5,10 @@ import pytest
 
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.context_parallel import CPConfig, context_parallel
+from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.parallel.ddp import ddp
-from simcluster.parallel.megatron_tp import TPConfig, megatron
+from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
@@ -30,7 +30,7 @@ def model(recompute="none"):
 
 def tp_layer(t, sp=False, recompute="none"):
     data = DPConfig(model=model(recompute), global_batch=b, steps=1, precision="bf16")
-    return held_per_layer(megatron, TPConfig(data=data, sequence_parallel=sp), DeviceMesh(tp=t))
+    return held_per_layer(composed, Plan(data=data, sp=sp), DeviceMesh(tp=t))
 
 
 def test_no_parallelism():
@@ -67,5 +67,5 @@ def test_full_recomputation(t):
 def test_context_parallel_shards_everything_like_tp_plus_sp(attention):
     P = 4
     data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
-    got = held_per_layer(context_parallel, CPConfig(data=data, attention=attention), DeviceMesh(cp=P))
+    got = held_per_layer(composed, Plan(data=data, attention=attention), DeviceMesh(cp=P))
     assert got == s * b * h * (34 / P + 5 * a * s / (h * P))

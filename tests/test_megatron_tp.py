@@ -5,19 +5,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
+from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig, reference
-from simcluster.parallel.megatron_tp import TPConfig, assemble, megatron
-from simcluster.program.mesh import DeviceMesh
-from simcluster.topology.presets import preset
+
+from plans import run_plan
 
 
-def run_tp(data, tp, dp=1, program=megatron, mode="exact", sp=False):
-    mesh = DeviceMesh(dp=dp, tp=tp)
-    run = simulate(program, TPConfig(data=data, sequence_parallel=sp), mesh=mesh,
-                   cluster=preset("dgx-a100", gpus_per_node=dp * tp), mode=mode)
-    return assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)]) if mode != "meta" else None, run
+def run_tp(data, tp, dp=1, program=composed, mode="exact", sp=False):
+    return run_plan(data, dp=dp, tp=tp, program=program, mode=mode, sp=sp)
 
 
 @settings(max_examples=15)
@@ -52,8 +48,6 @@ def test_four_all_reduces_of_sbh_per_layer(tp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_a_swapped_shard_is_caught(sp):
     """Tensor-parallel ranks that compute each other's heads: the weights come out permuted."""
-    import simcluster.parallel.megatron_tp as tp_module
-
     def swapped(ctx, cfg):
         real = ctx.mesh
 
@@ -65,7 +59,7 @@ def test_a_swapped_shard_is_caught(sp):
                 return real.size("tp") - 1 - real.coord("tp") if axis == "tp" else real.coord(axis)
 
         ctx.mesh = Swap()
-        return (yield from tp_module.megatron(ctx, cfg))
+        return (yield from composed(ctx, cfg))
 
     model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
     data = DPConfig(model=model, global_batch=2, steps=2)

@@ -8,12 +8,13 @@ from simcluster import report
 from simcluster.engine import DeadlockError, simulate
 from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.data_parallel import DPConfig, reference
-from simcluster.parallel.pipeline import PipelineConfig, UniformPipeline, assemble, pipeline, pipeline_uniform
-from simcluster.parallel.pipeline import uniform_cluster
+from simcluster.parallel.pipeline import UniformPipeline, pipeline_uniform, uniform_cluster
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, describe
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 from simcluster.viz.pipeline_picture import picture
+
+from plans import run_plan
 
 
 @settings(max_examples=15)
@@ -28,10 +29,7 @@ def test_bit_exact_against_one_device(schedule, p, groups, v, extra_layers, dp, 
     model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False,
                       dropout=dropout, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=3, precision=precision)
-    cfg = PipelineConfig(data=data, schedule=schedule, virtual=v)
-    mesh = DeviceMesh(dp=dp, pp=p)
-    run = simulate(pipeline, cfg, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=dp * p))
-    got = assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)])
+    got, _ = run_plan(data, dp=dp, pp=p, schedule=schedule, virtual=v)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
     assert verdict["outputs_compared"] == 3 + 4 * len(model.parameter_shapes())
@@ -104,11 +102,14 @@ def test_schedules_are_printable_data():
 def activation_peaks(schedule, p, m):
     model = GPTConfig(layers=p, hidden=64, heads=4, ffn_hidden=128, seq=16, vocab=32, tied_head=False)
     data = DPConfig(model=model, global_batch=m, micro_batches=m, steps=1)
-    run = simulate(pipeline, PipelineConfig(data=data, schedule=schedule), mesh=DeviceMesh(pp=p),
-                   cluster=preset("dgx-a100", gpus_per_node=p), mode="meta")
-    held = [e.bytes for e in run.trace.memory if e.rank == 0 and e.category == "activations" and e.bytes > 0]
-    assert len(set(held)) == 1  # every micro-batch holds the same on stage 0
-    return run.trace.memory_peaks()[0]["activations"] // held[0]
+    _, run = run_plan(data, pp=p, schedule=schedule, mode="meta")
+    per_micro_batch: dict[str, int] = {}
+    for e in run.trace.memory:
+        if e.rank == 0 and e.category == "activations" and e.bytes > 0:
+            mb = e.name.split(".")[0]
+            per_micro_batch[mb] = per_micro_batch.get(mb, 0) + e.bytes
+    assert len(set(per_micro_batch.values())) == 1  # every micro-batch holds the same on stage 0
+    return run.trace.memory_peaks()[0]["activations"] // per_micro_batch["mb0"]
 
 
 @pytest.mark.parametrize("p,m", [(2, 6), (4, 8), (3, 3)])
@@ -144,13 +145,12 @@ def test_broken_schedules_are_caught():
 ])
 def test_invalid_configurations(schedule, p, m, v, layers, message):
     model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False)
-    cfg = PipelineConfig(data=DPConfig(model=model, global_batch=m, micro_batches=m), schedule=schedule, virtual=v)
     with pytest.raises(Exception, match=message):
-        simulate(pipeline, cfg, mesh=DeviceMesh(pp=p), cluster=preset("dgx-a100", gpus_per_node=p), mode="meta")
+        run_plan(DPConfig(model=model, global_batch=m, micro_batches=m), pp=p, mode="meta", schedule=schedule,
+                 virtual=v)
 
 
 def test_tied_head_with_pipeline_is_a_clear_error():
     model = GPTConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
-    cfg = PipelineConfig(data=DPConfig(model=model, global_batch=2, micro_batches=2))
     with pytest.raises(Exception, match="set model.tied_head = false for pipeline parallelism"):
-        simulate(pipeline, cfg, mesh=DeviceMesh(pp=2), cluster=preset("dgx-a100", gpus_per_node=2), mode="meta")
+        run_plan(DPConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")

@@ -9,10 +9,13 @@ from simcluster import report
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig, Slice
 from simcluster.parallel import ring_attention
-from simcluster.parallel.context_parallel import CPConfig, CPModel, assemble, context_parallel
 from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.gpt_shard import GPTShard
+from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
+
+from plans import run_plan
 
 
 @settings(max_examples=12)
@@ -25,17 +28,14 @@ def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, c
     model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=2 * cp * chunk, vocab=9,
                       causal=causal, dropout=dropout, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=dp, steps=3, precision=precision)
-    mesh = DeviceMesh(dp=dp, cp=cp)
-    run = simulate(context_parallel, CPConfig(data=data, attention=attention), mesh=mesh,
-                   cluster=preset("dgx-a100", gpus_per_node=dp * cp))
-    got = assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)])
+    got, _ = run_plan(data, dp=dp, cp=cp, attention=attention)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
 
 
 def attention_only(ctx, cfg, seed):
     """Ring attention's forward alone on random q, k, v: this rank's output rows."""
-    model = CPModel(ctx, cfg)
+    model = GPTShard(ctx, cfg)
     m = cfg.data.model
     rng = np.random.default_rng(seed)
     full = [rng.standard_normal((1, m.heads, m.seq, m.head_dim)).astype(np.float32) for _ in range(3)]
@@ -46,7 +46,7 @@ def attention_only(ctx, cfg, seed):
 
 def ring_outputs(mode, P, seq, seed=0, causal=True):
     model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=4, seq=seq, vocab=5, causal=causal)
-    cfg = CPConfig(data=DPConfig(model=model, global_batch=1, steps=1), attention="ring")
+    cfg = Plan(data=DPConfig(model=model, global_batch=1, steps=1), attention="ring")
     run = simulate(attention_only, cfg, seed, mesh=DeviceMesh(cp=P), cluster=preset("dgx-a100", gpus_per_node=P),
                    mode=mode)
     out = np.zeros((1, 2, seq, 4))
@@ -85,9 +85,9 @@ def ring_gaps(seq, nodes):
     times read from the trace."""
     P = 4
     model = GPTConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=seq, vocab=64, causal=False)
-    cfg = CPConfig(data=DPConfig(model=model, global_batch=1, steps=1, precision="bf16"), attention="ring")
+    data = DPConfig(model=model, global_batch=1, steps=1, precision="bf16")
     cluster = preset("dgx-a100", nodes=nodes, gpus_per_node=P // nodes)
-    trace = simulate(context_parallel, cfg, mesh=DeviceMesh(cp=P), cluster=cluster, mode="meta").trace
+    trace = run_plan(data, cp=P, cluster=cluster, mode="meta", attention="ring")[1].trace
     compute = trace.lane(0, "compute")
     scores = [e for e in compute if e.name.endswith("attention_scores") and e.kind == "forward"]
     transfers = [e for lane in trace.lanes if lane[0] == 0 and lane[1].startswith("recv")
@@ -112,17 +112,12 @@ def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
     """Masking every key block as if it held the query's own positions."""
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=8, vocab=5, causal=True)
     data = DPConfig(model=model, global_batch=1, steps=1)
-    mesh = DeviceMesh(cp=2)
     monkeypatch.setattr(ring_attention, "_positions", lambda model, owner: model.positions)
-    run = simulate(context_parallel, CPConfig(data=data, attention=attention), mesh=mesh,
-                   cluster=preset("dgx-a100", gpus_per_node=2))
-    got = assemble(run.results, [mesh.coords(r) for r in range(2)])
+    got, _ = run_plan(data, cp=2, attention=attention)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
 def test_zigzag_needs_twice_the_degree_to_divide_the_sequence():
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=6, vocab=5, causal=True)
-    cfg = CPConfig(data=DPConfig(model=model, global_batch=1, steps=1), attention="ring")
     with pytest.raises(Exception, match="seq=6 must be divisible by 2 x cp = 4; valid degrees: 1, 3"):
-        simulate(context_parallel, cfg, mesh=DeviceMesh(cp=2), cluster=preset("dgx-a100", gpus_per_node=2),
-                 mode="meta")
+        run_plan(DPConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")

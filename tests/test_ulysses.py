@@ -5,20 +5,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.context_parallel import CPConfig, assemble, context_parallel
 from simcluster.parallel.data_parallel import DPConfig, reference
-from simcluster.parallel.megatron_tp import TPConfig, megatron
-from simcluster.program.mesh import DeviceMesh
-from simcluster.topology.presets import preset
+
+from plans import run_plan
 
 
-def run_cp(data, cp, dp=1, program=context_parallel, mode="exact"):
-    mesh = DeviceMesh(dp=dp, cp=cp)
-    run = simulate(program, CPConfig(data=data), mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=dp * cp),
-                   mode=mode)
-    return (assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)]) if mode != "meta" else None), run
+def run_cp(data, cp, dp=1, mode="exact"):
+    return run_plan(data, dp=dp, cp=cp, mode=mode, attention="ulysses")
 
 
 @settings(max_examples=12)
@@ -52,9 +46,7 @@ def test_ulysses_moves_1_over_p_of_megatron_sp_per_layer(P):
     sent = sum(e.bytes for e in forward) / layers  # per layer, forward
     assert sent == 4 * N * h * 2 / P * (P - 1) / P  # 4Nh/P elements, of which (P-1)/P leave the rank
 
-    mesh = DeviceMesh(tp=P)
-    tp_run = simulate(megatron, TPConfig(data=data, sequence_parallel=True), mesh=mesh,
-                      cluster=preset("dgx-a100", gpus_per_node=P), mode="meta")
+    _, tp_run = run_plan(data, tp=P, mode="meta", sp=True)
     sp_forward = [e for e in tp_run.trace if e.rank == 0 and e.name.startswith("F") and e.group.startswith("tp")
                   and e.kind in ("all_gather", "reduce_scatter") and e.bytes == N * h * 2 * (P - 1) // P]
     sp_sent = sum(e.bytes for e in sp_forward) / layers

@@ -27,7 +27,7 @@ from simcluster.numerics.tensor import MetaTensor
 
 
 def _positions(model: Any, owner: int) -> np.ndarray:
-    from simcluster.parallel.context_parallel import layout
+    from simcluster.parallel.gpt_shard import layout
 
     return layout(model.m.seq, model.P, owner, model.zigzag)
 

@@ -1,0 +1,216 @@
+"""Every parallelism at once: the GPT trained under any (dp, pp, cp, tp) plan, bit-exact.
+
+The axes compose in the order real stacks apply them (torchtitan's parallelize, Megatron-LM's model
+provider): the model is cut into pipeline chunks (pipeline.py's `partition`); each chunk's blocks are
+GPTShard blocks, split over tp (and sp) and cp as the plan says (gpt_shard.py); data parallelism,
+DDP or ZeRO-1/2/3, wraps the parameters the rank then holds (dp_wrap.py). With pp = 1 the pipeline is
+one stage whose passes are F(j), B(j) for each micro-batch: plain gradient accumulation.
+
+Per step, on every rank:
+  1. the stage's passes (pipeline_schedules.py), each pass running its chunk's units in order
+     (backward: in reverse), taking each unit's weights from the data-parallel wrapper (ZeRO-3
+     gathers them) and handing it each unit's gradients as soon as a micro-batch has completed them
+     (with ZB-H1, after the W pass); with SP, the gradients of weights that tp replicates (norms,
+     biases, positions) are first summed over tp, since each tp rank saw only its tokens;
+  2. the optimizer step on what the rank owns (dp_wrap.py);
+  3. the loss, summed over dp and cp, on the last stage.
+`assemble` turns the ranks' results back into one device's tensors, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Generator
+
+import numpy as np
+
+from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.dp_wrap import DPWrap
+from simcluster.parallel.gpt_shard import GPTShard
+from simcluster.parallel.pipeline import execute, partition
+from simcluster.parallel.pipeline_schedules import build, splits_weight_gradient
+from simcluster.parallel.plan import Plan, shard, shard_kind, shard_shape, unshard
+from simcluster.program.context import Context
+
+
+def chunk_units(layers: int, chunks: int) -> list[list[str]]:
+    """The units of each pipeline chunk, in forward order (chunk 0 embeds, the last one has the head)."""
+    out = [[f"block{i}" for i in r] for r in partition(layers, chunks)]
+    out[0].insert(0, "embed")
+    out[-1].append("head")
+    return out
+
+
+class Stage:
+    """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
+
+    def __init__(self, ctx: Context, plan: Plan, model: GPTShard, dp: DPWrap, units: list[list[str]],
+                 step: int) -> None:
+        self.ctx, self.ops, self.plan, self.model, self.dp = ctx, ctx.ops, plan, model, dp
+        self.units, self.step = units, step
+        self.split_w = splits_weight_gradient(plan.schedule)
+        data = plan.data
+        self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
+        b = data.global_batch // (self.n * data.micro_batches)
+        self.shape = (b, len(model.tokens), data.model.hidden)
+        self.scale = LOSS_SCALE[data.precision]
+        self.caches: dict[tuple[int, int], dict[str, Any]] = {}
+        self.deferred: dict[tuple[int, int], list] = {}
+        self.grads: dict[int, dict[str, Any]] = {}  # by micro-batch: gradients not yet handed over
+        self.loss_sum: Any = None
+
+    def message(self) -> Any:
+        return MetaTensor(self.shape, self.plan.data.precision)
+
+    def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
+        model, dp, step = self.model, self.dp, self.step
+        where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
+        ids, targets = ids[:, model.positions], targets[:, model.positions]  # this cp rank's tokens
+        cache: dict[str, Any] = {"where": where}
+        units = self.units[g]
+        for index, u in enumerate(units):
+            p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
+            if u == "embed":
+                x, cache[u] = yield from model.embed(p, ids, step, where)
+                held = model.gpt._bytes(cache[u])
+            elif u == "head":
+                part, cache[u] = yield from model.head(p, x, targets)
+                self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
+                held, x = model.gpt._bytes(cache[u]), None
+            else:
+                x, cache[u] = yield from model.block(p, x, int(u[len("block"):]), step, where)
+                held = model.held(x)
+            dp.release(u)
+            self.ctx.memory.hold("activations", f"mb{j}.{u}", held)
+        self.caches[(j, g)] = cache
+        return x
+
+    def backward(self, j: int, g: int, dy: Any) -> Generator[Any, Any, Any]:
+        model, dp, cache = self.model, self.dp, self.caches[(j, g)]
+        where = cache["where"]
+        defer: list | None = [] if self.split_w else None
+        grads = self.grads.setdefault(j, {})
+        units = self.units[g][::-1]
+        for index, u in enumerate(units):
+            p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
+            if u == "head":
+                tokens = where.total * self.plan.model.seq
+                dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
+            elif u == "embed":
+                yield from model.embed_backward(cache["embed"], dy, grads)
+                dy = None
+            else:
+                i = int(u[len("block"):])
+                dy = yield from model.block_backward(p, dy, cache[u], i, self.step, where, grads, defer)
+            dp.release(u)
+            if defer is None:
+                self.ctx.memory.release("activations", f"mb{j}.{u}")
+                yield from self.hand_over(u, j)
+        if defer is None:
+            del self.caches[(j, g)]
+        else:
+            self.deferred[(j, g)] = defer
+        return dy
+
+    def weight(self, j: int, g: int) -> Generator[Any, Any, None]:
+        """ZB-H1's W pass: the deferred weight gradients, then the chunk's units are complete."""
+        grads = self.grads[j]
+        for name, thunk in self.deferred.pop((j, g)):
+            grads[name] = thunk()
+        del self.caches[(j, g)]
+        for u in self.units[g][::-1]:
+            self.ctx.memory.release("activations", f"mb{j}.{u}")
+            yield from self.hand_over(u, j)
+
+    def hand_over(self, unit: str, j: int) -> Generator[Any, Any, None]:
+        """Micro-batch j's gradients of `unit` are complete: to the data-parallel wrapper."""
+        mine = self.grads[j]
+        grads = {k: mine.pop(k) for k in unit_names(self.plan.model, unit)}
+        if self.model.sp:  # replicated over tp, but each tp rank saw only its tokens
+            names = [k for k in grads if shard_kind(k) == "replicated"]
+            with self.ctx.annotate("backward", f"SP{j}"):
+                summed = yield [self.ctx.comm.all_reduce(grads[k], group=self.model.tp, async_op=True) for k in names]
+            grads |= dict(zip(names, summed))
+        yield from self.dp.gradients(unit, grads, self.plan.data.micro_batches)
+
+
+def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
+    mesh, ops = ctx.mesh, ctx.ops
+    p, s = mesh.pp.size, mesh.coord("pp")
+    t, r = mesh.tp.size, mesh.coord("tp")
+    plan.check(mesh.dp.size, p, mesh.cp.size, t)
+    data, m = plan.data, plan.model
+    shape = plan.shape(p)
+    passes = build(plan.schedule, shape)[s]
+    units = chunk_units(m.layers, shape.chunks)
+    mine = [u for g in range(shape.chunks) if g % p == s for u in units[g]]
+    names = {u: unit_names(m, u) for u in mine}
+    full = init_params(ops, m)
+    init = {k: shard(full[k], shard_kind(k), t, r) for u in mine for k in names[u]}
+    dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
+                zero_over=plan.zero_over)
+    model = GPTShard(ctx, plan)
+    losses: list[Any] = []
+    grads: dict[str, Any] = {}
+    for step in range(data.steps):
+        dp.begin_step()
+        work = Stage(ctx, plan, model, dp, units, step)
+        yield from execute(ctx, passes, work, shape.chunks, mesh.pp)
+        grads = yield from dp.step(step)
+        if work.loss_sum is not None:  # the last stage
+            with ctx.annotate("forward", "loss"):
+                total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)
+            losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
+    return {"loss": losses, **dp.results(grads)}
+
+
+def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: Plan) -> dict[str, Any]:
+    """The single-device view of any layout: each unit's chunks joined over its shard group, the
+    tensor-parallel pieces joined by name. Replicas (the same chunk on several ranks, a replicated
+    tensor on every tp rank) must agree: one that differs is reported as its own output."""
+    m = plan.model
+    t = max(c["tp"] for c in coords) + 1
+    last = max(c["pp"] for c in coords)
+    out: dict[str, Any] = {}
+    for rank, (res, c) in enumerate(zip(results, coords)):
+        if c["pp"] == last:
+            _agree(out, {f"loss[{i}]": v for i, v in enumerate(res["loss"])}, rank)
+    shapes = m.parameter_shapes()
+    for kind in ("params", "grads", "adam_m", "adam_v"):
+        pieces: dict[tuple[str, int], dict[int, Any]] = {}  # (unit, tp rank) -> chunk index -> flat
+        for rank, (res, c) in enumerate(zip(results, coords)):
+            k, _ = res["chunk"]
+            for unit, arrays in res["units"].items():
+                got = pieces.setdefault((unit, c["tp"]), {})
+                if k in got and np.asarray(got[k]).tobytes() != np.asarray(arrays[kind]).tobytes():
+                    out[f"{kind}.{unit}[chunk {k}]@rank{rank}"] = arrays[kind]
+                got.setdefault(k, arrays[kind])
+        for unit in sorted({u for u, _ in pieces}):
+            by_tp = []
+            for tr in range(t):
+                chunks = pieces[(unit, tr)]
+                flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
+                tensors, at = {}, 0
+                for name in unit_names(m, unit):
+                    local = shard_shape(shapes[name], shard_kind(name), t)
+                    n = math.prod(local)
+                    tensors[name] = flat[at:at + n].reshape(local)
+                    at += n
+                by_tp.append(tensors)
+            for name in unit_names(m, unit):
+                parts = [tensors[name] for tensors in by_tp]
+                out[f"{kind}.{name}"] = unshard(parts, shard_kind(name))
+                if shard_kind(name) == "replicated":
+                    for tr in range(1, t):
+                        if parts[tr].tobytes() != parts[0].tobytes():
+                            out[f"{kind}.{name}@tp{tr}"] = parts[tr]
+    return out
+
+
+def _agree(out: dict[str, Any], values: dict[str, Any], rank: int) -> None:
+    for key, value in values.items():
+        if key not in out:
+            out[key] = value
+        elif np.asarray(value).tobytes() != np.asarray(out[key]).tobytes():
+            out[f"{key}@rank{rank}"] = value

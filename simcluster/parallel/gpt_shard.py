@@ -1,0 +1,314 @@
+"""The GPT on one rank of a (pp, cp, tp) layout: one block definition that knows its mesh axes.
+
+The same pieces as the single-device model (model/gpt.py), split the way the plan (plan.py) says:
+  tp  attention by heads and the MLP by its inner dimension: QKV and the first MLP layer column
+      parallel, the output projections row parallel, with the paper's operators
+        f: identity forward, all-reduce of the input gradient backward (before a column-parallel layer),
+        g: all-reduce of the partial output forward, identity backward (after a row-parallel layer);
+      the embedding and the LM head by vocabulary rows (the cross-entropy all-reduces the row
+      maximum, the sum of exponentials and the target logit; full logits never exist on one rank).
+      With sequence parallelism `g` is a reduce-scatter to this rank's tokens and `f` an all-gather of
+      the sequence, and norms, dropout and residuals run on a rank's tokens only;
+  cp  every rank holds s/cp tokens of each sequence (zigzag for causal ring or all-gather attention);
+      attention exchanges them as ulysses.py or ring_attention.py says; everything else is per token.
+A rank's residual stream holds the positions `tokens`: its cp share, and with SP its tp share of that.
+
+Every forward piece returns what its backward needs; the recomputation policy decides what is kept
+("selective" drops the attention core, "full" keeps the block's input and runs the block again,
+collectives included). All partial sums are exact, so any layout gives the single-device bytes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Generator
+
+import numpy as np
+
+from simcluster.model.activations import layer_bytes
+from simcluster.model.gpt import GPT, Slice
+from simcluster.parallel import ring_attention, ulysses
+from simcluster.parallel.plan import Plan
+from simcluster.program.context import Context
+
+ATTENTION = {
+    "ulysses": ulysses,
+    "ring": ring_attention,
+    "allgather": SimpleNamespace(forward=ring_attention.allgather_forward, backward=ring_attention.allgather_backward),
+}
+
+
+def layout(seq: int, P: int, r: int, zigzag: bool) -> np.ndarray:
+    """The positions of a sequence that cp rank r holds: a contiguous s/P, or with zigzag (for causal
+    attention, so that every rank has as much work) chunks r and 2P-1-r of 2P chunks."""
+    if not zigzag:
+        n = seq // P
+        return np.arange(r * n, (r + 1) * n)
+    n = seq // (2 * P)
+    return np.concatenate([np.arange(r * n, (r + 1) * n), np.arange((2 * P - 1 - r) * n, (2 * P - r) * n)])
+
+
+def runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Contiguous runs of positions as (start, length)."""
+    out: list[tuple[int, int]] = []
+    for p in positions.tolist():
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+class GPTShard:
+    """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
+    `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
+    modules (ulysses.py, ring_attention.py) use."""
+
+    def __init__(self, ctx: Context, plan: Plan) -> None:
+        m = plan.model
+        self.ctx, self.ops, self.m = ctx, ctx.ops, m
+        self.tp, self.cp = ctx.mesh.tp, ctx.mesh.cp
+        self.t, self.tr = self.tp.size, ctx.mesh.coord("tp")
+        self.P, self.r = self.cp.size, ctx.mesh.coord("cp")
+        self.sp = plan.sp and self.t > 1
+        self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
+        self.zigzag = plan.zigzag(self.P)
+        self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
+        n = len(self.positions) // self.t if self.sp else len(self.positions)
+        self.tokens = self.positions[self.tr * n:(self.tr + 1) * n] if self.sp else self.positions
+        self.attention = ATTENTION[plan.attention]
+        self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
+        self._keep_all = False
+
+    # -- dropout masks: the slice of the single-device mask that this rank's tensor covers ----------
+    def _mask(self, name: str, shape: tuple[int, ...], step: int, offset: tuple[int, ...],
+              full: tuple[int, ...]) -> Any:
+        return self.ops.dropout_keep(self.m.seed + 7919 * step, name, shape, self.m.dropout, offset=offset,
+                                     full_shape=full)
+
+    def token_keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
+        """For a residual-stream tensor (b, tokens, h), run by run of positions."""
+        if self.m.dropout == 0.0:
+            return None
+        rest = tuple(shape[2:])
+        parts = [self._mask(name, (shape[0], n) + rest, step, (where.offset, start) + (0,) * len(rest),
+                            (where.total, self.m.seq) + rest) for start, n in runs(self.tokens)]
+        return parts[0] if len(parts) == 1 else self.ops.concat(parts, 1)
+
+    def block_keep(self, name: str, shape: tuple[int, ...], step: int, where: Slice, rows: np.ndarray,
+                   cols: np.ndarray) -> Any:
+        """For attention weights (b, a/tp, rows, cols): query positions `rows`, key positions `cols`."""
+        if self.m.dropout == 0.0:
+            return None
+        b, a, h0 = shape[0], shape[1], self.tr * self.heads
+        full = (where.total, self.m.heads, self.m.seq, self.m.seq)
+        grid = [[self._mask(name, (b, a, nr, nc), step, (where.offset, h0, r0, c0), full) for c0, nc in runs(cols)]
+                for r0, nr in runs(rows)]
+        rows_ = [row[0] if len(row) == 1 else self.ops.concat(row, 3) for row in grid]
+        return rows_[0] if len(rows_) == 1 else self.ops.concat(rows_, 2)
+
+    def allowed(self, rows: np.ndarray, cols: np.ndarray) -> Any:
+        """Causal mask between query and key positions (None: everything allowed)."""
+        if not self.m.causal or self.ops.mode.value == "meta":
+            return None
+        return rows[:, None] >= cols[None, :]
+
+    def drop(self, x: Any, keep: Any) -> Any:
+        return x if keep is None else self.ops.scale(self.ops.zero_where(keep, x), 1.0 / (1.0 - self.m.dropout))
+
+    # -- the tensor-parallel operators --------------------------------------------------------------
+    def reduce(self, partial: Any) -> Generator[Any, Any, Any]:
+        """g (forward) / f (backward): sum a partial over tp and round once; with SP a reduce-scatter
+        to this rank's tokens."""
+        if self.t == 1:
+            return self.ops.finalize(partial)
+        if self.sp:
+            return self.ops.finalize((yield self.ctx.comm.reduce_scatter(partial, group=self.tp, dim=1)))
+        return self.ops.finalize((yield self.ctx.comm.all_reduce(partial, group=self.tp)))
+
+    def gather(self, x: Any) -> Generator[Any, Any, Any]:
+        """Into the tensor-parallel region with SP: the whole (cp-local) sequence, (b, s/cp, h)."""
+        if not self.sp:
+            return x
+        return (yield self.ctx.comm.all_gather(x, group=self.tp, dim=1))
+
+    def tp_sum(self, x: Any, op: str = "sum") -> Generator[Any, Any, Any]:
+        if self.t == 1:
+            return x
+        return (yield self.ctx.comm.all_reduce(x, group=self.tp, op=op))
+
+    # -- attention over cp --------------------------------------------------------------------------
+    def core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
+        """The two-pass core on full-sequence q, k, v (b, a', s, d): this tp rank's heads, or with
+        ulysses this cp rank's share of them."""
+        ops, m = self.ops, self.m
+        s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
+        e = ops.attention_weights(s, ops.max(s, -1))
+        l_sum = ops.sum(e, -1, partial=True)
+        keep = None
+        if m.dropout:
+            h0 = self.tr * self.heads + self.r * q.shape[1]
+            keep = self._mask(f"attn.{layer}", tuple(e.shape), step, (where.offset, h0, 0, 0),
+                              (where.total, m.heads, m.seq, m.seq))
+        ek = e if keep is None else ops.zero_where(keep, e)
+        out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
+                                   1.0 / (1.0 - m.dropout))
+        return {"e": e, "l": l_sum, "keep": keep, "out": out}
+
+    def attend(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        """(b, a/tp, s/cp, d) in and out; and what the backward pass needs."""
+        if self.P == 1:
+            core = self.core(q, k, v, i, step, where)
+            return core["out"], core | {"q": q, "k": k, "v": v}
+        return (yield from self.attention.forward(self, q, k, v, i, step, where))
+
+    def attend_backward(self, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
+        if self.P == 1:
+            return self.gpt.attention_backward(dout, core)
+        return (yield from self.attention.backward(self, dout, core))
+
+    # -- forward ------------------------------------------------------------------------------------
+    def embed(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        """ids (b, s/cp) -> x (b, tokens, h)."""
+        ops = self.ops
+        mine = ops.embedding(ids, p["wte"], row_offset=self.tr * self.vocab)  # zero outside my vocabulary rows
+        if self.sp:  # one owner per row, zeros elsewhere: the sum is exact in any order
+            x = yield self.ctx.comm.reduce_scatter(mine, group=self.tp, dim=1)
+        else:
+            x = yield from self.tp_sum(mine)
+        pos = np.broadcast_to(self.tokens, (ids.shape[0], len(self.tokens)))
+        x = ops.add(x, ops.embedding(pos, p["wpe"]))
+        keep0 = self.token_keep("embed", tuple(x.shape), step, where)
+        return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
+
+    def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        ops, m, gpt, pre = self.ops, self.m, self.gpt, f"layers.{i}."
+        a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
+        a = yield from self.gather(a_mine)  # (b, s/cp, h)
+        qkv = ops.add(ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s/cp, 3h/tp): column parallel
+        q, k, v = (gpt._heads(z) for z in gpt._split3(qkv))  # (b, a/tp, s/cp, d)
+        out, core = yield from self.attend(q, k, v, i, step, where)
+        ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
+        y = ops.add((yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))),
+                    p[pre + "attn.b_proj"])  # row parallel, then g: (b, tokens, h)
+        keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
+        x1 = ops.add(x, self.drop(y, keep_a))
+        c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
+        c = yield from self.gather(c_mine)
+        f = ops.add(ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
+        g = ops.gelu(f)
+        z = ops.add((yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))), p[pre + "mlp.b_out"])
+        keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
+        x2 = ops.add(x1, self.drop(z, keep_m))
+        cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
+                 "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
+        policy = m.recompute.value
+        if policy == "full" and not self._keep_all:
+            return x2, {"x": x}
+        if policy == "selective" and not self._keep_all:
+            return x2, {k: v for k, v in cache.items() if k != "core"}
+        return x2, cache
+
+    def held(self, x: Any) -> int:
+        """Bytes a block keeps on this rank (model/activations.py): TP (and SP) shrink what they
+        split, and cp splits everything (every rank keeps its tokens' share, scores included)."""
+        return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
+                           recompute=self.m.recompute.value, dtype=self.m.dtype) // self.P
+
+    def head(self, p: dict[str, Any], x: Any, targets: Any) -> Generator[Any, Any, Any]:
+        """Vocab-parallel cross-entropy: the loss's partial sum over these tokens (targets (b, s/cp))."""
+        ops, m = self.ops, self.m
+        xf_mine, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], m.eps)
+        xf = yield from self.gather(xf_mine)
+        w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
+        logits = ops.matmul(xf, w)  # (b, s/cp, V/tp)
+        row_max = yield from self.tp_sum(ops.max(logits, -1), "max")
+        e = ops.attention_weights(logits, row_max)
+        sum_e = yield from self.tp_sum(ops.sum(e, -1, partial=True))
+        lse = ops.log_sum_exp(row_max, sum_e, logits.dtype)
+        local = targets - self.tr * self.vocab
+        mine = (local >= 0) & (local < self.vocab)
+        picked = ops.zero_where(mine, ops.gather_last(logits, np.where(mine, local, 0)))
+        picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
+        loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
+        return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e,
+                          "sum_e": sum_e, "w": w}
+
+    # -- backward -----------------------------------------------------------------------------------
+    def head_backward(self, p: dict[str, Any], hc: dict[str, Any], tokens: int, scale: float, grads: dict[str, Any],
+                      defer: list | None = None) -> Generator[Any, Any, Any]:
+        """dx into the last block; gradients into `grads` (a tied head's share of the embedding's as
+        "wte"). With `defer`, an untied head's weight gradient waits for the W pass (ZB-H1)."""
+        ops, m = self.ops, self.m
+        probs = ops.attention_probs(hc["e"], hc["sum_e"])
+        onehot = ops.zero_where(hc["mine"][..., None],
+                                ops.one_hot(np.where(hc["mine"], hc["targets"], 0), self.vocab, probs))
+        dlogits = ops.scale(ops.sub(probs, onehot), scale / tokens)
+        w_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V/tp)
+        if m.tied_head:
+            grads["wte"] = ops.transpose_partial(w_grad())
+        elif defer is not None:
+            defer.append(("head", w_grad))
+        else:
+            grads["head"] = w_grad()
+        dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(hc["w"]), partial=True))
+        dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"],
+                                                                      hc["rf"])
+        return dx
+
+    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
+                       grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
+        """dx into the block; its gradients into `grads`, the linear layers' as thunks into `defer` if given."""
+        ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
+
+        def weight_grad(name: str, thunk: Any) -> None:
+            if defer is None:
+                grads[name] = thunk()
+            else:
+                defer.append((name, thunk))
+
+        policy = self.m.recompute.value
+        if policy == "full":  # the block again, its collectives included
+            with self.ctx.annotate("recompute", f"R{i}"):
+                self._keep_all = True
+                try:
+                    _, c = yield from self.block(p, c["x"], i, step, where)
+                finally:
+                    self._keep_all = False
+        elif policy == "selective":
+            with self.ctx.annotate("recompute", f"R{i}"):
+                _, core = yield from self.attend(c["q"], c["k"], c["v"], i, step, where)
+                c = c | {"core": core}
+        dz_mine = self.drop(dx2, c["keep_m"])
+        grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
+        dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
+        weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
+        df = ops.gelu_backward(ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"])), c["f"])  # (b, s/cp, F/tp)
+        weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
+        weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
+        dc = yield from self.reduce(ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True))  # f backward
+        dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
+            dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
+        dx1 = ops.add(dx2, dx1_ln)
+        dy_mine = self.drop(dx1, c["keep_a"])
+        grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
+        dy = yield from self.gather(dy_mine)
+        weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
+        dout = gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a/tp, s/cp, d)
+        dq, dk, dv = yield from self.attend_backward(dout, c["core"])
+        dqkv = ops.concat([gpt._merge(dq), gpt._merge(dk), gpt._merge(dv)], -1)  # (b, s/cp, 3h/tp)
+        weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True))
+        weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
+        da = yield from self.reduce(ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True))
+        dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
+            da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
+        return ops.add(dx1, dx_ln)
+
+    def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
+        ops = self.ops
+        dx = self.drop(dx, ec["keep0"])
+        pos = np.broadcast_to(self.tokens, dx.shape[:2])
+        grads["wpe"] = ops.embedding_backward(pos, dx, self.m.seq)  # rows of my positions; zeros elsewhere
+        dx = yield from self.gather(dx)  # the lookup needs every token of the cp share
+        rows = ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.tr * self.vocab)
+        grads["wte"] = rows if "wte" not in grads else ops.add_partial(rows, grads["wte"])

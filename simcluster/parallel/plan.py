@@ -1,0 +1,142 @@
+"""The parallel plan: how one model is laid out on a (dp, pp, cp, tp) mesh, as data.
+
+A plan names, for every mesh axis, what it splits (the torchtitan and Megatron-LM shape):
+  tp  the block's linear layers: QKV and the first MLP layer by columns, the output projections by
+      rows (Shoeybi et al. 2019), the embedding and LM head by vocabulary rows; with `sp`, the
+      activations between those regions by sequence (Korthikanti et al. 2022);
+  cp  the sequence: every rank holds s/cp tokens, attention exchanges keys and values
+      (`attention`: ulysses, ring or allgather; ring and allgather use the zigzag layout when causal);
+  pp  the blocks: p*v contiguous chunks, run by `schedule` (pipeline_schedules.py);
+  dp  the batch, with DDP or ZeRO-1/2/3 around whatever parameters the rank holds (dp_wrap.py), over
+      dp, or over dp x cp (`zero_over`), which is what Megatron's distributed optimizer and
+      torchtitan's FSDP (`dp_shard_cp`) do, since cp ranks hold the same weights.
+
+`check` says in one line why a layout is impossible and lists what would be possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
+from simcluster.parallel.pipeline_schedules import check as check_schedule
+
+ATTENTIONS = ("ulysses", "ring", "allgather")
+ZERO_OVER = ("dp_cp", "dp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    data: DPConfig = field(default_factory=DPConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
+    sp: bool = False
+    attention: str = "ulysses"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual: int = 1  # model chunks per pipeline stage (interleaved)
+    zero_over: str = "dp_cp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention {self.attention!r} is not valid; valid: {', '.join(ATTENTIONS)}")
+        if self.zero_over not in ZERO_OVER:
+            raise ValueError(f"zero_over {self.zero_over!r} is not valid; valid: {', '.join(ZERO_OVER)}")
+
+    @property
+    def model(self) -> Any:
+        return self.data.model
+
+    def zigzag(self, cp: int) -> bool:
+        """Ring and all-gather attention balance causal work with the zigzag layout."""
+        return cp > 1 and self.attention != "ulysses" and self.model.causal
+
+    def shape(self, pp: int) -> PipelineShape:
+        return PipelineShape(pp, self.data.micro_batches, self.virtual)
+
+    def check(self, dp: int, pp: int, cp: int, tp: int) -> None:
+        """Clear errors for what this plan cannot run on the mesh."""
+        m = self.model
+        self.data.check(dp)
+        for what, size in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
+            _divides(f"tensor-parallel degree {tp}", tp, what, size)
+        zig = self.zigzag(cp)
+        if zig and m.seq % (2 * cp):
+            valid = [d for d in range(1, m.seq + 1) if m.seq % (2 * d) == 0]
+            raise ValueError(f"causal {self.attention} attention uses the zigzag layout: seq={m.seq} must be "
+                             f"divisible by 2 x cp = {2 * cp}; valid degrees: {', '.join(map(str, valid))}")
+        _divides(f"context-parallel degree {cp}", cp, "seq", m.seq)
+        if cp > 1 and self.attention == "ulysses":
+            _divides(f"ulysses degree {cp}", cp, "heads" if tp == 1 else "heads/tp", m.heads // tp)
+        if self.sp and tp > 1:
+            local = m.seq // cp
+            if local % tp:
+                valid = [d for d in range(1, local + 1) if local % d == 0]
+                where = f"seq={m.seq}" if cp == 1 else f"a context-parallel rank's {local} tokens (seq/cp)"
+                raise ValueError(f"sequence parallelism: tp={tp} must divide {where}; valid degrees: "
+                                 f"{', '.join(map(str, valid))}")
+        check_schedule(self.schedule, self.shape(pp), m.layers)
+        if m.tied_head and pp > 1:
+            raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
+                             "set model.tied_head = false for pipeline parallelism")
+
+
+def _divides(who: str, degree: int, what: str, size: int) -> None:
+    if size % degree:
+        valid = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(f"{who} must divide {what}={size}; valid degrees: {', '.join(map(str, valid))}")
+
+
+# -- how each parameter is split over tp -----------------------------------------------------------
+
+def shard_kind(name: str) -> str:
+    """rows, cols, qkv (columns of each of q, k and v) or replicated."""
+    if name == "wte":
+        return "rows"
+    if name == "head" or name.endswith("mlp.w_fc") or name.endswith("mlp.b_fc"):
+        return "cols"
+    if name.endswith("attn.w_qkv") or name.endswith("attn.b_qkv"):
+        return "qkv"
+    if name.endswith("attn.w_proj") or name.endswith("mlp.w_out"):
+        return "rows"
+    return "replicated"
+
+
+def shard(x: Any, kind: str, t: int, r: int) -> Any:
+    """Rank r's piece of a full tensor x split t ways."""
+    if kind == "replicated" or t == 1:
+        return x
+    if isinstance(x, MetaTensor):
+        return MetaTensor(shard_shape(tuple(x.shape), kind, t), x.dtype)
+    if kind == "rows":
+        n = x.shape[0] // t
+        return x[r * n:(r + 1) * n]
+    if kind == "cols":
+        n = x.shape[-1] // t
+        return x[..., r * n:(r + 1) * n]
+    third = x.shape[-1] // 3
+    n = third // t
+    return np.concatenate([x[..., i * third + r * n:i * third + (r + 1) * n] for i in range(3)], axis=-1)
+
+
+def shard_shape(shape: tuple[int, ...], kind: str, t: int) -> tuple[int, ...]:
+    if kind == "replicated":
+        return shape
+    out = list(shape)
+    out[0 if kind == "rows" else -1] //= t
+    return tuple(out)
+
+
+def unshard(parts: list[Any], kind: str) -> Any:
+    """The full tensor from the t pieces, in tp order (replicated: the first)."""
+    if kind == "replicated":
+        return parts[0]
+    if kind == "rows":
+        return np.concatenate(parts, axis=0)
+    if kind == "cols":
+        return np.concatenate(parts, axis=-1)
+    thirds = [np.split(p, 3, axis=-1) for p in parts]
+    return np.concatenate([np.concatenate([t[i] for t in thirds], axis=-1) for i in range(3)], axis=-1)
