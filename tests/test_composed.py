@@ -1,0 +1,116 @@
+"""Every parallelism at once: the composed program against one device, byte for byte.
+
+The options are drawn as an all-pairs covering array (tests/pairwise.py): every pair of option values
+that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp,
+attention, ZeRO stage and what it shards over, micro-batches, recomputation, dropout, precision,
+tied head, causal mask) is run at least once, whatever the draw; hypothesis draws the seed and the
+layer count within each row.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simcluster import report
+from simcluster.model.gpt import GPTConfig
+from simcluster.parallel.data_parallel import DPConfig, reference
+
+from pairwise import covering_rows
+from plans import run_plan
+
+OPTIONS = {
+    "dp": [1, 2, 3], "pp": [1, 2, 3], "cp": [1, 2, 3], "tp": [1, 2, 3],
+    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1"], "sp": [False, True],
+    "attention": ["ulysses", "ring", "allgather"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
+    "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
+    "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
+}
+
+
+def valid(row):
+    """At most 16 ranks; a tied head needs the embedding and the head on one stage."""
+    return row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
+
+
+ROWS, PAIRS = covering_rows(OPTIONS, valid)
+
+
+def layout(row):
+    return "-".join(f"{k}{row[k]}" for k in ("dp", "pp", "cp", "tp")) + f"-{row['schedule']}-z{row['zero']}"
+
+
+def test_the_rows_cover_every_feasible_pair():
+    covered = {((a, r[a]), (b, r[b])) for r in ROWS for a in r for b in r if list(OPTIONS).index(a) < list(OPTIONS).index(b)}
+    assert covered >= PAIRS and all(valid(r) for r in ROWS)
+    assert {r["dp"] * r["pp"] * r["cp"] * r["tp"] for r in ROWS} >= {4, 6, 9, 12}  # 3s on every axis, up to 12 ranks
+
+
+@pytest.mark.parametrize("row", ROWS, ids=layout)
+@settings(max_examples=1)
+@given(seed=st.integers(0, 1000), extra_layers=st.integers(0, 1))
+def test_bit_exact_against_one_device(row, seed, extra_layers):
+    dp, pp, cp, tp = row["dp"], row["pp"], row["cp"], row["tp"]
+    virtual = 2 if row["schedule"] == "interleaved" else 1
+    m = pp * row["micro_batches"]  # interleaving needs a multiple of pp
+    heads = tp * cp  # ulysses splits a tp rank's heads over cp
+    model = GPTConfig(layers=pp * virtual + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
+                      seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
+                      dropout=row["dropout"], recompute=row["recompute"], seed=seed)
+    data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
+                    zero=row["zero"])
+    got, _ = run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, sp=row["sp"], attention=row["attention"],
+                      schedule=row["schedule"], virtual=virtual, zero_over=row["zero_over"])
+    verdict = report.verification("exact", reference(data), got)
+    assert verdict["bit_exact"], verdict["mismatches"]
+    assert verdict["outputs_compared"] == 2 + 4 * len(model.parameter_shapes())
+
+
+def small_4d(zero):
+    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=6, tied_head=False, dropout=0.1)
+    return DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=zero)
+
+
+def test_the_4d_layout_passes_unbroken():
+    data = small_4d(2)
+    got, _ = run_plan(data, dp=2, pp=2, cp=2, sp=True, attention="ring")
+    assert report.verification("exact", reference(data), got)["bit_exact"]
+
+
+@pytest.mark.parametrize("zero,zero_over", [(0, "dp_cp"), (2, "dp")])
+def test_gradients_summed_over_dp_alone_are_caught(monkeypatch, zero, zero_over):
+    """cp ranks saw other tokens with the same weights: forgetting their sum changes the result
+    (DDP all-reducing over dp alone; ZeRO over dp skipping its all-reduce over cp)."""
+    from simcluster.parallel.dp_wrap import DPWrap
+
+    init = DPWrap.__init__
+
+    def over_dp(self, ctx, *args, **kw):
+        init(self, ctx, *args, **kw)
+        if zero == 0:
+            self.group = ctx.mesh.dp
+        else:
+            assert self.cp_first is not None
+            self.cp_first = None
+
+    monkeypatch.setattr(DPWrap, "__init__", over_dp)
+    data = small_4d(zero)
+    got, _ = run_plan(data, dp=2, pp=2, cp=2, sp=True, attention="ring", zero_over=zero_over)
+    assert not report.verification("exact", reference(data), got)["bit_exact"]
+
+
+def test_a_zero_rank_updating_its_neighbours_chunk_is_caught(monkeypatch):
+    """ZeRO-1: every rank starts from the next rank's chunk of the master weights."""
+    from simcluster.parallel.dp_wrap import DPWrap
+
+    init = DPWrap.__init__
+
+    def shifted(self, ctx, data, names, shapes, weights, **kw):
+        init(self, ctx, data, names, shapes, weights, **kw)
+        ops, n = ctx.ops, self.n
+        self.master = {u: ops.chunk(ops.pad(ops.flat([weights[k] for k in names[u]]), n), n, (self.k + 1) % n)
+                       for u in self.units}
+
+    monkeypatch.setattr(DPWrap, "__init__", shifted)
+    data = small_4d(1)
+    got, _ = run_plan(data, dp=2, pp=2, cp=2, attention="ulysses")
+    assert not report.verification("exact", reference(data), got)["bit_exact"]
