@@ -12,12 +12,9 @@ from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
-from simcluster.parallel.data_parallel import assemble as assemble_dp
 from simcluster.parallel.composed import assemble as assemble_composed
 from simcluster.parallel.composed import composed
-from simcluster.parallel.ddp import ddp
 from simcluster.parallel.plan import Plan
-from simcluster.parallel.zero import zero
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.scenario import Scenario, ScenarioError
@@ -104,13 +101,8 @@ def run_scenario(sc: Scenario) -> Outcome:
         plan = _gpt(sc, mesh)
         cfg = plan.data
         coords = [mesh.coords(r) for r in range(mesh.world_size)]
-        if all(mesh.sizes[a] == 1 for a in ("pp", "cp", "tp")):  # data parallelism alone, in the papers' order
-            program = ddp if cfg.zero == 0 else zero
-            result = simulate(program, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: assemble_dp(result.results, coords, cfg))
-        else:
-            result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-            assembled = (lambda: assemble_composed(result.results, coords, plan))
+        result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+        assembled = (lambda: assemble_composed(result.results, coords, plan))
         parameters = cfg.model.parameters
         model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps
         if not sc.run["verify"]:

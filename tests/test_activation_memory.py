@@ -7,7 +7,6 @@ from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig
-from simcluster.parallel.ddp import ddp
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
@@ -35,7 +34,7 @@ def tp_layer(t, sp=False, recompute="none"):
 
 def test_no_parallelism():
     data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
-    assert held_per_layer(ddp, data, DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
+    assert held_per_layer(composed, Plan(data=data), DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])

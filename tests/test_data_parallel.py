@@ -5,20 +5,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig, assemble, reference
-from simcluster.parallel.ddp import ddp
-from simcluster.parallel.zero import zero
-from simcluster.program.mesh import DeviceMesh
-from simcluster.topology.presets import preset
+from simcluster.parallel.composed import composed
+from simcluster.parallel.data_parallel import DPConfig, reference
+
+from plans import run_plan
 
 
-def run_dp(cfg, dp, program=None, mode="exact"):
-    program = program or (ddp if cfg.zero == 0 else zero)
-    mesh = DeviceMesh(dp=dp)
-    run = simulate(program, cfg, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=dp), mode=mode)
-    return assemble(run.results, [mesh.coords(r) for r in range(dp)], cfg), run
+def run_dp(cfg, dp, program=composed, mode="exact"):
+    return run_plan(cfg, dp=dp, program=program, mode=mode)
 
 
 @settings(max_examples=20)
@@ -43,33 +38,29 @@ def small(**kw):
                     steps=2, **kw)
 
 
-def test_a_rank_updating_the_wrong_shard_is_caught():
-    """ZeRO-1 where each rank applies its update to its neighbour's chunk."""
-    import simcluster.parallel.zero as zero_module
+def test_a_rank_updating_the_wrong_shard_is_caught(monkeypatch):
+    """ZeRO-1 where each rank keeps (and updates) its neighbour's chunk of the master weights."""
+    from simcluster.parallel.dp_wrap import DPWrap
 
-    def wrong_shard(ctx, cfg):
-        real = ctx.mesh
+    init = DPWrap.__init__
 
-        class Shifted:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def coord(self, axis):
-                return (real.coord(axis) + 1) % real.size(axis) if axis == "dp" else real.coord(axis)
-
-        ctx.mesh = Shifted()
-        return (yield from zero_module.zero(ctx, cfg))
+    def wrong_shard(self, ctx, data, names, shapes, weights, **kw):
+        init(self, ctx, data, names, shapes, weights, **kw)
+        ops, n = ctx.ops, self.n
+        self.master = {u: ops.chunk(ops.pad(ops.flat([weights[k] for k in names[u]]), n), n, (self.k + 1) % n)
+                       for u in self.units}
 
     cfg = small(zero=1)
-    got, _ = run_dp(cfg, 2, wrong_shard)
+    good, _ = run_dp(cfg, 2)
+    assert report.verification("exact", reference(cfg), good)["bit_exact"]
+    monkeypatch.setattr(DPWrap, "__init__", wrong_shard)
+    got, _ = run_dp(cfg, 2)
     verdict = report.verification("exact", reference(cfg), got)
     assert not verdict["bit_exact"]
 
 
 def test_a_skipped_gradient_bucket_is_caught():
     """DDP that forgets to all-reduce one bucket: replicas diverge and differ from one device."""
-    import simcluster.parallel.ddp as ddp_module
-
     cfg = small()
     want = reference(cfg)
     good, _ = run_dp(cfg, 2)
@@ -86,12 +77,12 @@ def test_a_skipped_gradient_bucket_is_caught():
             return real_all_reduce(x, **kw)
 
         ctx.comm.all_reduce = all_reduce
-        return (yield from ddp_module.ddp(ctx, cfg))
+        return (yield from composed(ctx, cfg))
 
     bad, _ = run_dp(cfg, 2, dropped)
     verdict = report.verification("exact", want, bad)
     assert not verdict["bit_exact"]
-    assert any(k.endswith("@dp1") for k in bad)  # the two replicas no longer hold the same weights
+    assert any(k.endswith("@rank1") for k in bad)  # the two replicas no longer hold the same weights
 
 
 @pytest.mark.parametrize("kwargs,message", [

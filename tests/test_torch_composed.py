@@ -28,6 +28,14 @@ def same_on_gloo(data, mesh, **options):
     assert_same_bytes(b, reference(data), only_wanted=True)  # and both equal one device
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_parallel(stage):
+    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10, dropout=0.1)
+    data = DPConfig(model=model, global_batch=6, micro_batches=2, steps=3, zero=stage,
+                    precision="bf16" if stage % 2 else "fp32")
+    same_on_gloo(data, DeviceMesh(dp=3))
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel(sp):
     model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=True, dropout=0.1)

@@ -71,16 +71,17 @@ class Stage:
         units = self.units[g]
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
-            if u == "embed":
-                x, cache[u] = yield from model.embed(p, ids, step, where)
-                held = model.gpt._bytes(cache[u])
-            elif u == "head":
-                part, cache[u] = yield from model.head(p, x, targets)
-                self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
-                held, x = model.gpt._bytes(cache[u]), None
-            else:
-                x, cache[u] = yield from model.block(p, x, int(u[len("block"):]), step, where)
-                held = model.held(x)
+            with self.ctx.annotate("forward", f"F{j}:{u}"):
+                if u == "embed":
+                    x, cache[u] = yield from model.embed(p, ids, step, where)
+                    held = model.gpt._bytes(cache[u])
+                elif u == "head":
+                    part, cache[u] = yield from model.head(p, x, targets)
+                    self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
+                    held, x = model.gpt._bytes(cache[u]), None
+                else:
+                    x, cache[u] = yield from model.block(p, x, int(u[len("block"):]), step, where)
+                    held = model.held(x)
             dp.release(u)
             self.ctx.memory.hold("activations", f"mb{j}.{u}", held)
         self.caches[(j, g)] = cache
@@ -94,15 +95,16 @@ class Stage:
         units = self.units[g][::-1]
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
-            if u == "head":
-                tokens = where.total * self.plan.model.seq
-                dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
-            elif u == "embed":
-                yield from model.embed_backward(cache["embed"], dy, grads)
-                dy = None
-            else:
-                i = int(u[len("block"):])
-                dy = yield from model.block_backward(p, dy, cache[u], i, self.step, where, grads, defer)
+            with self.ctx.annotate("backward", f"B{j}:{u}"):
+                if u == "head":
+                    tokens = where.total * self.plan.model.seq
+                    dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
+                elif u == "embed":
+                    yield from model.embed_backward(cache["embed"], dy, grads)
+                    dy = None
+                else:
+                    i = int(u[len("block"):])
+                    dy = yield from model.block_backward(p, dy, cache[u], i, self.step, where, grads, defer)
             dp.release(u)
             if defer is None:
                 self.ctx.memory.release("activations", f"mb{j}.{u}")

@@ -1,4 +1,5 @@
-"""What DDP and the ZeRO stages share: the run's configuration, the batch split, flat units.
+"""What every data-parallel layout shares: the run's configuration, the batch split, flat units, and
+the single-device reference run.
 
 The global batch of a step is split over data-parallel ranks, then into micro-batches on each rank:
 rank d's micro-batch j holds sequences [d*B/N + j*b, d*B/N + (j+1)*b) of the global batch B, b =
@@ -7,7 +8,7 @@ global token count and dropout masks are those of the whole batch: the ranks' pa
 summed in any order, are exactly the single-device gradient.
 
 Parameters, gradients and optimizer state are kept per unit (embed, block0.., head), each unit a flat
-buffer zero-padded to a multiple of N so that ZeRO can shard it evenly (rank d owns chunk d).
+buffer zero-padded to a multiple of N so that ZeRO can shard it evenly (dp_wrap.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.model.gpt import PRECISIONS, AdamState, GPTConfig, Slice, adam_step, batch, grad_dtype, unit_names
-from simcluster.model.gpt import adam_init, model_state_bytes, units, unscale, working_copy
+from simcluster.model.gpt import PRECISIONS, GPTConfig, Slice, batch, unit_names
 
 
 @dataclass(frozen=True)
@@ -71,42 +71,6 @@ def padded(n: int, dp: int) -> int:
     return -(-n // dp) * dp
 
 
-def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], cfg: DPConfig) -> dict[str, Any]:
-    """The single-device view of a run: full tensors by name, from full replicas or per-unit shards.
-
-    Every data-parallel replica must agree: a replica that differs is reported as its own output.
-    """
-    dp = max(c["dp"] for c in coords) + 1
-    by_dp = {c["dp"]: r for r, c in zip(results, coords)}
-    out: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(by_dp[0]["loss"])}
-    for kind in ("params", "grads", "adam_m", "adam_v"):
-        for d in range(dp):
-            full = _full(by_dp[d][kind], by_dp, kind, cfg, dp)
-            for name, value in full.items():
-                key = f"{kind}.{name}"
-                if d == 0:
-                    out[key] = value
-                elif np.asarray(value).tobytes() != np.asarray(out[key]).tobytes():
-                    out[f"{key}@dp{d}"] = value
-            if "sharded" in by_dp[0] and by_dp[0]["sharded"].get(kind):
-                break  # shards: one assembly from all ranks
-    return out
-
-
-def _full(mine: dict[str, Any], by_dp: dict[int, dict[str, Any]], kind: str, cfg: DPConfig, dp: int) -> dict[str, Any]:
-    if not by_dp[0].get("sharded", {}).get(kind):
-        return mine
-    out: dict[str, Any] = {}
-    for unit in units(cfg.model):
-        flat = np.concatenate([by_dp[d][kind][unit] for d in range(dp)])
-        at = 0
-        for name, shape in zip(unit_names(cfg.model, unit), unit_shapes(cfg.model, unit)):
-            n = math.prod(shape)
-            out[name] = flat[at:at + n].reshape(shape)
-            at += n
-    return out
-
-
 @functools.lru_cache(maxsize=8)
 def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     """The single-device run that every data-parallel run must equal (cached: the configuration is
@@ -121,42 +85,3 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
         for name, value in out[kind].items():
             flat[f"{kind}.{name}"] = value
     return flat
-
-
-def hold_model_state(ctx: Any, master: dict[str, Any], parameters: int, precision: str) -> tuple[AdamState, dict[str, int]]:
-    """The start of training: Adam state for `master`, and this rank's weight and optimizer memory
-    held for the run (`parameters`: how many this rank keeps). Returns (state, bytes by category)."""
-    state = adam_init(ctx.ops, master)
-    sizes = model_state_bytes(parameters, precision)
-    ctx.memory.hold("parameters", "weights", sizes["parameters"])
-    ctx.memory.hold("optimizer", "adam", sizes["optimizer"])
-    return state, sizes
-
-
-def begin_step(ctx: Any, master: dict[str, Any], sizes: dict[str, int], precision: str) -> dict[str, Any]:
-    """The start of a step: the working copy of the weights, then the step's gradient memory held."""
-    weights = working_copy(ctx.ops, master, precision)
-    ctx.memory.hold("gradients", "grads", sizes["gradients"])
-    return weights
-
-
-def finish_step(ctx: Any, master: dict[str, Any], partials: dict[str, Any], state: AdamState, cfg: DPConfig,
-                group: Any, step: int, loss_sum: Any) -> Any:
-    """The end of a training step: sum this rank's gradient partials over `group` in one flat
-    all-reduce (in the gradient dtype), round each once, step AdamW on the fp32 master weights, free
-    the gradients, and sum the loss over `group` (when this rank has one: a pipeline's last stage).
-    Returns (new master, rounded gradients, mean loss or None)."""
-    ops = ctx.ops
-    names = list(master)
-    flat = ops.flat([ops.retag(partials[k], grad_dtype(cfg.precision)) for k in names])
-    reduced = yield ctx.comm.all_reduce(flat, group=group)
-    with ctx.annotate("optimizer", f"O{step}"):
-        shapes = [tuple(master[k].shape) for k in names]
-        grads = {k: ops.finalize(g) for k, g in zip(names, ops.unflat(reduced, shapes))}
-        master = adam_step(ops, master, unscale(ops, grads, cfg.precision), state, lr=cfg.lr)
-    ctx.memory.release("gradients", "grads")
-    if loss_sum is None:
-        return master, grads, None
-    with ctx.annotate("forward", "loss"):
-        total = yield ctx.comm.all_reduce(loss_sum, group=group)
-    return master, grads, ops.scale(ops.finalize(total), 1.0 / (cfg.global_batch * cfg.model.seq))

@@ -23,7 +23,7 @@ def passes(trace: Trace, rank: int) -> list[tuple[str, int, int]]:
     for e in trace.lane(rank, "compute"):
         if e.kind not in PASS_KINDS:
             continue
-        label = e.name.split("/", 1)[0]
+        label = e.name.split("/", 1)[0].split(":", 1)[0]  # F3:block0 -> F3
         if not label or label[0] not in "FBW" or label == "loss":
             continue
         if out and out[-1][0] == label and out[-1][2] == e.start:
