@@ -82,7 +82,8 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
             raise ValueError(f"model.micro_batch={micro} must divide each rank's {per_rank} sequences "
                              f"(global_batch {m['global_batch']} / dp {dp})")
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
-                       steps=r["steps"], lr=r["lr"], precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
+                       steps=r["steps"], lr=r["lr"], weight_decay=r["weight_decay"], clip_grad=r["clip_grad"] or None,
+                       precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
         if p["schedule"] == "interleaved" and p["pp"] > 1 and cfg.micro_batches % p["pp"]:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "

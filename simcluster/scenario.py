@@ -84,6 +84,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "verify": Key(bool, True, "compare every output with a single-device run"),
         "seed": Key(int, 0, "seed of weights and data", minimum=0),
         "lr": Key(float, 1e-3, "learning rate (AdamW for gpt, SGD for mlp)", minimum=0),
+        "weight_decay": Key(float, 0.01, "AdamW's decoupled weight decay (torch semantics; Megatron-LM's default)",
+                            minimum=0),
+        "clip_grad": Key(float, 1.0, "clip the gradients to this global norm before the optimizer step "
+                         "(torch's clip_grad_norm_; 0: no clipping)", minimum=0),
     },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}

@@ -3,7 +3,7 @@
 The options are drawn as an all-pairs covering array (tests/pairwise.py): every pair of option values
 that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp,
 attention, ZeRO stage and what it shards over, micro-batches, recomputation, dropout, precision,
-tied head, causal mask) is run at least once, whatever the draw; hypothesis draws the seed and the
+tied head, causal mask, weight decay, clipping) is run at least once, whatever the draw; hypothesis draws the seed and the
 layer count within each row.
 """
 
@@ -24,6 +24,7 @@ OPTIONS = {
     "attention": ["ulysses", "ring", "allgather"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
     "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
+    "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05],
 }
 
 
@@ -33,6 +34,13 @@ def valid(row):
 
 
 ROWS, PAIRS = covering_rows(OPTIONS, valid)
+# and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
+ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
+              micro_batches=1, recompute="selective", dropout=0.1, precision="bf16", tied_head=False, causal=True,
+              weight_decay=0.1, clip_grad=0.05),
+         dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, attention="ulysses", zero=1, zero_over="dp",
+              micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
+              weight_decay=0.0, clip_grad=None)]
 
 
 def layout(row):
@@ -42,7 +50,8 @@ def layout(row):
 def test_the_rows_cover_every_feasible_pair():
     covered = {((a, r[a]), (b, r[b])) for r in ROWS for a in r for b in r if list(OPTIONS).index(a) < list(OPTIONS).index(b)}
     assert covered >= PAIRS and all(valid(r) for r in ROWS)
-    assert {r["dp"] * r["pp"] * r["cp"] * r["tp"] for r in ROWS} >= {4, 6, 9, 12}  # 3s on every axis, up to 12 ranks
+    assert max(r["dp"] * r["pp"] * r["cp"] * r["tp"] for r in ROWS) >= 12
+    assert any(all(r[a] > 1 for a in ("dp", "pp", "cp", "tp")) for r in ROWS)  # 4D, every axis split
 
 
 @pytest.mark.parametrize("row", ROWS, ids=layout)
@@ -57,7 +66,7 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
                       dropout=row["dropout"], recompute=row["recompute"], seed=seed)
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
-                    zero=row["zero"])
+                    zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"])
     got, _ = run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, sp=row["sp"], attention=row["attention"],
                       schedule=row["schedule"], virtual=virtual, zero_over=row["zero_over"])
     verdict = report.verification("exact", reference(data), got)
@@ -113,4 +122,15 @@ def test_a_zero_rank_updating_its_neighbours_chunk_is_caught(monkeypatch):
     monkeypatch.setattr(DPWrap, "__init__", shifted)
     data = small_4d(1)
     got, _ = run_plan(data, dp=2, pp=2, cp=2, attention="ulysses")
+    assert not report.verification("exact", reference(data), got)["bit_exact"]
+
+
+def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
+    """Clipping by global norm: every rank counting every element it holds (tp replicas and dp replicas
+    included) gives a larger norm, a smaller clip coefficient and other weights."""
+    from simcluster.parallel.dp_wrap import DPWrap
+
+    monkeypatch.setattr(DPWrap, "_counted", lambda self, elsewhere: None)
+    data = DPConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
+    got, _ = run_plan(data, dp=2, tp=2, cp=2, sp=True)
     assert not report.verification("exact", reference(data), got)["bit_exact"]

@@ -28,6 +28,7 @@ import numpy as np
 
 from simcluster.model.activations import layer_bytes
 from simcluster.model.memory import MemoryLedger
+from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
 
@@ -442,29 +443,6 @@ def ops_t(ops: Ops, w: Any) -> Any:
     return ops.transpose(w)
 
 
-@dataclass
-class AdamState:
-    m: dict[str, Any]
-    v: dict[str, Any]
-    step: int = 0
-
-
-def adam_init(ops: Ops, params: dict[str, Any]) -> AdamState:
-    zeros = {k: (MetaTensor(tuple(v.shape), "fp32") if ops.mode is Mode.META else np.zeros_like(v))
-             for k, v in params.items()}
-    return AdamState(dict(zeros), {k: z.copy() if isinstance(z, np.ndarray) else z for k, z in zeros.items()})
-
-
-def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: AdamState, *, lr: float,
-              weight_decay: float = 0.0) -> dict[str, Any]:
-    state.step += 1
-    out = {}
-    for k in params:
-        out[k], state.m[k], state.v[k] = ops.adam(params[k], grads[k], state.m[k], state.v[k], state.step, lr=lr,
-                                                  weight_decay=weight_decay)
-    return out
-
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 # fp16 gradients underflow without loss scaling; a power of two keeps scaling and unscaling exact
 LOSS_SCALE = {"fp32": 1.0, "bf16": 1.0, "fp16": 4096.0}
@@ -502,9 +480,11 @@ def unscale(ops: Ops, grads: dict[str, Any], precision: str) -> dict[str, Any]:
     return out
 
 
-def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3,
-          precision: str = "fp32", params: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
+          clip_grad: float | None = None, precision: str = "fp32",
+          params: dict[str, Any] | None = None) -> dict[str, Any]:
     """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
+    With `clip_grad`, the gradients are first scaled to that global norm if they exceed it.
 
     Returns the losses, the last step's gradients (in the gradient dtype, times the loss scale), the
     fp32 master weights and
@@ -528,7 +508,10 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
         model.memory.hold("gradients", "grads", sizes["gradients"])
         partials = model.backward(weights, cache, step, loss_scale=LOSS_SCALE[precision])
         grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision))) for k, v in partials.items()}
-        master = adam_step(ops, master, unscale(ops, grads, precision), state, lr=lr)
+        unscaled = unscale(ops, grads, precision)
+        if clip_grad:
+            unscaled = clip_by_norm(ops, unscaled, square_sum(ops, list(unscaled.values())), clip_grad)
+        master = adam_step(ops, master, unscaled, state, lr=lr, weight_decay=weight_decay)
         model.memory.release("gradients", "grads")
         losses.append(loss)
     return {"loss": losses, "grads": grads, "params": master, "adam_m": state.m, "adam_v": state.v,

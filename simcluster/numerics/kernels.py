@@ -151,8 +151,8 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, step
     v = c(beta2) * v + c(1 - beta2) * grad * grad
     mhat = m / c(1 - beta1 ** step)
     vhat = v / c(1 - beta2 ** step)
-    if weight_decay:
-        param = param - c(lr * weight_decay) * param
+    if weight_decay:  # torch.optim.AdamW: p.mul_(1 - lr * wd) before the update
+        param = param * c(1 - lr * weight_decay)
     return param - c(lr) * mhat / (np.sqrt(vhat) + c(eps)), m, v
 
 

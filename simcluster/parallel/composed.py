@@ -150,8 +150,9 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     names = {u: unit_names(m, u) for u in mine}
     full = init_params(ops, m)
     init = {k: shard(full[k], shard_kind(k), t, r) for u in mine for k in names[u]}
+    replicated = frozenset(k for k in init if shard_kind(k) == "replicated") if r > 0 else frozenset()
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
-                zero_over=plan.zero_over)
+                zero_over=plan.zero_over, counted_elsewhere=replicated)
     model = GPTShard(ctx, plan)
     losses: list[Any] = []
     grads: dict[str, Any] = {}

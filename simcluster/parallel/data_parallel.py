@@ -30,6 +30,8 @@ class DPConfig:
     micro_batches: int = 1  # per rank and step (gradient accumulation)
     steps: int = 3
     lr: float = 1e-3
+    weight_decay: float = 0.0  # AdamW's decoupled decay (torch semantics)
+    clip_grad: float | None = None  # clip the gradients to this global norm (torch's clip_grad_norm_)
     precision: str = "fp32"  # "fp32"; "bf16" or "fp16": 16-bit weights and gradients, fp32 master and moments
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
@@ -79,7 +81,7 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     from simcluster.numerics.ops import make_ops
 
     out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,
-                precision=cfg.precision)
+                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision)
     flat: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(out["loss"])}
     for kind in ("params", "grads", "adam_m", "adam_v"):
         for name, value in out[kind].items():

@@ -14,8 +14,10 @@ Over a step:
   2. `gradients(unit, grads)`: one micro-batch's gradients of a unit, complete. Stages 2 and 3
      reduce-scatter them at once; DDP all-reduces, and stage 1 reduce-scatters, the sum after the
      unit's last micro-batch (a bucket per unit, overlapped with the rest of the backward pass).
-  3. `step()`: wait for the reductions, round each gradient once, AdamW on the owned chunk; stages 1
-     and 2 all-gather the new weights (stage 3 gathers them when they are next used).
+  3. `step()`: wait for the reductions, round each gradient once; with clipping, the global norm from
+     one exact sum of squares over the world (each gradient element counted by one rank: the owner of
+     its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
+     the new weights (stage 3 gathers them when they are next used).
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from __future__ import annotations
 import math
 from typing import Any, Generator
 
-from simcluster.model.gpt import adam_init, adam_step, grad_dtype, model_state_bytes, unscale
+import numpy as np
+
+from simcluster.model.gpt import grad_dtype, model_state_bytes, unscale
+from simcluster.model.optimizer import adam_init, adam_step, clip_by_norm, square_sum
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.program.context import Context
 
 
 class DPWrap:
     def __init__(self, ctx: Context, data: DPConfig, names: dict[str, list[str]],
-                 shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp") -> None:
+                 shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp",
+                 counted_elsewhere: frozenset[str] = frozenset()) -> None:
         ops, mesh = ctx.ops, ctx.mesh
         self.ctx, self.ops, self.data, self.stage = ctx, ops, data, data.zero
         self.units, self.names, self.shapes = list(names), names, shapes
@@ -45,6 +51,7 @@ class DPWrap:
         self.master = {u: ops.chunk(ops.pad(ops.flat([init[k] for k in names[u]]), self.n), self.n, self.k)
                        for u in self.units}  # fp32
         self.state = adam_init(ops, self.master)
+        self.counted = self._counted(counted_elsewhere)
         self._new_weights({u: ops.cast(self.master[u], data.precision) for u in self.units})
         if self.stage in (1, 2):  # every rank starts with all the weights
             self.working = {k: ops.cast(v, data.precision) for k, v in init.items()}
@@ -58,6 +65,22 @@ class DPWrap:
         self.acc: dict[str, Any] = {}  # stages 0, 1: gradients summed over micro-batches
         self.seen: dict[str, int] = {}  # micro-batches whose gradients a unit has had this step
         self.pending: list[tuple[str, Any]] = []  # reductions in flight
+
+    def _counted(self, elsewhere: frozenset[str]) -> dict[str, Any] | None:
+        """For clipping: which elements of each owned chunk this rank counts in the global norm (one
+        replica of a chunk counts it; `elsewhere` names tensors another tp rank counts)."""
+        if not self.data.clip_grad or self.ops.mode.value == "meta":
+            return None
+        mesh, n = self.ctx.mesh, self.n
+        replica = self.ctx.rank != self.sum_group.ranks[0] if self.stage == 0 else (
+            self.cp_first is not None and mesh.coord("cp") != 0)
+        out = {}
+        for u in self.units:
+            mask = np.concatenate([np.full(int(np.prod(s)), k not in elsewhere and not replica)
+                                   for k, s in zip(self.names[u], self.shapes[u])])
+            mask = np.concatenate([mask, np.zeros(-len(mask) % n, bool)])
+            out[u] = mask.reshape(n, -1)[self.k]
+        return out
 
     # -- weights ------------------------------------------------------------------------------------
     def _new_weights(self, chunks: dict[str, Any]) -> None:
@@ -126,7 +149,14 @@ class DPWrap:
         self.pending, self.seen = [], {}
         with self.ctx.annotate("optimizer", f"O{step}"):
             grads = {u: ops.finalize(total[u]) for u in self.units}
-            self.master = adam_step(ops, self.master, unscale(ops, grads, data.precision), self.state, lr=data.lr)
+            unscaled = unscale(ops, grads, data.precision)
+            if data.clip_grad:
+                mine = [g if self.counted is None else ops.where(self.counted[u], g, np.float32(0))
+                        for u, g in unscaled.items()]
+                squares = yield self.ctx.comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
+                unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)
+            self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
+                                    weight_decay=data.weight_decay)
             chunks = {u: ops.cast(self.master[u], data.precision) for u in self.units}
         self.ctx.memory.release("gradients", "grads")
         if self.stage in (1, 2):

@@ -1,0 +1,66 @@
+"""AdamW on fp32 master weights, and gradient clipping by global norm, as torch.optim.AdamW and
+torch.nn.utils.clip_grad_norm_ define them.
+
+AdamW (Loshchilov & Hutter 2019) decays the weights apart from the gradient: p <- p (1 - lr wd), then
+the Adam update. The global norm is the square root of one exact sum of squares over every gradient
+element of the model (numerics rule 1), so however the gradients are sharded (tp, pp, dp/ZeRO, cp),
+the sum, the norm and the clipped gradients are the single device's, byte for byte; torch's own
+norm of per-tensor norms rounds differently, within float32 tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from simcluster.numerics.ops import Mode, Ops
+from simcluster.numerics.tensor import MetaTensor
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
+
+
+@dataclass
+class AdamState:
+    m: dict[str, Any]
+    v: dict[str, Any]
+    step: int = 0
+
+
+def adam_init(ops: Ops, params: dict[str, Any]) -> AdamState:
+    zeros = {k: (MetaTensor(tuple(v.shape), "fp32") if ops.mode is Mode.META else np.zeros_like(v))
+             for k, v in params.items()}
+    return AdamState(dict(zeros), {k: z.copy() if isinstance(z, np.ndarray) else z for k, z in zeros.items()})
+
+
+def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: AdamState, *, lr: float,
+              weight_decay: float = 0.0) -> dict[str, Any]:
+    state.step += 1
+    out = {}
+    for k in params:
+        out[k], state.m[k], state.v[k] = ops.adam(params[k], grads[k], state.m[k], state.v[k], state.step, lr=lr,
+                                                  weight_decay=weight_decay)
+    return out
+
+
+def square_sum(ops: Ops, grads: list[Any]) -> Any:
+    """The exact sum of squares of every element (a partial: sum it over ranks, then round once)."""
+    total = None
+    for g in grads:
+        flat = ops.flat([g])
+        part = ops.einsum("i,i->", flat, flat, partial=True)
+        total = part if total is None else ops.add_partial(total, part)
+    return total
+
+
+def clip_by_norm(ops: Ops, grads: dict[str, Any], squares: Any, max_norm: float) -> dict[str, Any]:
+    """Gradients scaled by max_norm / (norm + 1e-6) where that is below 1; norm = sqrt of the rounded
+    sum of squares, in float32."""
+    if ops.mode is Mode.META:
+        return grads
+    norm = np.sqrt(np.float32(ops.finalize(squares, np.float32)))
+    coefficient = np.float32(max_norm) / (norm + np.float32(CLIP_EPS))
+    if coefficient >= 1:
+        return grads
+    return {k: ops.scale(g, float(coefficient)) for k, g in grads.items()}
