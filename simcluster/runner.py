@@ -21,6 +21,9 @@ from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import preset
 
 
+WEIGHT_DECAY = {"gpt": 0.01, "llama": 0.1}  # Megatron-LM's default; the Llama 3 paper's
+
+
 @dataclass(frozen=True)
 class Outcome:
     scenario: Scenario
@@ -73,7 +76,8 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
     micro = m["micro_batch"]
     with _as_scenario_error():
         model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
-                          seq=m["seq"], vocab=m["vocab"], causal=m["causal"], tied_head=m["tied_head"],
+                          seq=m["seq"], vocab=m["vocab"], causal=m["causal"], arch=m["arch"], kv_heads=m["kv_heads"],
+                          tied_head=m["arch"] == "gpt" if m["tied_head"] is None else m["tied_head"],
                           dropout=m["dropout"], seed=r["seed"], recompute=p["recompute"], dtype=m["dtype"])
         per_rank, rest = divmod(m["global_batch"], dp)
         if rest:
@@ -82,7 +86,7 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
             raise ValueError(f"model.micro_batch={micro} must divide each rank's {per_rank} sequences "
                              f"(global_batch {m['global_batch']} / dp {dp})")
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
-                       steps=r["steps"], lr=r["lr"], weight_decay=r["weight_decay"], clip_grad=r["clip_grad"] or None,
+                       steps=r["steps"], lr=r["lr"], weight_decay=WEIGHT_DECAY[m["arch"]] if r["weight_decay"] is None else r["weight_decay"], clip_grad=r["clip_grad"] or None,
                        precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
         if p["schedule"] == "interleaved" and p["pp"] > 1 and cfg.micro_batches % p["pp"]:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "

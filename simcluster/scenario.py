@@ -45,7 +45,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      "Adam; fp16 with a static loss scale of 4096); fp32: everything fp32. Kernels and "
                      "communication are timed in it", choices=("bf16", "fp16", "fp32")),
         "causal": Key(bool, True, "causal attention"),
-        "tied_head": Key(bool, True, "LM head tied to the token embedding"),
+        "tied_head": Key(bool, None, "LM head tied to the token embedding (default: gpt yes, llama no)"),
+        "arch": Key(str, "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary "
+                    "positions, SwiGLU MLP, grouped-query attention, no biases, untied head)", choices=("gpt", "llama")),
+        "kv_heads": Key(int, None, "llama: key/value heads for grouped-query attention (must divide heads; default: "
+                        "heads)", minimum=1),
         "dropout": Key(float, 0.0, "dropout probability", minimum=0),
     },
     "cluster": {
@@ -84,8 +88,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "verify": Key(bool, True, "compare every output with a single-device run"),
         "seed": Key(int, 0, "seed of weights and data", minimum=0),
         "lr": Key(float, 1e-3, "learning rate (AdamW for gpt, SGD for mlp)", minimum=0),
-        "weight_decay": Key(float, 0.01, "AdamW's decoupled weight decay (torch semantics; Megatron-LM's default)",
-                            minimum=0),
+        "weight_decay": Key(float, None, "AdamW's decoupled weight decay, torch semantics (default: 0.01 for gpt as "
+                            "Megatron-LM, 0.1 for llama as Llama 3)", minimum=0),
         "clip_grad": Key(float, 1.0, "clip the gradients to this global norm before the optimizer step "
                          "(torch's clip_grad_norm_; 0: no clipping)", minimum=0),
     },

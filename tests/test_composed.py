@@ -3,7 +3,7 @@
 The options are drawn as an all-pairs covering array (tests/pairwise.py): every pair of option values
 that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp,
 attention, ZeRO stage and what it shards over, micro-batches, recomputation, dropout, precision,
-tied head, causal mask, weight decay, clipping) is run at least once, whatever the draw; hypothesis draws the seed and the
+tied head, causal mask, weight decay, clipping, architecture and grouped-query attention) is run at least once, whatever the draw; hypothesis draws the seed and the
 layer count within each row.
 """
 
@@ -24,27 +24,29 @@ OPTIONS = {
     "attention": ["ulysses", "ring", "allgather"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
     "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
-    "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05],
+    "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05], "arch": ["gpt", "llama"], "kv_group": [1, 2],
 }
 
 
 def valid(row):
-    """At most 16 ranks; a tied head needs the embedding and the head on one stage."""
-    return row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
+    """At most 16 ranks; a tied head needs the embedding and the head on one stage; llama's head is
+    untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not."""
+    return (row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
+            and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
 
 
 ROWS, PAIRS = covering_rows(OPTIONS, valid)
 # and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
               micro_batches=1, recompute="selective", dropout=0.1, precision="bf16", tied_head=False, causal=True,
-              weight_decay=0.1, clip_grad=0.05),
+              weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2),
          dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, attention="ulysses", zero=1, zero_over="dp",
               micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
-              weight_decay=0.0, clip_grad=None)]
+              weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1)]
 
 
 def layout(row):
-    return "-".join(f"{k}{row[k]}" for k in ("dp", "pp", "cp", "tp")) + f"-{row['schedule']}-z{row['zero']}"
+    return "-".join(f"{k}{row[k]}" for k in ("dp", "pp", "cp", "tp")) + f"-{row['schedule']}-z{row['zero']}-{row['arch']}"
 
 
 def test_the_rows_cover_every_feasible_pair():
@@ -61,10 +63,11 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
     dp, pp, cp, tp = row["dp"], row["pp"], row["cp"], row["tp"]
     virtual = 2 if row["schedule"] == "interleaved" else 1
     m = pp * row["micro_batches"]  # interleaving needs a multiple of pp
-    heads = tp * cp  # ulysses splits a tp rank's heads over cp
+    heads = tp * cp * row["kv_group"]  # ulysses splits a tp rank's heads over cp; tp splits the kv heads
     model = GPTConfig(layers=pp * virtual + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
-                      dropout=row["dropout"], recompute=row["recompute"], seed=seed)
+                      dropout=row["dropout"], recompute=row["recompute"], seed=seed, arch=row["arch"],
+                      kv_heads=heads // row["kv_group"])
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
                     zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"])
     got, _ = run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, sp=row["sp"], attention=row["attention"],

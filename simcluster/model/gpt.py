@@ -33,6 +33,9 @@ from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
 
 
+ARCHS = ("gpt", "llama")
+
+
 class Recompute(Enum):
     NONE = "none"
     SELECTIVE = "selective"
@@ -54,6 +57,9 @@ class GPTConfig:
     seed: int = 0
     recompute: Recompute = Recompute.NONE
     dtype: str = "fp32"  # logical dtype of activations, for the memory ledger
+    arch: str = "gpt"  # "gpt"; "llama": RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases
+    kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); None: as many as heads
+    rope_theta: float = 10000.0  # llama: base of the rotary frequencies
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
@@ -63,6 +69,20 @@ class GPTConfig:
         if self.hidden % self.heads:
             valid = [a for a in range(1, self.hidden + 1) if self.hidden % a == 0]
             raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}; valid: {', '.join(map(str, valid))}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch {self.arch!r} is not valid; valid: {', '.join(ARCHS)}")
+        kv = self.kv_heads if self.kv_heads is not None else self.heads
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.heads % kv:
+            valid = [k for k in range(1, self.heads + 1) if self.heads % k == 0]
+            raise ValueError(f"kv_heads={kv!r} must divide heads={self.heads}; valid: {', '.join(map(str, valid))}")
+        if self.arch == "gpt" and kv != self.heads:
+            raise ValueError(f"grouped-query attention (kv_heads={kv}) is part of the llama architecture; "
+                             f"set model.arch = \"llama\" or kv_heads = heads")
+        if self.arch == "llama" and self.tied_head:
+            raise ValueError("the llama architecture has an untied LM head: set model.tied_head = false")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings rotate pairs: head dim hidden/heads = {self.head_dim} must be even")
+        object.__setattr__(self, "kv_heads", kv)
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
@@ -76,6 +96,15 @@ class GPTConfig:
 
     def _build_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         h, F, V = self.hidden, self.ffn_hidden, self.vocab
+        if self.arch == "llama":
+            kv = self.kv_heads * self.head_dim
+            shapes: dict[str, tuple[int, ...]] = {"wte": (V, h)}
+            for i in range(self.layers):
+                p = f"layers.{i}."
+                shapes |= {p + "attn_norm.g": (h,), p + "attn.wq": (h, h), p + "attn.wk": (h, kv),
+                           p + "attn.wv": (h, kv), p + "attn.wo": (h, h), p + "mlp_norm.g": (h,),
+                           p + "mlp.w1": (h, F), p + "mlp.w3": (h, F), p + "mlp.w2": (F, h)}
+            return shapes | {"lnf.g": (h,), "head": (h, V)}
         shapes: dict[str, tuple[int, ...]] = {"wte": (V, h), "wpe": (self.seq, h)}
         for i in range(self.layers):
             p = f"layers.{i}."
@@ -405,6 +434,9 @@ class GPT:
     def _bytes(self, tensors: dict[str, Any]) -> int:
         total = 0
         for v in tensors.values():
+            if isinstance(v, tuple):  # e.g. a norm's statistics
+                total += self._bytes(dict(enumerate(v)))
+                continue
             if v is None or isinstance(v, (int, float)):
                 continue
             n = math.prod(v.shape)
@@ -426,9 +458,9 @@ def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
 @functools.lru_cache(maxsize=4096)
 def _unit_names(cfg: GPTConfig, unit: str) -> tuple[str, ...]:
     if unit == "embed":
-        return ("wte", "wpe")
+        return tuple(n for n in ("wte", "wpe") if n in _parameter_shapes(cfg))
     if unit == "head":
-        return ("lnf.g", "lnf.b") + (("head",) if not cfg.tied_head else ())
+        return tuple(n for n in ("lnf.g", "lnf.b", "head") if n in _parameter_shapes(cfg))
     prefix = f"layers.{unit[len('block'):]}."
     return tuple(n for n in _parameter_shapes(cfg) if n.startswith(prefix))
 

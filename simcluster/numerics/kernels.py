@@ -54,6 +54,17 @@ def gelu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
     return dy * grad
 
 
+def silu(num: Num, x: np.ndarray) -> np.ndarray:
+    """x sigmoid(x) = x / (1 + exp(-x)), with our layout-independent exp."""
+    return x / (_c(x, 1.0) + num.exp(-x))
+
+
+def silu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """dy sigmoid(x) (1 + x (1 - sigmoid(x)))."""
+    sig = _c(x, 1.0) / (_c(x, 1.0) + num.exp(-x))
+    return dy * (sig * (_c(x, 1.0) + x * (_c(x, 1.0) - sig)))
+
+
 # -- normalisation over the last dim (per token: never split) ------------------------------------
 
 def layer_norm(num: Num, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float):

@@ -177,6 +177,14 @@ class Ops:
         self._cost("gelu_backward", tuple(x.shape), 30, 3)
         return self._meta_like(x) if self.mode is Mode.META else _k.gelu_backward(self._num, dy, x)
 
+    def silu(self, x: Any) -> Any:
+        self._cost("silu", tuple(x.shape), 8, 2)
+        return self._meta_like(x) if self.mode is Mode.META else _k.silu(self._num, x)
+
+    def silu_backward(self, dy: Any, x: Any) -> Any:
+        self._cost("silu_backward", tuple(x.shape), 12, 3)
+        return self._meta_like(x) if self.mode is Mode.META else _k.silu_backward(self._num, dy, x)
+
     def layer_norm(self, x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> Any:
         """(y, mean, rstd)."""
         self._cost("layer_norm", tuple(x.shape), 8, 2)

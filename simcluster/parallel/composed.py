@@ -28,6 +28,7 @@ from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
+from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
 from simcluster.parallel.pipeline_schedules import build, splits_weight_gradient
 from simcluster.parallel.plan import Plan, shard, shard_kind, shard_shape, unshard
@@ -129,8 +130,8 @@ class Stage:
         """Micro-batch j's gradients of `unit` are complete: to the data-parallel wrapper."""
         mine = self.grads[j]
         grads = {k: mine.pop(k) for k in unit_names(self.plan.model, unit)}
-        if self.model.sp:  # replicated over tp, but each tp rank saw only its tokens
-            names = [k for k in grads if shard_kind(k) == "replicated"]
+        names = [k for k in grads if shard_kind(k) == "replicated"] if self.model.sp else []
+        if names:  # replicated over tp, but each tp rank saw only its tokens (SP)
             with self.ctx.annotate("backward", f"SP{j}"):
                 summed = yield [self.ctx.comm.all_reduce(grads[k], group=self.model.tp, async_op=True) for k in names]
             grads |= dict(zip(names, summed))
@@ -153,7 +154,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     replicated = frozenset(k for k in init if shard_kind(k) == "replicated") if r > 0 else frozenset()
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
                 zero_over=plan.zero_over, counted_elsewhere=replicated)
-    model = GPTShard(ctx, plan)
+    model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
     losses: list[Any] = []
     grads: dict[str, Any] = {}
     for step in range(data.steps):

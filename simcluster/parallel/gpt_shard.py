@@ -215,10 +215,20 @@ class GPTShard:
         return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
                            recompute=self.m.recompute.value, dtype=self.m.dtype) // self.P
 
+    def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
+        """The model's normalisation (layer norm) over the last dim: y and what its backward needs."""
+        y, mean, rstd = self.ops.layer_norm(x, p[name + ".g"], p[name + ".b"], self.m.eps)
+        return y, (mean, rstd)
+
+    def norm_backward(self, dy: Any, x: Any, p: dict[str, Any], name: str, stats: tuple,
+                      grads: dict[str, Any]) -> Any:
+        dx, grads[name + ".g"], grads[name + ".b"] = self.ops.layer_norm_backward(dy, x, p[name + ".g"], *stats)
+        return dx
+
     def head(self, p: dict[str, Any], x: Any, targets: Any) -> Generator[Any, Any, Any]:
         """Vocab-parallel cross-entropy: the loss's partial sum over these tokens (targets (b, s/cp))."""
         ops, m = self.ops, self.m
-        xf_mine, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], m.eps)
+        xf_mine, stats = self.norm(x, p, "lnf")
         xf = yield from self.gather(xf_mine)
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
         logits = ops.matmul(xf, w)  # (b, s/cp, V/tp)
@@ -231,7 +241,7 @@ class GPTShard:
         picked = ops.zero_where(mine, ops.gather_last(logits, np.where(mine, local, 0)))
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
-        return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e,
+        return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
                           "sum_e": sum_e, "w": w}
 
     # -- backward -----------------------------------------------------------------------------------
@@ -252,9 +262,7 @@ class GPTShard:
         else:
             grads["head"] = w_grad()
         dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(hc["w"]), partial=True))
-        dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"],
-                                                                      hc["rf"])
-        return dx
+        return self.norm_backward(dxf, hc["x_final"], p, "lnf", hc["stats"], grads)
 
     def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
                        grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
@@ -267,18 +275,7 @@ class GPTShard:
             else:
                 defer.append((name, thunk))
 
-        policy = self.m.recompute.value
-        if policy == "full":  # the block again, its collectives included
-            with self.ctx.annotate("recompute", f"R{i}"):
-                self._keep_all = True
-                try:
-                    _, c = yield from self.block(p, c["x"], i, step, where)
-                finally:
-                    self._keep_all = False
-        elif policy == "selective":
-            with self.ctx.annotate("recompute", f"R{i}"):
-                _, core = yield from self.attend(c["q"], c["k"], c["v"], i, step, where)
-                c = c | {"core": core}
+        c = yield from self.recompute(p, c, i, step, where)
         dz_mine = self.drop(dx2, c["keep_m"])
         grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
         dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
@@ -303,6 +300,23 @@ class GPTShard:
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
         return ops.add(dx1, dx_ln)
+
+    def recompute(self, p: dict[str, Any], c: dict[str, Any], i: int, step: int,
+                  where: Slice) -> Generator[Any, Any, dict[str, Any]]:
+        """What the recomputation policy dropped, again: the whole block (its collectives included), or
+        its attention core."""
+        policy = self.m.recompute.value
+        if policy == "none":
+            return c
+        with self.ctx.annotate("recompute", f"R{i}"):
+            if policy == "full":
+                self._keep_all = True
+                try:
+                    return (yield from self.block(p, c["x"], i, step, where))[1]
+                finally:
+                    self._keep_all = False
+            _, core = yield from self.attend(c["q"], c["k"], c["v"], i, step, where)
+            return c | {"core": core}
 
     def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
         ops = self.ops

@@ -61,7 +61,8 @@ class Plan:
         """Clear errors for what this plan cannot run on the mesh."""
         m = self.model
         self.data.check(dp)
-        for what, size in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
+        for what, size in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden),
+                           ("vocab", m.vocab)):
             _divides(f"tensor-parallel degree {tp}", tp, what, size)
         zig = self.zigzag(cp)
         if zig and m.seq % (2 * cp):
@@ -91,16 +92,18 @@ def _divides(who: str, degree: int, what: str, size: int) -> None:
 
 
 # -- how each parameter is split over tp -----------------------------------------------------------
+COLS = ("mlp.w_fc", "mlp.b_fc", "attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # column parallel
+ROWS = ("attn.w_proj", "mlp.w_out", "attn.wo", "mlp.w2")  # row parallel
 
 def shard_kind(name: str) -> str:
     """rows, cols, qkv (columns of each of q, k and v) or replicated."""
     if name == "wte":
         return "rows"
-    if name == "head" or name.endswith("mlp.w_fc") or name.endswith("mlp.b_fc"):
+    if name == "head" or name.endswith(COLS):
         return "cols"
     if name.endswith("attn.w_qkv") or name.endswith("attn.b_qkv"):
         return "qkv"
-    if name.endswith("attn.w_proj") or name.endswith("mlp.w_out"):
+    if name.endswith(ROWS):
         return "rows"
     return "replicated"
 

@@ -26,7 +26,8 @@ class ReportView:
     def _summary(self) -> Table:
         r = self.report
         sc, c = r["scenario"], r["cluster"]
-        t = Table(title=f"scenario {sc['name']!r}: {sc['run']['program']}, {sc['run']['numerics']} numerics",
+        program = sc["model"].get("arch", "gpt") if sc["run"]["program"] == "gpt" else sc["run"]["program"]
+        t = Table(title=f"scenario {sc['name']!r}: {program}, {sc['run']['numerics']} numerics",
                   show_header=False, title_justify="left")
         t.add_column("what", style="bold")
         t.add_column("value")

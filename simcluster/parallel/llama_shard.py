@@ -1,0 +1,179 @@
+"""The Llama-style model on one rank of a (pp, cp, tp) layout (Touvron et al. 2023; Llama 3, 2024).
+
+What differs from the GPT (gpt_shard.py), piece by piece; the tp / sp / cp splits and the attention
+over cp are the GPT's:
+  - no position table and no biases; RMSNorm (Zhang & Sennrich 2019) instead of layer norm;
+  - rotary position embedding (Su et al. 2021) on q and k at each token's global position (a cp rank
+    rotates its own positions, zigzag included), in the rotate-half form q cos + rot(q) sin; the
+    cos / sin table is computed once for the whole sequence, so every layout reads the same bits;
+  - grouped-query attention (Ainslie et al. 2023): kv_heads key/value heads, each shared by
+    heads/kv_heads query heads; tp splits the kv heads with their query heads; inside attention
+    each kv head is repeated for its query heads (as Llama's reference code does) and the gradients
+    of the repeats are summed exactly back onto it;
+  - a SwiGLU MLP (Shazeer 2020): w2(silu(x w1) * (x w3)), w1 and w3 column parallel, w2 row parallel.
+With tp = cp = pp = 1 this is the single-device model: the reference every layout is compared with,
+itself checked against torch autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import numpy as np
+
+from simcluster.model.gpt import Slice
+from simcluster.numerics.ops import Mode
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.gpt_shard import GPTShard
+from simcluster.parallel.plan import Plan
+from simcluster.program.context import Context
+
+
+def rope_table(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (seq, head_dim), float64: angle p * theta^(-2i/d) for pair i, both halves alike."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angle = np.arange(seq, dtype=np.float64)[:, None] * inv[None, :]
+    return np.tile(np.cos(angle), 2), np.tile(np.sin(angle), 2)
+
+
+class LlamaShard(GPTShard):
+    def __init__(self, ctx: Context, plan: Plan) -> None:
+        super().__init__(ctx, plan)
+        m = self.m
+        self.kv = m.kv_heads // self.t  # this tp rank's key/value heads
+        self.group = m.heads // m.kv_heads  # query heads per kv head
+        cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
+        self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
+
+    # -- pieces -------------------------------------------------------------------------------------
+    def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
+        y, rstd = self.ops.rms_norm(x, p[name + ".g"], self.m.eps)
+        return y, (rstd,)
+
+    def norm_backward(self, dy: Any, x: Any, p: dict[str, Any], name: str, stats: tuple,
+                      grads: dict[str, Any]) -> Any:
+        dx, grads[name + ".g"] = self.ops.rms_norm_backward(dy, x, p[name + ".g"], *stats)
+        return dx
+
+    def _table(self, t: np.ndarray, like: Any) -> Any:
+        if self.ops.mode is Mode.META:
+            return MetaTensor((1, 1) + t.shape, like.dtype)
+        return t.astype(like.dtype)[None, None]
+
+    def _rot(self, x: Any, sign: float) -> Any:
+        """(x1, x2) -> (-x2, x1) (sign 1), or its transpose (x1, x2) -> (x2, -x1) (sign -1)."""
+        half = x.shape[-1] // 2
+        if self.ops.mode is Mode.META:
+            lo = hi = MetaTensor(tuple(x.shape[:-1]) + (half,), x.dtype)
+        else:
+            lo, hi = x[..., :half], x[..., half:]
+        if sign > 0:
+            return self.ops.concat([self.ops.scale(hi, -1.0), lo], -1)
+        return self.ops.concat([hi, self.ops.scale(lo, -1.0)], -1)
+
+    def rope(self, x: Any) -> Any:
+        """x (b, n, s/cp, d) rotated at its positions: x cos + rot(x) sin."""
+        ops = self.ops
+        return ops.add(ops.mul(x, self._table(self.cos, x)), ops.mul(self._rot(x, 1.0), self._table(self.sin, x)))
+
+    def rope_backward(self, dy: Any) -> Any:
+        ops = self.ops
+        return ops.add(ops.mul(dy, self._table(self.cos, dy)), self._rot(ops.mul(dy, self._table(self.sin, dy)), -1.0))
+
+    def repeat(self, x: Any) -> Any:
+        """(b, kv, s, d) -> (b, kv * group, s, d): each kv head for each of its query heads."""
+        if self.group == 1:
+            return x
+        if self.ops.mode is Mode.META:
+            return MetaTensor((x.shape[0], x.shape[1] * self.group) + tuple(x.shape[2:]), x.dtype)
+        return np.repeat(x, self.group, axis=1)
+
+    def unrepeat(self, dx: Any) -> Any:
+        """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once."""
+        if self.group == 1:
+            return dx
+        b, n, s, d = dx.shape
+        grouped = (MetaTensor((b, n // self.group, self.group, s, d), dx.dtype) if self.ops.mode is Mode.META
+                   else dx.reshape(b, n // self.group, self.group, s, d))
+        return self.ops.finalize(self.ops.sum(grouped, 2, partial=True))
+
+    # -- forward ------------------------------------------------------------------------------------
+    def embed(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        """ids (b, s/cp) -> x (b, tokens, h): the token table alone (positions enter by rotation)."""
+        mine = self.ops.embedding(ids, p["wte"], row_offset=self.tr * self.vocab)
+        if self.sp:
+            x = yield self.ctx.comm.reduce_scatter(mine, group=self.tp, dim=1)
+        else:
+            x = yield from self.tp_sum(mine)
+        keep0 = self.token_keep("embed", tuple(x.shape), step, where)
+        return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
+
+    def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
+        ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
+        a_mine, n1 = self.norm(x, p, pre + "attn_norm")
+        a = yield from self.gather(a_mine)  # (b, s/cp, h)
+        q = self.rope(gpt._heads(ops.matmul(a, p[pre + "attn.wq"])))  # (b, a/tp, s/cp, d)
+        k = self.repeat(self.rope(gpt._heads(ops.matmul(a, p[pre + "attn.wk"]))))  # (b, kv/tp, ...) repeated
+        v = self.repeat(gpt._heads(ops.matmul(a, p[pre + "attn.wv"])))
+        out, core = yield from self.attend(q, k, v, i, step, where)
+        ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
+        y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.wo"], partial=True))  # (b, tokens, h)
+        keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
+        x1 = ops.add(x, self.drop(y, keep_a))
+        c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
+        c = yield from self.gather(c_mine)
+        f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
+        f3 = ops.matmul(c, p[pre + "mlp.w3"])
+        g = ops.mul(ops.silu(f1), f3)
+        z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w2"], partial=True))
+        keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
+        x2 = ops.add(x1, self.drop(z, keep_m))
+        cache = {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_, "keep_a": keep_a,
+                 "x1": x1, "c": c, "n2": n2, "f1": f1, "f3": f3, "g": g, "keep_m": keep_m}
+        policy = self.m.recompute.value
+        if policy == "full" and not self._keep_all:
+            return x2, {"x": x}
+        if policy == "selective" and not self._keep_all:
+            return x2, {k_: v_ for k_, v_ in cache.items() if k_ != "core"}
+        return x2, cache
+
+    # -- backward -----------------------------------------------------------------------------------
+    def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
+                       grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
+        ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
+
+        def weight_grad(name: str, thunk: Any) -> None:
+            if defer is None:
+                grads[name] = thunk()
+            else:
+                defer.append((name, thunk))
+
+        c = yield from self.recompute(p, c, i, step, where)
+        dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
+        weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
+        dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w2"]))  # (b, s/cp, F/tp)
+        df3 = ops.mul(dg, ops.silu(c["f1"]))
+        df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
+        weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
+        weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
+        dc = yield from self.reduce(ops.add_partial(ops.matmul(df1, ops.transpose(p[pre + "mlp.w1"]), partial=True),
+                                                    ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)))
+        dx1 = ops.add(dx2, self.norm_backward(dc, c["x1"], p, pre + "mlp_norm", c["n2"], grads))
+        dy = yield from self.gather(self.drop(dx1, c["keep_a"]))
+        weight_grad(pre + "attn.wo", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
+        dout = gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.wo"])))  # (b, a/tp, s/cp, d)
+        dq, dk, dv = yield from self.attend_backward(dout, c["core"])
+        dq = gpt._merge(self.rope_backward(dq))  # (b, s/cp, h/tp)
+        dk = gpt._merge(self.rope_backward(self.unrepeat(dk)))  # (b, s/cp, kv d/tp)
+        dv = gpt._merge(self.unrepeat(dv))
+        for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
+            weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
+        da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)
+        for name, d in (("wk", dk), ("wv", dv)):
+            da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
+        da = yield from self.reduce(da)
+        return ops.add(dx1, self.norm_backward(da, c["x"], p, pre + "attn_norm", c["n1"], grads))
+
+    def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
+        dx = yield from self.gather(self.drop(dx, ec["keep0"]))
+        grads["wte"] = self.ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.tr * self.vocab)
