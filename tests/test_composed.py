@@ -137,3 +137,27 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
     data = DPConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
     got, _ = run_plan(data, dp=2, tp=2, cp=2, sp=True)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
+
+
+@pytest.mark.parametrize("tp,kv_heads,heads,cp,attention", [(2, 1, 2, 1, "ulysses"), (4, 1, 4, 1, "ring"),
+                                                           (4, 2, 8, 2, "ring"), (3, 1, 3, 2, "allgather")])
+def test_kv_heads_replicated_when_tp_exceeds_them(tp, kv_heads, heads, cp, attention):
+    """Megatron-LM: with more tp ranks than kv heads, each kv head lives on tp/kv_heads ranks."""
+    model = GPTConfig(arch="llama", layers=2, hidden=2 * heads, heads=heads, kv_heads=kv_heads, ffn_hidden=2 * tp,
+                      seq=2 * cp * tp, vocab=3 * tp, tied_head=False, dropout=0.1)
+    data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=1, clip_grad=0.05)
+    got, _ = run_plan(data, dp=2, cp=cp, tp=tp, sp=True, attention=attention)
+    verdict = report.verification("exact", reference(data), got)
+    assert verdict["bit_exact"], verdict["mismatches"]
+
+
+def test_a_replicated_kv_head_counted_twice_is_caught(monkeypatch):
+    """Every rank holding a kv head adding its input gradient, instead of one of them."""
+    from simcluster.parallel.llama_shard import LlamaShard
+
+    model = GPTConfig(arch="llama", layers=1, hidden=8, heads=4, kv_heads=1, ffn_hidden=8, seq=8, vocab=8,
+                      tied_head=False)
+    data = DPConfig(model=model, global_batch=2, steps=1)
+    monkeypatch.setattr(LlamaShard, "adds_kv_input_gradient", lambda self: True)
+    bad, _ = run_plan(data, tp=4)
+    assert not report.verification("exact", reference(data), bad)["bit_exact"]

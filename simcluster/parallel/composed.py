@@ -31,7 +31,7 @@ from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
 from simcluster.parallel.pipeline_schedules import build, splits_weight_gradient
-from simcluster.parallel.plan import Plan, shard, shard_kind, shard_shape, unshard
+from simcluster.parallel.plan import Plan, replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.program.context import Context
 
 
@@ -150,8 +150,9 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     mine = [u for g in range(shape.chunks) if g % p == s for u in units[g]]
     names = {u: unit_names(m, u) for u in mine}
     full = init_params(ops, m)
-    init = {k: shard(full[k], shard_kind(k), t, r) for u in mine for k in names[u]}
-    replicated = frozenset(k for k in init if shard_kind(k) == "replicated") if r > 0 else frozenset()
+    kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
+    init = {k: shard(full[k], kinds[k], t, r) for k in kinds}
+    replicated = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
                 zero_over=plan.zero_over, counted_elsewhere=replicated)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
@@ -197,18 +198,19 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: 
                 flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
                 tensors, at = {}, 0
                 for name in unit_names(m, unit):
-                    local = shard_shape(shapes[name], shard_kind(name), t)
+                    local = shard_shape(shapes[name], shard_kind(name, m, t), t)
                     n = math.prod(local)
                     tensors[name] = flat[at:at + n].reshape(local)
                     at += n
                 by_tp.append(tensors)
             for name in unit_names(m, unit):
                 parts = [tensors[name] for tensors in by_tp]
-                out[f"{kind}.{name}"] = unshard(parts, shard_kind(name))
-                if shard_kind(name) == "replicated":
-                    for tr in range(1, t):
-                        if parts[tr].tobytes() != parts[0].tobytes():
-                            out[f"{kind}.{name}@tp{tr}"] = parts[tr]
+                how = shard_kind(name, m, t)
+                out[f"{kind}.{name}"] = unshard(parts, how)
+                copies = t if how == "replicated" else replicas(how)  # consecutive tp ranks holding one piece
+                for tr in range(t):
+                    if tr % copies and parts[tr].tobytes() != parts[tr - tr % copies].tobytes():
+                        out[f"{kind}.{name}@tp{tr}"] = parts[tr]
     return out
 
 

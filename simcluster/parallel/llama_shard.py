@@ -40,8 +40,9 @@ class LlamaShard(GPTShard):
     def __init__(self, ctx: Context, plan: Plan) -> None:
         super().__init__(ctx, plan)
         m = self.m
-        self.kv = m.kv_heads // self.t  # this tp rank's key/value heads
-        self.group = m.heads // m.kv_heads  # query heads per kv head
+        self.copies = max(1, self.t // m.kv_heads)  # tp ranks holding each kv head (Megatron replicates them)
+        self.kv = max(1, m.kv_heads // self.t)  # this tp rank's key/value heads
+        self.group = self.heads // self.kv  # this rank's query heads per kv head
         cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
         self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
 
@@ -88,14 +89,25 @@ class LlamaShard(GPTShard):
             return MetaTensor((x.shape[0], x.shape[1] * self.group) + tuple(x.shape[2:]), x.dtype)
         return np.repeat(x, self.group, axis=1)
 
-    def unrepeat(self, dx: Any) -> Any:
-        """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once."""
-        if self.group == 1:
+    def unrepeat(self, dx: Any) -> Generator[Any, Any, Any]:
+        """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once. A kv head that
+        several tp ranks hold collects its query heads' gradients from all of them first."""
+        if self.copies > 1:
+            every = yield self.ctx.comm.all_gather(dx, group=self.tp, dim=1)  # (b, heads, s, d)
+            first = self.tr // self.copies * self.copies * self.heads
+            dx = (MetaTensor((dx.shape[0], self.copies * self.heads) + tuple(dx.shape[2:]), dx.dtype)
+                  if self.ops.mode is Mode.META else every[:, first:first + self.copies * self.heads])
+        if dx.shape[1] == self.kv:
             return dx
         b, n, s, d = dx.shape
-        grouped = (MetaTensor((b, n // self.group, self.group, s, d), dx.dtype) if self.ops.mode is Mode.META
-                   else dx.reshape(b, n // self.group, self.group, s, d))
+        group = n // self.kv
+        grouped = (MetaTensor((b, self.kv, group, s, d), dx.dtype) if self.ops.mode is Mode.META
+                   else dx.reshape(b, self.kv, group, s, d))
         return self.ops.finalize(self.ops.sum(grouped, 2, partial=True))
+
+    def adds_kv_input_gradient(self) -> bool:
+        """A kv head that several tp ranks hold adds its input gradient once: on the first of them."""
+        return self.tr % self.copies == 0
 
     # -- forward ------------------------------------------------------------------------------------
     def embed(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> Generator[Any, Any, Any]:
@@ -164,13 +176,14 @@ class LlamaShard(GPTShard):
         dout = gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.wo"])))  # (b, a/tp, s/cp, d)
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
         dq = gpt._merge(self.rope_backward(dq))  # (b, s/cp, h/tp)
-        dk = gpt._merge(self.rope_backward(self.unrepeat(dk)))  # (b, s/cp, kv d/tp)
-        dv = gpt._merge(self.unrepeat(dv))
+        dk = gpt._merge(self.rope_backward((yield from self.unrepeat(dk))))  # (b, s/cp, kv d/tp)
+        dv = gpt._merge((yield from self.unrepeat(dv)))
         for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
             weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
         da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)
-        for name, d in (("wk", dk), ("wv", dv)):
-            da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
+        if self.adds_kv_input_gradient():
+            for name, d in (("wk", dk), ("wv", dv)):
+                da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
         da = yield from self.reduce(da)
         return ops.add(dx1, self.norm_backward(da, c["x"], p, pre + "attn_norm", c["n1"], grads))
 

@@ -61,9 +61,12 @@ class Plan:
         """Clear errors for what this plan cannot run on the mesh."""
         m = self.model
         self.data.check(dp)
-        for what, size in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden),
-                           ("vocab", m.vocab)):
+        for what, size in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
             _divides(f"tensor-parallel degree {tp}", tp, what, size)
+        if m.kv_heads % tp and tp % m.kv_heads:
+            raise ValueError(f"tensor-parallel degree {tp} must divide kv_heads={m.kv_heads} (each rank its kv heads) "
+                             f"or be a multiple of it (each kv head replicated on tp/kv_heads ranks); valid "
+                             f"degrees: {', '.join(str(d) for d in range(1, m.heads + 1) if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0))}")
         zig = self.zigzag(cp)
         if zig and m.seq % (2 * cp):
             valid = [d for d in range(1, m.seq + 1) if m.seq % (2 * d) == 0]
@@ -95,8 +98,11 @@ def _divides(who: str, degree: int, what: str, size: int) -> None:
 COLS = ("mlp.w_fc", "mlp.b_fc", "attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # column parallel
 ROWS = ("attn.w_proj", "mlp.w_out", "attn.wo", "mlp.w2")  # row parallel
 
-def shard_kind(name: str) -> str:
-    """rows, cols, qkv (columns of each of q, k and v) or replicated."""
+def shard_kind(name: str, model: Any = None, t: int = 1) -> str:
+    """rows, cols, qkv (columns of each of q, k and v), replicated, or cols/n: columns in t/n parts, each
+    held by n consecutive tp ranks (llama's key/value heads when tp > kv_heads, as Megatron-LM does)."""
+    if model is not None and t > model.kv_heads and name.endswith(("attn.wk", "attn.wv")):
+        return f"cols/{t // model.kv_heads}"
     if name == "wte":
         return "rows"
     if name == "head" or name.endswith(COLS):
@@ -108,8 +114,15 @@ def shard_kind(name: str) -> str:
     return "replicated"
 
 
+def replicas(kind: str) -> int:
+    """How many consecutive tp ranks hold each piece."""
+    return int(kind[len("cols/"):]) if kind.startswith("cols/") else 1
+
+
 def shard(x: Any, kind: str, t: int, r: int) -> Any:
     """Rank r's piece of a full tensor x split t ways."""
+    if kind.startswith("cols/"):
+        return shard(x, "cols", t // replicas(kind), r // replicas(kind))
     if kind == "replicated" or t == 1:
         return x
     if isinstance(x, MetaTensor):
@@ -126,6 +139,8 @@ def shard(x: Any, kind: str, t: int, r: int) -> Any:
 
 
 def shard_shape(shape: tuple[int, ...], kind: str, t: int) -> tuple[int, ...]:
+    if kind.startswith("cols/"):
+        return shard_shape(shape, "cols", t // replicas(kind))
     if kind == "replicated":
         return shape
     out = list(shape)
@@ -135,6 +150,8 @@ def shard_shape(shape: tuple[int, ...], kind: str, t: int) -> tuple[int, ...]:
 
 def unshard(parts: list[Any], kind: str) -> Any:
     """The full tensor from the t pieces, in tp order (replicated: the first)."""
+    if kind.startswith("cols/"):
+        return unshard(parts[::replicas(kind)], "cols")
     if kind == "replicated":
         return parts[0]
     if kind == "rows":
