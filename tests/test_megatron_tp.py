@@ -16,7 +16,7 @@ def run_tp(data, tp, dp=1, program=composed, mode="exact", sp=False):
     return run_plan(data, dp=dp, tp=tp, program=program, mode=mode, sp=sp)
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)  # the all-pairs test (test_composed.py) covers the combinations
 @given(tp=st.sampled_from([1, 2, 3, 4, 6]), dp=st.sampled_from([1, 2]), per_rank_heads=st.integers(1, 2),
        layers=st.integers(1, 2), tied=st.booleans(), dropout=st.sampled_from([0.0, 0.1]),
        precision=st.sampled_from(["fp32", "bf16", "fp16"]), causal=st.booleans(), sp=st.booleans(),

@@ -19,6 +19,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+P2P = {"send->": "send (busiest peer)", "recv<-": "recv (busiest peer)"}
+
+
 class ReportView:
     def __init__(self, report: dict[str, Any]) -> None:
         self.report = report
@@ -57,6 +60,7 @@ class ReportView:
         streams: dict[str, int] = {}
         for lanes in self.report["busy_ns"].values():
             for s, v in lanes.items():
+                s = P2P.get(s[:6], s)  # one row per direction, not one per peer
                 streams[s] = max(streams.get(s, 0), v)
         total = max(self.report["total_time_ns"], 1)
         for s, v in streams.items():
