@@ -88,3 +88,26 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert message in " ".join(proc.stderr.split())
+
+
+TINY = ["--set", "model.layers=2", "--set", "model.hidden=16", "--set", "model.heads=4", "--set", "model.ffn_hidden=16",
+        "--set", "model.seq=8", "--set", "model.vocab=16", "--set", "model.tied_head=false", "--set", "run.steps=2",
+        "--set", "model.micro_batch=1"]
+
+
+@pytest.mark.parametrize("layout", [
+    "pp=2 tp=2 dp=2", "pp=2 tp=2 sp=true dp=2", "tp=2 cp=2 dp=2", "pp=2 cp=2 dp=2", "tp=2 pp=2 dp=4 zero=1",
+    "tp=2 cp=2 pp=2 dp=2 zero=3", "tp=2 dp=4 zero=3", "pp=2 dp=4 zero=2", "cp=2 dp=4 zero=1 attention=ring",
+])
+def test_the_hybrids_verify_from_the_command_line(layout, capsys):
+    """Every combination a user tried and was refused before: pp+tp, pp+tp+sp, tp+cp, pp+cp, 3D, 4D, ZeRO with
+    tp, pp or cp."""
+    sets = [f"parallel.{kv}" for kv in layout.split()]
+    degrees = {k: int(v) for k, v in (kv.split("=") for kv in layout.split()) if k in ("dp", "pp", "cp", "tp")}
+    world = degrees["dp"] * degrees.get("pp", 1) * degrees.get("cp", 1) * degrees.get("tp", 1)
+    args = ["verify", *TINY, "--set", f"cluster.nodes={max(1, world // 8)}", "--set",
+            f"cluster.gpus_per_node={min(world, 8)}", "--set", f"model.global_batch={2 * degrees['dp']}"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    assert "bit-exact" in capsys.readouterr().out
