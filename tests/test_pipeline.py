@@ -11,7 +11,6 @@ from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.pipeline import UniformPipeline, pipeline_uniform, uniform_cluster
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, describe
 from simcluster.program.mesh import DeviceMesh
-from simcluster.topology.presets import preset
 from simcluster.viz.pipeline_picture import picture
 
 from plans import run_plan

@@ -18,144 +18,18 @@ Shapes: b batch, s sequence, h hidden, a heads, d = h/a, F ffn_hidden, V vocab.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from simcluster.model.activations import layer_bytes
+from simcluster.model.config import GPTConfig, Recompute, Slice, batch, init_params, unit_names, units
 from simcluster.model.memory import MemoryLedger
 from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
+from simcluster.model.precision import LOSS_SCALE, PRECISIONS, grad_dtype, model_state_bytes, unscale, working_copy
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
-
-
-ARCHS = ("gpt", "llama")
-
-
-class Recompute(Enum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    ffn_hidden: int = 256
-    seq: int = 32
-    vocab: int = 128
-    causal: bool = True
-    tied_head: bool = True
-    dropout: float = 0.0
-    eps: float = 1e-5
-    seed: int = 0
-    recompute: Recompute = Recompute.NONE
-    dtype: str = "fp32"  # logical dtype of activations, for the memory ledger
-    arch: str = "gpt"  # "gpt"; "llama": RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases
-    kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); None: as many as heads
-    rope_theta: float = 10000.0  # llama: base of the rotary frequencies
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
-        if self.hidden % self.heads:
-            valid = [a for a in range(1, self.hidden + 1) if self.hidden % a == 0]
-            raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}; valid: {', '.join(map(str, valid))}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"model.arch {self.arch!r} is not valid; valid: {', '.join(ARCHS)}")
-        kv = self.kv_heads if self.kv_heads is not None else self.heads
-        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.heads % kv:
-            valid = [k for k in range(1, self.heads + 1) if self.heads % k == 0]
-            raise ValueError(f"kv_heads={kv!r} must divide heads={self.heads}; valid: {', '.join(map(str, valid))}")
-        if self.arch == "gpt" and kv != self.heads:
-            raise ValueError(f"grouped-query attention (kv_heads={kv}) is part of the llama architecture; "
-                             f"set model.arch = \"llama\" or kv_heads = heads")
-        if self.arch == "llama" and self.tied_head:
-            raise ValueError("the llama architecture has an untied LM head: set model.tied_head = false")
-        if self.arch == "llama" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings rotate pairs: head dim hidden/heads = {self.head_dim} must be even")
-        object.__setattr__(self, "kv_heads", kv)
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        object.__setattr__(self, "recompute", Recompute(self.recompute))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(_parameter_shapes(self))
-
-    def _build_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, F, V = self.hidden, self.ffn_hidden, self.vocab
-        if self.arch == "llama":
-            kv = self.kv_heads * self.head_dim
-            shapes: dict[str, tuple[int, ...]] = {"wte": (V, h)}
-            for i in range(self.layers):
-                p = f"layers.{i}."
-                shapes |= {p + "attn_norm.g": (h,), p + "attn.wq": (h, h), p + "attn.wk": (h, kv),
-                           p + "attn.wv": (h, kv), p + "attn.wo": (h, h), p + "mlp_norm.g": (h,),
-                           p + "mlp.w1": (h, F), p + "mlp.w3": (h, F), p + "mlp.w2": (F, h)}
-            return shapes | {"lnf.g": (h,), "head": (h, V)}
-        shapes: dict[str, tuple[int, ...]] = {"wte": (V, h), "wpe": (self.seq, h)}
-        for i in range(self.layers):
-            p = f"layers.{i}."
-            shapes |= {p + "ln1.g": (h,), p + "ln1.b": (h,), p + "attn.w_qkv": (h, 3 * h), p + "attn.b_qkv": (3 * h,),
-                       p + "attn.w_proj": (h, h), p + "attn.b_proj": (h,), p + "ln2.g": (h,), p + "ln2.b": (h,),
-                       p + "mlp.w_fc": (h, F), p + "mlp.b_fc": (F,), p + "mlp.w_out": (F, h), p + "mlp.b_out": (h,)}
-        shapes |= {"lnf.g": (h,), "lnf.b": (h,)}
-        if not self.tied_head:
-            shapes["head"] = (h, V)
-        return shapes
-
-    @property
-    def parameters(self) -> int:
-        return sum(math.prod(s) for s in self.parameter_shapes().values())
-
-
-def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
-    """Deterministic initial weights: counter-based uniform, a pure function of (seed, name, index)."""
-    params = {}
-    for name, shape in cfg.parameter_shapes().items():
-        if name.endswith(".g"):
-            params[name] = ops.uniform(cfg.seed, name, shape, low=0.8, high=1.2)
-        elif name.endswith(".b") or ".b_" in name:
-            params[name] = ops.uniform(cfg.seed, name, shape, low=-0.02, high=0.02)
-        else:
-            fan_in = shape[0] if name not in ("wte", "wpe") else shape[1]
-            bound = float(np.sqrt(3.0 / fan_in))
-            params[name] = ops.uniform(cfg.seed, name, shape, low=-bound, high=bound)
-    return params
-
-
-def batch(cfg: GPTConfig, seed: int, step: int, size: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and next-token targets, (size, seq) each, of sequences first .. first+size-1 of
-    the step's data: a pure function of (seed, step, sequence index)."""
-    from simcluster.numerics import random as _random
-
-    idx = np.arange(first * (cfg.seq + 1), (first + size) * (cfg.seq + 1), dtype=np.int64).reshape(size, cfg.seq + 1)
-    toks = (_random.bits(seed, f"tokens.{step}", idx) % np.uint64(cfg.vocab)).astype(np.int64)
-    return toks[:, :-1], toks[:, 1:]
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Which sequences of the step's global batch this forward pass sees: [offset, offset + size) of `total`.
-
-    The loss is normalised by the global token count and dropout masks are drawn at global positions,
-    so the partial gradients of any split of the batch add up exactly to those of the whole batch.
-    """
-
-    offset: int
-    total: int
 
 
 def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
@@ -445,71 +319,8 @@ class GPT:
         return total
 
 
-def units(cfg: GPTConfig) -> list[str]:
-    """The model's parameter units in forward order: "embed", "block0" .. "block{L-1}", "head"."""
-    return ["embed"] + [f"block{i}" for i in range(cfg.layers)] + ["head"]
-
-
-def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
-    """The parameters of a unit, in a fixed order (what a bucket or a ZeRO-3 unit flattens)."""
-    return list(_unit_names(cfg, unit))
-
-
-@functools.lru_cache(maxsize=4096)
-def _unit_names(cfg: GPTConfig, unit: str) -> tuple[str, ...]:
-    if unit == "embed":
-        return tuple(n for n in ("wte", "wpe") if n in _parameter_shapes(cfg))
-    if unit == "head":
-        return tuple(n for n in ("lnf.g", "lnf.b", "head") if n in _parameter_shapes(cfg))
-    prefix = f"layers.{unit[len('block'):]}."
-    return tuple(n for n in _parameter_shapes(cfg) if n.startswith(prefix))
-
-
-@functools.lru_cache(maxsize=64)
-def _parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """(Cached: meta-mode programs at scale ask for it per unit and per step. Not to be mutated.)"""
-    return cfg._build_parameter_shapes()
-
-
 def ops_t(ops: Ops, w: Any) -> Any:
     return ops.transpose(w)
-
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-# fp16 gradients underflow without loss scaling; a power of two keeps scaling and unscaling exact
-LOSS_SCALE = {"fp32": 1.0, "bf16": 1.0, "fp16": 4096.0}
-
-
-def model_state_bytes(psi: int, precision: str) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state for Adam (DESIGN.md, Memory).
-
-    fp32: weights are the master copy (4 + 4 + 8 bytes per parameter); bf16 or fp16 mixed precision:
-    16-bit weights and gradients, fp32 master weights and moments (2 + 2 + 12: the ZeRO paper's K = 12).
-    """
-    if precision == "fp32":
-        return {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi}
-    if precision in ("bf16", "fp16"):
-        return {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer": 12 * psi}
-    raise ValueError(f"precision {precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
-
-
-def working_copy(ops: Ops, master: dict[str, Any], precision: str) -> dict[str, Any]:
-    """The weights the model computes with: the fp32 master itself, or its 16-bit rounding."""
-    if precision == "fp32":
-        return master
-    return {k: ops.cast(v, precision) for k, v in master.items()}
-
-
-def grad_dtype(precision: str) -> str:
-    return precision
-
-
-def unscale(ops: Ops, grads: dict[str, Any], precision: str) -> dict[str, Any]:
-    """16-bit gradients to fp32 for the optimizer, divided by the loss scale (exactly: a power of two)."""
-    out = {k: ops.cast(g, "fp32") for k, g in grads.items()}
-    if LOSS_SCALE[precision] != 1.0:
-        out = {k: ops.scale(g, 1.0 / LOSS_SCALE[precision]) for k, g in out.items()}
-    return out
 
 
 def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
