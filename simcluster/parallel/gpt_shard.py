@@ -59,6 +59,17 @@ def runs(positions: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
+def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
+    """Where a linear layer's weight gradient goes: computed now into `grads`, or, with `defer` (ZB-H1
+    splits the weight gradients off the backward pass), kept there as a thunk for the W pass."""
+    def put(name: str, thunk: Any) -> None:
+        if defer is None:
+            grads[name] = thunk()
+        else:
+            defer.append((name, thunk))
+    return put
+
+
 class GPTShard:
     """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
@@ -268,12 +279,7 @@ class GPTShard:
                        grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
         """dx into the block; its gradients into `grads`, the linear layers' as thunks into `defer` if given."""
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
-
-        def weight_grad(name: str, thunk: Any) -> None:
-            if defer is None:
-                grads[name] = thunk()
-            else:
-                defer.append((name, thunk))
+        weight_grad = weight_gradients(grads, defer)
 
         c = yield from self.recompute(p, c, i, step, where)
         dz_mine = self.drop(dx2, c["keep_m"])

@@ -24,7 +24,7 @@ import numpy as np
 from simcluster.model.gpt import Slice
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.gpt_shard import GPTShard
+from simcluster.parallel.gpt_shard import GPTShard, weight_gradients
 from simcluster.parallel.plan import Plan
 from simcluster.program.context import Context
 
@@ -153,12 +153,7 @@ class LlamaShard(GPTShard):
     def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
                        grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
-
-        def weight_grad(name: str, thunk: Any) -> None:
-            if defer is None:
-                grads[name] = thunk()
-            else:
-                defer.append((name, thunk))
+        weight_grad = weight_gradients(grads, defer)
 
         c = yield from self.recompute(p, c, i, step, where)
         dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
