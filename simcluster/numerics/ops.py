@@ -337,7 +337,8 @@ class Ops:
         self._elementwise_cost("add", tuple(a.shape), 2)
         if self.mode is Mode.META:
             return a
-        return a + b
+        total = a + b
+        return np.asarray(total) if isinstance(total, np.generic) else total  # 0-d arrays add to a scalar
 
     def transpose_partial(self, p: Any) -> Any:
         """Swap the last two logical dims of a partial (a view)."""
