@@ -152,9 +152,10 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     full = init_params(ops, m)
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
     init = {k: shard(full[k], kinds[k], t, r) for k in kinds}
-    replicated = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
+    # tensors whose copy on an earlier tp rank counts in the global gradient norm
+    elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
-                zero_over=plan.zero_over, counted_elsewhere=replicated)
+                zero_over=plan.zero_over, counted_elsewhere=elsewhere)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
     losses: list[Any] = []
     grads: dict[str, Any] = {}
