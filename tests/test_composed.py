@@ -82,7 +82,7 @@ def small_4d(zero):
     return DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=zero)
 
 
-def test_the_4d_layout_passes_unbroken():
+def test_the_layout_of_the_broken_variants_passes_unbroken():
     data = small_4d(2)
     got, _ = run_plan(data, dp=2, pp=2, cp=2, sp=True, attention="ring")
     assert report.verification("exact", reference(data), got)["bit_exact"]

@@ -132,16 +132,9 @@ class GPT:
         return cache
 
     def block_backward(self, p: dict[str, Any], dx2: Any, cache: dict[str, Any], i: int, step: int,
-                       grads: dict[str, Any], where: Slice, defer: list | None = None) -> Any:
-        """dx into the block; its gradients go to `grads`. With `defer` (a list), the linear layers'
-        weight and bias gradients are appended there as (name, thunk) instead: the W pass of ZB-H1."""
+                       grads: dict[str, Any], where: Slice) -> Any:
+        """dx into the block; its gradients go to `grads`."""
         ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
-
-        def weight_grad(name: str, thunk: Any) -> None:
-            if defer is None:
-                grads[name] = thunk()
-            else:
-                defer.append((name, thunk))
 
         if cfg.recompute is Recompute.FULL:
             _, cache = self.block_forward(p, cache["x"], i, step, where)
@@ -149,24 +142,24 @@ class GPT:
             cache = cache | self.attention_core(cache["q"], cache["k"], cache["v"], i, step, where)
         c_ = cache
         dz = _drop(ops, dx2, c_["keep_m"], cfg)
-        weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True))
-        weight_grad(pre + "mlp.b_out", lambda: ops.sum(dz, (0, 1), partial=True))
+        grads[pre + "mlp.w_out"] = ops.einsum("bsf,bsh->fh", c_["g"], dz, partial=True)
+        grads[pre + "mlp.b_out"] = ops.sum(dz, (0, 1), partial=True)
         dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"]))
         df = ops.gelu_backward(dg, c_["f"])
-        weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c_["c"], df, partial=True))
-        weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
+        grads[pre + "mlp.w_fc"] = ops.einsum("bsh,bsf->hf", c_["c"], df, partial=True)
+        grads[pre + "mlp.b_fc"] = ops.sum(df, (0, 1), partial=True)
         dc = ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]))
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c_["x1"], p[pre + "ln2.g"], c_["mu2"], c_["r2"])
         dx1 = ops.add(dx2, dx1_ln)
         dy = _drop(ops, dx1, c_["keep_a"], cfg)
-        weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True))
-        weight_grad(pre + "attn.b_proj", lambda: ops.sum(dy, (0, 1), partial=True))
+        grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True)
+        grads[pre + "attn.b_proj"] = ops.sum(dy, (0, 1), partial=True)
         dout = self._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a, s, d)
         dq, dk, dv = self.attention_backward(dout, c_)
         dqkv = ops.concat([self._merge(dq), self._merge(dk), self._merge(dv)], -1)  # (b, s, 3h)
-        weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True))
-        weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
+        grads[pre + "attn.w_qkv"] = ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True)
+        grads[pre + "attn.b_qkv"] = ops.sum(dqkv, (0, 1), partial=True)
         da = ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]))
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c_["x"], p[pre + "ln1.g"], c_["mu1"], c_["r1"])
@@ -216,7 +209,7 @@ class GPT:
         return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e}
 
     def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice,
-                      loss_scale: float = 1.0, defer: list | None = None) -> tuple[Any, dict[str, Any]]:
+                      loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
         """dx into the last block, and the head unit's gradients; with a tied head, "wte" holds the
         head's share of the embedding gradient (the embed unit adds its own)."""
         ops, cfg = self.ops, self.cfg
@@ -226,13 +219,11 @@ class GPT:
                             loss_scale / self.tokens(where))
         dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
         dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
-        head_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V)
+        head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
         if cfg.tied_head:
-            grads["wte"] = ops.transpose_partial(head_grad())
-        elif defer is not None:
-            defer.append(("head", head_grad))
+            grads["wte"] = ops.transpose_partial(head_grad)
         else:
-            grads["head"] = head_grad()
+            grads["head"] = head_grad
         return dx, grads
 
     def embed_backward(self, ec: dict[str, Any], dx: Any, head_wte: Any = None) -> dict[str, Any]:
@@ -269,30 +260,21 @@ class GPT:
         return self.ops.scale(self.ops.finalize(loss_sum), 1.0 / self.tokens(where))
 
     def backward(self, p: dict[str, Any], cache: dict[str, Any], step: int,
-                 on_unit_done: Any = None, loss_scale: float = 1.0) -> dict[str, Any]:
-        """Gradients of the global mean loss, as partial sums over these tokens (round with `finish`).
-
-        `on_unit_done(unit, grads)` is called as each unit's gradients are complete, last unit first:
-        "head" (final norm and untied head), then blocks L-1 .. 0 as "block{i}", then "embed".
-        A data-parallel program starts its gradient communication there, overlapped with the rest.
-        """
+                 loss_scale: float = 1.0) -> dict[str, Any]:
+        """Gradients of the global mean loss, as partial sums over these tokens (round with `finish`)."""
         cfg, where = self.cfg, cache["where"]
-        done = on_unit_done or (lambda unit, g: None)
         dx, head = self.head_backward(p, cache["head"], where, loss_scale)
         head_wte = head.pop("wte", None)
         grads = dict(head)
-        done("head", head)
         self.memory.release("activations", "head")
         for i in reversed(range(cfg.layers)):
             block: dict[str, Any] = {}
             dx = self.block_backward(p, dx, cache["blocks"][i], i, step, block, where)
             grads |= block
             self.memory.release("activations", f"block{i}")
-            done(f"block{i}", block)
         embed = self.embed_backward(cache["embed"], dx, head_wte)
         grads |= embed
         self.memory.release("activations", "embed")
-        done("embed", embed)
         return grads
 
     def finish(self, grads: dict[str, Any]) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class GPTShard:
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
     modules (ulysses.py, ring_attention.py) use."""
 
+    learned_positions = True  # a position table (wpe) added to the token embedding
+
     def __init__(self, ctx: Context, plan: Plan) -> None:
         m = plan.model
         self.ctx, self.ops, self.m = ctx, ctx.ops, m
@@ -187,8 +189,8 @@ class GPTShard:
             x = yield self.ctx.comm.reduce_scatter(mine, group=self.tp, dim=1)
         else:
             x = yield from self.tp_sum(mine)
-        pos = np.broadcast_to(self.tokens, (ids.shape[0], len(self.tokens)))
-        x = ops.add(x, ops.embedding(pos, p["wpe"]))
+        if self.learned_positions:
+            x = ops.add(x, ops.embedding(np.broadcast_to(self.tokens, (ids.shape[0], len(self.tokens))), p["wpe"]))
         keep0 = self.token_keep("embed", tuple(x.shape), step, where)
         return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
 
@@ -327,8 +329,8 @@ class GPTShard:
     def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
         ops = self.ops
         dx = self.drop(dx, ec["keep0"])
-        pos = np.broadcast_to(self.tokens, dx.shape[:2])
-        grads["wpe"] = ops.embedding_backward(pos, dx, self.m.seq)  # rows of my positions; zeros elsewhere
+        if self.learned_positions:  # rows of my positions; zeros elsewhere
+            grads["wpe"] = ops.embedding_backward(np.broadcast_to(self.tokens, dx.shape[:2]), dx, self.m.seq)
         dx = yield from self.gather(dx)  # the lookup needs every token of the cp share
         rows = ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.tr * self.vocab)
         grads["wte"] = rows if "wte" not in grads else ops.add_partial(rows, grads["wte"])

@@ -37,6 +37,7 @@ def rope_table(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.nd
 
 
 class LlamaShard(GPTShard):
+    learned_positions = False  # positions enter by rotating q and k
     def __init__(self, ctx: Context, plan: Plan) -> None:
         super().__init__(ctx, plan)
         m = self.m
@@ -110,16 +111,6 @@ class LlamaShard(GPTShard):
         return self.tr % self.copies == 0
 
     # -- forward ------------------------------------------------------------------------------------
-    def embed(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> Generator[Any, Any, Any]:
-        """ids (b, s/cp) -> x (b, tokens, h): the token table alone (positions enter by rotation)."""
-        mine = self.ops.embedding(ids, p["wte"], row_offset=self.tr * self.vocab)
-        if self.sp:
-            x = yield self.ctx.comm.reduce_scatter(mine, group=self.tp, dim=1)
-        else:
-            x = yield from self.tp_sum(mine)
-        keep0 = self.token_keep("embed", tuple(x.shape), step, where)
-        return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
-
     def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
         a_mine, n1 = self.norm(x, p, pre + "attn_norm")
@@ -181,7 +172,3 @@ class LlamaShard(GPTShard):
                 da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
         da = yield from self.reduce(da)
         return ops.add(dx1, self.norm_backward(da, c["x"], p, pre + "attn_norm", c["n1"], grads))
-
-    def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
-        dx = yield from self.gather(self.drop(dx, ec["keep0"]))
-        grads["wte"] = self.ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.tr * self.vocab)
