@@ -28,6 +28,9 @@ def _scenario_args(p: argparse.ArgumentParser, optional: bool = True) -> None:
                    help="override a scenario key, e.g. --set parallel.tp=2 (repeatable). Keys: " + ", ".join(all_keys()))
     p.add_argument("--at-scale", action="store_true",
                    help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="in meta mode, simulate every data-parallel replica instead of one block of them "
+                        "standing for all (same results, slower; for checking the fold)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,10 +95,10 @@ def _comparison(outcome: Outcome) -> Table:
     return t
 
 
-def _with_progress(err: Console, scenario: Any) -> Outcome:
+def _with_progress(err: Console, scenario: Any, fold: bool = True) -> Outcome:
     """Run, with a transient spinner (a bar over the variants of a comparison) on an interactive stderr."""
     if not err.is_terminal:
-        return run_all(scenario)
+        return run_all(scenario, fold=fold)
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
@@ -105,7 +108,7 @@ def _with_progress(err: Console, scenario: Any) -> Outcome:
         def on_variant(i: int, n: int, label: str) -> None:
             progress.update(task, completed=i, description=f"simulating {scenario.name}: {label}")
 
-        outcome = run_all(scenario, on_variant)
+        outcome = run_all(scenario, on_variant, fold=fold)
         progress.update(task, completed=len(scenario.variants))
     return outcome
 
@@ -117,7 +120,9 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
         return
     console.print(ReportView(outcome.report))
     console.print()
-    console.print("[bold]timeline[/] (one lane per rank and stream)", markup=True)
+    fold = outcome.result.fold
+    console.print("[bold]timeline[/] (one lane per rank and stream" + (f"; {fold.describe()}" if fold else "") + ")",
+                  markup=True)
     console.print(Timeline(outcome.result.trace, width=width))
     if outcome.result.trace.memory:
         console.print()
@@ -149,18 +154,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
         ranks = _ints(getattr(args, "ranks", None), "ranks")
-        outcome = _with_progress(err, scenario)
+        outcome = _with_progress(err, scenario, getattr(args, "fold", True))
     except (ScenarioError, SimulationError, ProgramError) as exc:
         err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
         return 2
     if args.command == "export":
         from simcluster.viz.chrome import dumps
 
-        Path(args.output).write_text(dumps(outcome.result.trace, title=scenario.name))
-        out.print(f"wrote {len(outcome.result.trace)} events to {args.output}")
+        trace = outcome.result.full_trace()
+        Path(args.output).write_text(dumps(trace, title=scenario.name))
+        out.print(f"wrote {len(trace)} events to {args.output}")
         return 0
     if args.command == "timeline":
-        trace = outcome.result.trace
+        trace = outcome.result.full_trace()
         if args.streams:
             keep = set(args.streams.split(","))
             trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.engine import RunResult
+from simcluster.engine.fold import Fold
 from simcluster.engine.trace import Trace
 from simcluster.scenario import Scenario
 
@@ -34,7 +35,7 @@ def communication(trace: Trace) -> list[dict[str, Any]]:
     return rows
 
 
-def idle_fraction(trace: Trace) -> float:
+def idle_fraction(trace: Trace, fold: Fold | None = None) -> float:
     """Mean over ranks of the compute stream's idle share of the run: the bubbles, whatever made them."""
     end = trace.end
     if not end:
@@ -44,18 +45,19 @@ def idle_fraction(trace: Trace) -> float:
     for e in trace:
         if e.stream == "compute":
             busy_compute[e.rank] += e.end - e.start
-    return sum(1 - busy_compute[r] / end for r in ranks) / len(ranks)
+    if fold is not None:
+        busy_compute = fold.by_rank(busy_compute)
+    return sum(1 - ns / end for ns in busy_compute.values()) / len(busy_compute)
 
 
-def busy(trace: Trace) -> dict[str, dict[str, int]]:
-    per: dict[tuple[int, str], int] = {}
-    for e in trace:
-        key = (e.rank, e.stream)
-        per[key] = per.get(key, 0) + e.end - e.start
-    out: dict[str, dict[str, int]] = {}
-    for (rank, stream), ns in per.items():  # (in order of first event, as before)
-        out.setdefault(str(rank), {})[stream] = ns
-    return out
+def busy(trace: Trace, fold: Fold | None = None) -> dict[str, dict[str, int]]:
+    per: dict[int, dict[str, int]] = {}
+    for e in trace:  # (ranks in order, streams in order of first event)
+        streams = per.setdefault(e.rank, {})
+        streams[e.stream] = streams.get(e.stream, 0) + e.end - e.start
+    if fold is not None:
+        per = fold.by_rank(per, rename=True)
+    return {str(rank): streams for rank, streams in per.items()}
 
 
 def first_mismatches(expected: dict[str, Any], got: dict[str, Any], limit: int = 5) -> list[dict[str, Any]]:
@@ -106,8 +108,11 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops
           verdict: dict[str, Any]) -> dict[str, Any]:
     spec = result.cluster.spec
     steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
-    makespan = result.trace.end
+    makespan, fold = result.trace.end, result.fold
     peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
+    peaks = result.trace.memory_peaks()
+    if fold is not None:
+        peaks = fold.by_rank(peaks)
     mfu = model_flops / (makespan * 1e-9 * result.mesh.world_size * peak) if makespan else 0.0
     return {
         "scenario": scenario.as_dict(),
@@ -119,10 +124,10 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops
         "step_time_ns": makespan // steps,
         "total_time_ns": makespan,
         "mfu": round(mfu, 6),
-        "compute_idle_fraction": round(idle_fraction(result.trace), 6),
-        "busy_ns": busy(result.trace),
+        "compute_idle_fraction": round(idle_fraction(result.trace, fold), 6),
+        "busy_ns": busy(result.trace, fold),
         "communication": communication(result.trace),
-        "memory_peak_bytes": {str(r): v for r, v in sorted(result.trace.memory_peaks().items())},
-        "trace_events": len(result.trace),
+        "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},
+        "trace_events": len(result.trace) * (fold.copies if fold else 1),
         "verification": verdict,
     }

@@ -32,16 +32,17 @@ class Outcome:
     variants: tuple[tuple[str, "Outcome"], ...] = ()
 
 
-def run_all(sc: Scenario, on_variant: Any = None) -> Outcome:
+def run_all(sc: Scenario, on_variant: Any = None, *, fold: bool = True) -> Outcome:
     """The scenario, or each of its [compare] variants (the first variant's run stands for the whole).
-    `on_variant(i, n, label)` is told before each variant runs (for a progress display)."""
+    `on_variant(i, n, label)` is told before each variant runs (for a progress display). `fold`: see
+    run_scenario."""
     if not sc.variants:
-        return run_scenario(sc)
+        return run_scenario(sc, fold=fold)
     outcomes = []
     for i, (label, v) in enumerate(sc.variants):
         if on_variant is not None:
             on_variant(i, len(sc.variants), label)
-        outcomes.append((label, run_scenario(v)))
+        outcomes.append((label, run_scenario(v, fold=fold)))
     outcomes = tuple(outcomes)
     first = outcomes[0][1]
     report = {"scenario": sc.as_dict(), "variants": [dict(o.report, variant=label) for label, o in outcomes]}
@@ -98,7 +99,9 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
     return plan
 
 
-def run_scenario(sc: Scenario) -> Outcome:
+def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
+    """Run one scenario. `fold`: in meta mode, simulate one block of identical data-parallel replicas
+    for all of them (engine/fold.py: the same trace and report, at a fraction of the cost)."""
     spec = sc.cluster_spec()
     mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
     mode, dtype = sc.run["numerics"], sc.model["dtype"]
@@ -106,7 +109,8 @@ def run_scenario(sc: Scenario) -> Outcome:
         plan = _gpt(sc, mesh)
         cfg = plan.data
         coords = [mesh.coords(r) for r in range(mesh.world_size)]
-        result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
+        alike = plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else ()
+        result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype, fold=alike)
         assembled = (lambda: assemble_composed(result.results, coords, plan))
         parameters = cfg.model.parameters
         model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, SimulationError
+from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError, SimulationError
+from simcluster.engine.fold import Fold, fold_for
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Interpreter
 from simcluster.engine.timing import Replay
@@ -20,10 +21,16 @@ from simcluster.topology.presets import ClusterSpec, preset
 
 @dataclass(frozen=True)
 class RunResult:
-    results: list[Any]  # what each rank's program returned, by rank
-    trace: Trace
+    results: list[Any]  # what each rank's program returned, by rank (None for a folded rank)
+    trace: Trace  # of the simulated ranks (all of them unless folded: fold.expand gives the rest)
     mesh: DeviceMesh
     cluster: Cluster
+    fold: Fold | None = None
+    unfolded_because: str = ""  # why a fold that was asked for could not be used
+
+    def full_trace(self) -> Trace:
+        """Every rank's trace (rebuilt from the simulated block when folded)."""
+        return self.trace if self.fold is None else self.fold.expand(self.trace)
 
     @property
     def makespan_ns(self) -> int:
@@ -39,19 +46,49 @@ def default_cluster(world_size: int, name: str = "dgx-a100") -> ClusterSpec:
 
 
 def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
-             cluster: ClusterSpec | None = None, mode: Mode | str = Mode.EXACT, cost_dtype: str = "bf16") -> RunResult:
-    """Run `program(ctx, *args)` on every rank of `mesh`, then time it on `cluster`."""
+             cluster: ClusterSpec | None = None, mode: Mode | str = Mode.EXACT, cost_dtype: str = "bf16",
+             fold: tuple[str, ...] = ()) -> RunResult:
+    """Run `program(ctx, *args)` on every rank of `mesh`, then time it on `cluster`.
+
+    fold: the mesh axes ("dp", "tp") along which the program's ranks differ in nothing but their data;
+    one representative of each set of identical ranks then runs for all (engine/fold.py), which gives
+    the same trace. Meta mode only (elsewhere the ranks hold different numbers). Where the layout
+    has nothing to fold, or the run turns out not to be symmetric, it runs unfolded and says why in
+    `unfolded_because`.
+    """
     spec = cluster if cluster is not None else default_cluster(mesh.world_size)
     if spec.world_size != mesh.world_size:
         raise ValueError(
             f"the mesh has {mesh.world_size} ranks ({', '.join(f'{a}={n}' for a, n in mesh.sizes.items())}) but the "
             f"cluster has {spec.world_size} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); they must be equal")
     topo = Cluster(spec)
+    why = ""
+    if fold:
+        if Mode(mode) is not Mode.META:
+            raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
+                             f"numbers)")
+        # Fold along every axis given; where the run is not symmetric along tp, along dp alone.
+        for axes in (fold, ("dp",)) if "tp" in fold and "dp" in fold else (fold,):
+            plan = fold_for(mesh, spec, axes)
+            if plan is None:
+                why = why or ("nothing to fold: no block of whole replicas and whole nodes smaller than the world, "
+                              "no tp group inside a node")
+                continue
+            try:
+                return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, plan), unfolded_because=why)
+            except FoldError as exc:
+                why = str(exc)
+    result = _simulate(program, args, mesh, topo, mode, cost_dtype, None)
+    return replace(result, unfolded_because=why) if why else result
+
+
+def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMesh, topo: Cluster,
+              mode: Mode | str, cost_dtype: str, fold: Fold | None) -> RunResult:
     with gc_paused():  # (one pause over both passes: the collector then walks their objects once)
-        interp = Interpreter(mesh, mode, cost_dtype=cost_dtype)
+        interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold)
         results = interp.run(program, *args)
-        trace = Replay(interp.ranks, interp.calls, topo, cost_dtype).run()
-    return RunResult(results, trace, mesh, topo)
+        trace = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold).run()
+    return RunResult(results, trace, mesh, topo, fold)
 
 
 __all__ = ["CollectiveMismatchError", "DeadlockError", "ProgramError", "RunResult", "SimulationError",

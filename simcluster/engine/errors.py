@@ -13,3 +13,7 @@ class CollectiveMismatchError(SimulationError):
 
 class DeadlockError(SimulationError):
     """No rank can proceed: every unfinished rank waits for a rank that will never answer."""
+
+
+class FoldError(SimulationError):
+    """A folded run (engine/fold.py) is not symmetric under its fold: it must run unfolded."""

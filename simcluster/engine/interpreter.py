@@ -21,7 +21,8 @@ from functools import partial
 from typing import Any, Sequence
 
 from simcluster.engine import collectives
-from simcluster.engine.errors import CollectiveMismatchError, DeadlockError
+from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError
+from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
 from simcluster.numerics.ops import Mode, make_ops
 from simcluster.numerics.tensor import describe_signature
@@ -86,13 +87,15 @@ class Channel:
     """Where calls are matched: a process group (the k-th call of each member is one call), or a
     (src, dst, tag) message channel (the k-th send and the k-th recv are one message)."""
 
-    __slots__ = ("kind", "group", "members", "position", "issued", "open", "where", "streams", "routes")
+    __slots__ = ("kind", "group", "members", "live", "position", "issued", "open", "where", "streams", "routes")
 
     def __init__(self, kind: CommKind | None, group: ProcessGroup | None, members: tuple[int, ...],
-                 where: str, streams: tuple[str, ...]) -> None:
+                 where: str, streams: tuple[str, ...], fold: Fold | None) -> None:
         self.kind = kind  # SEND for a message channel, None for a group
         self.group = group
         self.members = members
+        # members that run: all, unless folded
+        self.live = len(members) if fold is None else sum(fold.is_rep[r] for r in members)
         self.position = {r: i for i, r in enumerate(members)}
         self.issued = [0] * len(members)  # calls issued so far, per member
         self.open: dict[int, Call] = {}  # by sequence number
@@ -104,7 +107,7 @@ class Channel:
 class Call:
     """One collective call on a group, or one message on a (src, dst, tag) channel."""
 
-    __slots__ = ("kind", "channel", "seq", "members", "ops", "works", "count", "key",
+    __slots__ = ("kind", "channel", "seq", "members", "live", "ops", "works", "count", "key",
                  "arrived", "start", "end", "done", "sent", "steps", "phase")
 
     def __init__(self, kind: CommKind, channel: Channel, seq: int) -> None:
@@ -112,10 +115,11 @@ class Call:
         self.channel = channel
         self.seq = seq
         self.members = channel.members
+        self.live = channel.live
         n = len(self.members)
         self.ops: list[CommOp | None] = [None] * n  # in member order
         self.works: list[Work | None] = [None] * n
-        self.count = 0  # members that have issued it
+        self.count = 0  # members that have issued it (it is complete at `live`)
         self.key: Any = None  # what every member must agree on
         # filled by the timed replay
         self.arrived = 0
@@ -225,25 +229,31 @@ class RankState:
 
 
 class Interpreter:
-    def __init__(self, mesh: DeviceMesh, mode: Mode | str, *, cost_dtype: str = "fp32") -> None:
+    """Runs every rank's program, or with a fold (engine/fold.py) the representatives'."""
+
+    def __init__(self, mesh: DeviceMesh, mode: Mode | str, *, cost_dtype: str = "fp32",
+                 fold: Fold | None = None) -> None:
         self.mesh = mesh
         self.mode = Mode(mode) if isinstance(mode, str) else mode
         self.cost_dtype = cost_dtype
-        self.ranks = [RankState(r) for r in range(mesh.world_size)]
+        self.fold = fold
+        self.ranks = [RankState(r) for r in (range(mesh.world_size) if fold is None else fold.ranks)]
+        self.state = {st.rank: st for st in self.ranks}
         self.groups: dict[ProcessGroup, Channel] = {}
         self.by_id: dict[int, Channel] = {}
         self.kept: list[ProcessGroup] = []
         self.messages: dict[tuple[int, int, int], Channel] = {}
         self.calls: list[Call] = []
-        self.ready: deque[int] = deque()
+        self.ready: deque[RankState] = deque()
 
     # -- running -------------------------------------------------------------------------------
     def run(self, program: Program | Sequence[Program], *args: Any) -> list[Any]:
         """Run `program(ctx, *args)` on every rank (or program[r] on rank r); return the results."""
-        programs = list(program) if isinstance(program, (list, tuple)) else [program] * len(self.ranks)
-        if len(programs) != len(self.ranks):
-            raise ValueError(f"{len(programs)} programs for {len(self.ranks)} ranks")
-        for st, prog in zip(self.ranks, programs):
+        programs = list(program) if isinstance(program, (list, tuple)) else [program] * self.mesh.world_size
+        if len(programs) != self.mesh.world_size:
+            raise ValueError(f"{len(programs)} programs for {self.mesh.world_size} ranks")
+        for st in self.ranks:
+            prog = programs[st.rank]
             st.comm = Comm(partial(self._issue, st), st.rank, self.mesh.world_size)
             ops = make_ops(self.mode, st.kernel, cost_dtype=self.cost_dtype)
             ctx = Context(rank=st.rank, mesh=self.mesh.view(st.rank), ops=ops, comm=st.comm, streams=st,
@@ -253,12 +263,12 @@ class Interpreter:
                 st.finished, st.result = True, gen
                 continue
             st.gen = gen
-            self.ready.append(st.rank)
+            self.ready.append(st)
         with gc_paused():
             while self.ready:
-                self._advance(self.ranks[self.ready.popleft()])
+                self._advance(self.ready.popleft())
         self._check_end()
-        return [st.result for st in self.ranks]
+        return [self.state[r].result if r in self.state else None for r in range(self.mesh.world_size)]
 
     def _advance(self, st: RankState) -> None:
         send, rank, comm = st.gen.send, st.rank, st.comm
@@ -338,7 +348,7 @@ class Interpreter:
         ch = self.groups.get(group)
         if ch is None:
             ch = self.groups[group] = Channel(None, group, group.ranks, str(group),
-                                              (f"comm:{group.name}",) * group.size)
+                                              (f"comm:{group.name}",) * group.size, self.fold)
         # Found by identity from now on; the group is kept alive here, so its id stays its own.
         self.by_id[id(group)] = ch
         self.kept.append(group)
@@ -349,7 +359,10 @@ class Interpreter:
         ch = self.messages.get(key)
         if ch is None:
             where = f"p2p[{src}->{dst}]" + (f" tag {tag}" if tag else "")
-            ch = self.messages[key] = Channel(CommKind.SEND, None, (src, dst), where, (f"send->{dst}", f"recv<-{src}"))
+            ch = self.messages[key] = Channel(CommKind.SEND, None, (src, dst), where, (f"send->{dst}", f"recv<-{src}"),
+                                              self.fold)
+            if ch.live == 1:
+                raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
         return ch
 
     def _issue(self, st: RankState, op: CommOp, sync: bool) -> Work:
@@ -389,7 +402,7 @@ class Interpreter:
         call.ops[pos] = op
         call.works[pos] = work
         call.count += 1
-        if call.count == len(call.members):
+        if call.count == call.live:
             self._complete(call)
         return work
 
@@ -407,24 +420,33 @@ class Interpreter:
         raise CollectiveMismatchError("\n".join(lines))
 
     def _complete(self, call: Call) -> None:
+        if call.live < len(call.members):  # folded members hold their images' data (meta: shapes)
+            at, rep = call.channel.position, self.fold.rep
+            if any(rep(m) not in at for m in call.members):
+                raise FoldError(f"group {call.where} does not hold the representatives of its folded members")
+            call.ops = [op or call.ops[at[rep(m)]] for m, op in zip(call.members, call.ops)]
         results = collectives.execute(call.kind, call.ops)
         for op in call.ops:
             op.tensor = None  # the data lives on in the results; a long run keeps no inputs alive
         del call.channel.open[call.seq]
-        ranks = self.ranks
+        ranks = self.state
         works, call.works = call.works, None  # (no longer needed: let them go with the program)
         for r, w, value in zip(call.members, works, results):
+            if w is None:
+                continue  # a folded member
             w.value, w.done = value, True
             st = ranks[r]
             blocked = st.blocked
             if blocked is not None and (blocked[0] is w if len(blocked) == 1 else all(x.done for x in blocked)):
                 st.send_value = value if st.single else [x.value for x in blocked]
                 st.blocked = None
-                self.ready.append(r)
+                self.ready.append(st)
 
     # -- the end -------------------------------------------------------------------------------
     def _state_of(self, r: int) -> str:
-        st = self.ranks[r]
+        st = self.state.get(r)
+        if st is None:
+            return f"folded onto rank {self.fold.rep(r)}"
         if st.finished:
             return "finished"
         waiting = [w for w in (st.blocked or []) if not w.done]
@@ -443,7 +465,7 @@ class Interpreter:
                     for m in call.missing():
                         lines.append(f"    rank {m} has not issued it: rank {m} is {self._state_of(m)}")
             raise DeadlockError("\n".join(lines))
-        open_calls = [c for c in self.calls if c.count < len(c.members)]
+        open_calls = [c for c in self.calls if c.count < c.live]
         if open_calls:
             lines = ["a rank ended while others wait:"]
             for call in open_calls:

@@ -149,25 +149,29 @@ class Network:
                 f.rate = f.alone
             self._reschedule(flows, now)
             return
+        # Progressive filling in rounds: every link whose fair share is the smallest fixes its flows
+        # at that share, then each link gives up (flows fixed on it) x share in one subtraction. A
+        # link's capacity thus sees the same operations whatever order links and flows come in, so
+        # links that are images of each other under a symmetry of the cluster (folded replicas,
+        # engine/fold.py) get bit-equal rates.
         cap = {link: float(self.capacity[link]) for link in links}
-        count = {link: len(self.on_link.get(link, ())) for link in links}
-        version = dict.fromkeys(links, 0)
-        heap = [(cap[link] / count[link], link, 0) for link in links if count[link]]
-        heapq.heapify(heap)  # ties broken by link id: deterministic
-        while heap:
-            share, link, ver = heapq.heappop(heap)
-            if ver != version[link] or count[link] == 0:
-                continue  # stale, or every flow on this link already has its rate
-            for f in self.on_link[link]:
-                if f.rate >= 0:
-                    continue
-                f.rate = share
-                for other in f.links:
-                    cap[other] -= share
-                    count[other] -= 1
-                    if other != link and count[other]:
-                        version[other] += 1
-                        heapq.heappush(heap, (cap[other] / count[other], other, version[other]))
+        count = {link: len(on_link[link]) for link in links}
+        while count:
+            share = min(cap[link] / n for link, n in count.items())
+            fixed: dict[int, int] = {}
+            for link in [link for link, n in count.items() if cap[link] / n == share]:
+                for f in on_link[link]:
+                    if f.rate < 0:
+                        f.rate = share
+                        for other in f.links:
+                            fixed[other] = fixed.get(other, 0) + 1
+            for link, k in fixed.items():
+                left = count[link] - k
+                if left:
+                    cap[link] -= k * share
+                    count[link] = left
+                else:
+                    del count[link]
         self._reschedule(flows, now)
 
     def _reschedule(self, flows: list[_Flow], now: int) -> None:

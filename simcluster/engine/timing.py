@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import simpy
 
 from simcluster.engine.errors import DeadlockError
+from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import COMM, KERNEL, MEMORY, WAIT, Call, RankState, Stream
 from simcluster.engine.network import Network
@@ -30,8 +31,12 @@ from simcluster.topology.plans import plan, semantic_bytes
 
 
 class Replay:
-    def __init__(self, ranks: list[RankState], calls: list[Call], cluster: Cluster, cost_dtype: str) -> None:
+    """Replays `ranks`' streams; with a fold (engine/fold.py), they are block 0 and stand for all."""
+
+    def __init__(self, ranks: list[RankState], calls: list[Call], cluster: Cluster, cost_dtype: str,
+                 fold: Fold | None = None) -> None:
         self.ranks = ranks
+        self.fold = fold
         self.calls = calls
         self.cluster = cluster
         self.cost_dtype = cost_dtype
@@ -142,7 +147,7 @@ class Replay:
                     if t > call.start:  # join the call (as _join does)
                         call.start = t
                     call.arrived += 1
-                    if call.arrived == len(call.members):
+                    if call.arrived == call.live:
                         self._launch(call)
                     if call.done is not None:  # (a call of one member with nothing to move ends at once)
                         yield call.done  # runnable again when the call ends
@@ -168,7 +173,7 @@ class Replay:
         if t > call.start:
             call.start = t
         call.arrived += 1
-        if call.arrived == len(call.members):
+        if call.arrived == call.live:
             self._launch(call)
 
     def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int]]:
@@ -186,14 +191,22 @@ class Replay:
             nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
             steps: list[tuple[int, list]] = []
             sent: dict[int, float] = {}
-            for phase in plan(call.kind, call.members, nbytes, self.cluster, peer=op.peer):
+            phases = plan(call.kind, call.members, nbytes, self.cluster, peer=op.peer)
+            fold = self.fold
+            if fold is not None and call.live < len(call.members):
+                fold.check_plan(call.members, phases, call.where, call.kind.value)
+            for phase in phases:
                 flows = []
                 latency = 0
                 for src, dst, b in phase.flows:
                     links, lat = self.cluster.route(src, dst)
                     latency = max(latency, lat)
-                    flows.append((links, b))
                     sent[src] = sent.get(src, 0.0) + b
+                    if fold is None:
+                        flows.append((links, b))
+                    elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
+                        rep = fold.rep(dst)  # into the port of its destination's representative
+                        flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
                 steps.append((phase.steps * latency, self.network.prepare(flows)))
             cached = routes[key] = (steps, [int(round(sent.get(r, 0.0))) for r in call.members])
         return cached
@@ -253,3 +266,4 @@ class Replay:
                     f"{item[1].describe(s.rank)}" if item[0] == COMM else "a kernel")
                 lines.append(f"  rank {s.rank} stream {s.name!r} is stuck at item {done}: {what}")
         raise DeadlockError("\n".join(lines))
+

@@ -54,6 +54,13 @@ class Plan:
         """Ring and all-gather attention balance causal work with the zigzag layout."""
         return cp > 1 and self.attention != "ulysses" and self.model.causal
 
+    def alike(self, tp: int) -> tuple[str, ...]:
+        """The mesh axes along which ranks run the same kernels on the same shapes, differing only
+        in their data: what a meta-mode simulation may fold (engine/fold.py). dp always; tp unless
+        kv heads are replicated over tp ranks (one of each kv head's copies adds its input gradient)."""
+        kv = self.model.kv_heads
+        return ("dp", "tp") if self.model.arch != "llama" or kv is None or tp <= kv else ("dp",)
+
     def shape(self, pp: int) -> PipelineShape:
         return PipelineShape(pp, self.data.micro_batches, self.virtual)
 

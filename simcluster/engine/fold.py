@@ -1,0 +1,176 @@
+"""Folding: simulate one representative of each set of identical ranks and let it stand for the rest.
+
+In meta mode the data-parallel replicas of a layout run one program on the same shapes, and so do
+the tensor-parallel peers of a Megatron layout: their kernels, memory and waits are the same. The
+fold's symmetries are
+- a shift by `block` data-parallel replicas (a block being whole nodes), and
+- a rotation of the tp coordinate inside each tp group (a tp group being inside one node),
+and each is a symmetry of the whole run:
+- of the mesh: it changes only the dp (tp) coordinate, so a group is mapped onto a group, one that
+  spans dp (tp) onto itself;
+- of the cluster: every link is one rank's port (cluster.py) and nodes are mapped onto nodes, so
+  NVLink onto NVLink and NIC onto NIC;
+- of each collective's plan over a group it maps onto itself: its rings onto themselves (checked
+  for every plan, `FoldError` otherwise: a chain from a root is not).
+So the unfolded run is symmetric at every instant, and only the representatives (dp index below
+`block`, tp index 0) run:
+- their programs run; a call completes when its simulated members have issued it (a folded member's
+  data is its representative's, which is in the same group: in meta mode, a shape);
+- the replay moves, of each orbit of flows, the one that leaves a representative, into the port of
+  its destination's representative. The symmetries move no rank to itself, so such a port carries
+  one flow of each orbit that crosses the port it stands for: as many as in the unfolded run. The
+  max-min rates are the same, and network.py's filling makes them the same bits;
+- statistics of a folded rank are its representative's (streams and groups renamed); `expand`
+  rebuilds the whole trace when a view or an export asks for it.
+Tests check that folded and unfolded runs give byte-identical traces and reports.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from simcluster.engine.errors import FoldError
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
+from simcluster.program.mesh import DeviceMesh
+from simcluster.topology.presets import ClusterSpec
+
+
+@dataclass(frozen=True)
+class Fold:
+    mesh: DeviceMesh
+    block: int  # data-parallel replicas simulated (all dp replicas: dp is not folded)
+    tp: bool  # tp peers folded onto tp index 0
+
+    def __post_init__(self) -> None:
+        sizes = self.mesh.sizes
+        replica = self.mesh.world_size // sizes["dp"]
+        simulated = [r for r in range(self.block * replica) if not self.tp or r % sizes["tp"] == 0]
+        object.__setattr__(self, "replica", replica)
+        object.__setattr__(self, "ranks", tuple(simulated))
+        is_rep = bytearray(self.mesh.world_size)
+        for r in simulated:
+            is_rep[r] = 1
+        object.__setattr__(self, "is_rep", bytes(is_rep))
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def copies(self) -> int:
+        return self.world // len(self.ranks)
+
+    def describe(self) -> str:
+        what = []
+        if self.block < self.mesh.sizes["dp"]:
+            what.append(f"data-parallel replicas in blocks of {self.block}")
+        if self.tp:
+            what.append("tensor-parallel peers")
+        return (f"{len(self.ranks)} of {self.world} ranks simulated, each standing for {self.copies} "
+                f"(folded: {' and '.join(what)})")
+
+    # -- ranks and their images --------------------------------------------------------------
+    def rep(self, rank: int) -> int:
+        """The simulated rank that `rank` is an image of."""
+        span = self.block * self.replica
+        r = rank % span
+        return r - r % self.mesh.sizes["tp"] if self.tp else r
+
+    def image(self, rank: int, of: int) -> int:
+        """`rank` moved by the symmetry that takes rep(of) to `of`."""
+        t = self.mesh.sizes["tp"]
+        span = self.block * self.replica
+        shift = of - of % span
+        if self.tp:
+            turn = of % t
+            rank = rank - rank % t + (rank % t + turn) % t
+        return (rank + shift) % self.world
+
+    def stream(self, name: str, of: int) -> str:
+        """A stream of rep(of), as `of` calls it."""
+        if name.startswith("send->") or name.startswith("recv<-"):
+            return name[:6] + str(self.image(int(name[6:]), of))
+        return name
+
+    def group(self, where: str, of: int) -> str:
+        """A group ("tp[0, 1]") or message channel ("p2p[0->1] tag 2") of rep(of), as `of` sees it."""
+        if not where:
+            return where
+        head, _, rest = where.partition("[")
+        inside, _, tail = rest.partition("]")
+        ranks = [self.image(int(x), of) for x in re.findall(r"\d+", inside)]
+        if "->" in inside:
+            return f"{head}[{ranks[0]}->{ranks[1]}]{tail}"
+        return f"{head}[{', '.join(map(str, sorted(ranks)))}]{tail}"
+
+    def by_rank(self, per_rank: dict[int, Any], rename: bool = False) -> dict[int, Any]:
+        """Per-rank values of the simulated ranks for every rank, in rank order (with `rename`, the
+        values are dicts keyed by stream, renamed)."""
+        out: dict[int, Any] = {}
+        for r in range(self.world):
+            v = per_rank.get(self.rep(r))
+            if v is not None:
+                out[r] = {self.stream(s, r): x for s, x in v.items()} if rename else v
+        return out
+
+    def expand(self, trace: Trace) -> Trace:
+        """The unfolded run's trace, rebuilt from the simulated ranks'."""
+        events: dict[int, list[TraceEvent]] = {}
+        for e in trace.events:
+            events.setdefault(e.rank, []).append(e)
+        memory: dict[int, list[MemoryEvent]] = {}
+        for m in trace.memory:
+            memory.setdefault(m.rank, []).append(m)
+        lanes: dict[int, list[str]] = {}
+        for r, s in trace.lanes:
+            lanes.setdefault(r, []).append(s)
+        all_lanes: list[tuple[int, str]] = []
+        all_events: list[TraceEvent] = []
+        all_memory: list[MemoryEvent] = []
+        for r in range(self.world):
+            rep = self.rep(r)
+            all_lanes.extend((r, self.stream(s, r)) for s in lanes.get(rep, ()))
+            all_events.extend(e._replace(rank=r, stream=self.stream(e.stream, r), group=self.group(e.group, r))
+                              for e in events.get(rep, ()))
+            all_memory.extend(m._replace(rank=r) for m in memory.get(rep, ()))
+        out = Trace.from_lanes(all_lanes, [all_events])
+        out.memory = tuple(all_memory)
+        return out
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_plan(self, members: tuple[int, ...], phases: Iterable[Any], where: str, kind: str) -> None:
+        """Each phase's flows must be their own image under every symmetry that maps the group onto
+        itself (so that the flows leaving the simulated ranks stand for the others)."""
+        group = set(members)
+        movers = []
+        span = self.block * self.replica
+        if span < self.world:
+            movers.append(span)  # the dp shift: of = the first rank of the next block
+        if self.tp:
+            movers.append(1)  # the tp rotation by one
+        for of in movers:
+            if {self.image(m, of) for m in members} != group:
+                continue  # mapped onto another group: that one's call is not simulated
+            for phase in phases:
+                flows = set(phase.flows)
+                if any((self.image(s, of), self.image(d, of), b) not in flows for s, d, b in flows):
+                    raise FoldError(f"{kind} on {where} does not move the same bytes in every folded copy")
+
+
+def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",)) -> Fold | None:
+    """The fold of a layout along `axes` (those whose ranks the program treats alike: dp, tp):
+    blocks of whole replicas and whole nodes; tp groups inside a node. None if nothing folds."""
+    sizes, gpn = mesh.sizes, spec.gpus_per_node
+    replica = mesh.world_size // sizes["dp"]
+    block = sizes["dp"]
+    if "dp" in axes:
+        least = math.lcm(replica, gpn) // replica
+        if sizes["dp"] % least == 0:
+            block = least
+    tp = "tp" in axes and sizes["tp"] > 1 and gpn % sizes["tp"] == 0
+    if block == sizes["dp"] and not tp:
+        return None
+    return Fold(mesh, block, tp)

@@ -1,0 +1,114 @@
+"""Folding identical ranks (engine/fold.py) changes the cost of a simulation, never its result."""
+
+import json
+
+import pytest
+
+from simcluster.cli import main
+from simcluster.engine import simulate
+from simcluster.engine.fold import fold_for
+from simcluster.model.config import GPTConfig
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.composed import composed
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.plan import Plan
+from simcluster.program.mesh import DeviceMesh
+from simcluster.runner import run_all
+from simcluster.scenario import load
+from simcluster.topology.presets import preset
+
+# Every family in the library, made to fold: more data-parallel replicas than one block of whole nodes.
+FOLDING = [
+    ("zero_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # DDP, ZeRO-1/2/3 over dp 8
+    ("fsdp_prefetch", []),  # ZeRO-3 with and without prefetch, dp 16 on two nodes
+    ("pipeline_schedules", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=8"]),  # GPipe .. ZB-H1
+    ("megatron_3d", []),  # TP x PP x DP with SP, 1F1B and interleaved (dp folds; tp does not: see below)
+    ("llama3_4d", []),  # TP x CP x PP x DP, GQA, all-gather CP, ZeRO-3 over dp x cp
+    ("llama3_4d", ["cluster.gpus_per_node=2", "cluster.nodes=8"]),  # the same, tp peers folded too
+    ("ring_long_sequence", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=2"]),  # ring CP
+    ("sequence_volume", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP+SP, Ulysses, ring
+    ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
+    ("tp_cliff", []),  # TP inside a node (folds), TP across nodes (does not)
+]
+
+
+@pytest.mark.parametrize("name,overrides", FOLDING, ids=[f"{n}{'-' if o else ''}{'-'.join(o)}" for n, o in FOLDING])
+def test_folded_runs_give_the_unfolded_trace_and_report_byte_for_byte(name, overrides):
+    """Megatron and Llama layouts with tp < GPUs per node fold dp only: the clipping norm's all-reduce
+    over the world runs a ring through each node in rank order, which a tp rotation does not map
+    onto itself."""
+    sc = load(name, ["run.numerics=meta"] + overrides)
+    folded, unfolded = run_all(sc, fold=True), run_all(sc, fold=False)
+    pairs = [(folded, unfolded)] if not sc.variants else list(zip((o for _, o in folded.variants),
+                                                                   (o for _, o in unfolded.variants)))
+    assert any(f.result.fold is not None for f, _ in pairs), "the scenario must exercise the fold"
+    for f, u in pairs:
+        assert u.result.fold is None
+        assert json.dumps(f.report, sort_keys=True) == json.dumps(u.report, sort_keys=True)
+        full = f.result.full_trace()
+        assert full.lanes == u.result.trace.lanes
+        assert full.to_jsonl() == u.result.trace.to_jsonl()
+        assert full.memory == u.result.trace.memory
+        if f.result.fold is not None:  # and it did simulate fewer ranks
+            assert len(f.result.trace) * f.result.fold.copies == len(u.result.trace)
+            assert f.result.fold.copies > 1
+
+
+def _llama(tp, kv_heads):
+    model = GPTConfig(arch="llama", layers=2, hidden=64, heads=8, kv_heads=kv_heads, ffn_hidden=160, seq=32,
+                      vocab=128, tied_head=False)
+    return Plan(data=DPConfig(model=model, global_batch=4, micro_batches=2, steps=1, zero=1), sp=True)
+
+
+def test_the_comparison_catches_a_fold_over_ranks_that_differ():
+    """With kv heads replicated over tp ranks, one rank of each copy adds the kv input gradient: its
+    tp peers are not alike (Plan.alike leaves tp out), and folding them anyway gives another trace."""
+    plan, mesh = _llama(tp=4, kv_heads=2), DeviceMesh(dp=2, tp=4)
+    spec = preset("dgx-a100", nodes=2, gpus_per_node=4)
+    assert plan.alike(4) == ("dp",)
+    unfolded = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta")
+    honest = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta", fold=plan.alike(4))
+    forced = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta", fold=("dp", "tp"))
+    assert honest.fold is not None and forced.fold is not None and forced.fold.tp
+    assert honest.full_trace().to_jsonl() == unfolded.trace.to_jsonl()
+    assert forced.full_trace().to_jsonl() != unfolded.trace.to_jsonl()
+
+
+def test_a_collective_that_is_not_symmetric_runs_unfolded():
+    """A broadcast from rank 0 over dp is a chain that starts at one replica: not the same in every
+    block. The run notices, runs unfolded, and says why."""
+    def prog(ctx):
+        x = MetaTensor((1024,), "fp32")
+        yield ctx.comm.all_reduce(x, group=ctx.mesh.dp)
+        yield ctx.comm.broadcast(x, src=0, group=ctx.mesh.dp)
+
+    mesh, spec = DeviceMesh(dp=4), preset("dgx-a100", nodes=2, gpus_per_node=2)
+    run = simulate(prog, mesh=mesh, cluster=spec, mode="meta", fold=("dp",))
+    plain = simulate(prog, mesh=mesh, cluster=spec, mode="meta")
+    assert run.fold is None and "broadcast" in run.unfolded_because
+    assert run.trace.to_jsonl() == plain.trace.to_jsonl()
+
+
+def test_where_a_layout_folds():
+    a100 = preset("dgx-a100")
+    # replicas of 2 ranks on nodes of 8: blocks of 4 replicas (one node); on nodes of 1: one replica
+    assert fold_for(DeviceMesh(dp=12, tp=2), a100.with_overrides(nodes=3), ("dp",)).block == 4
+    assert fold_for(DeviceMesh(dp=6, tp=2), a100.with_overrides(nodes=12, gpus_per_node=1), ("dp",)).block == 1
+    assert fold_for(DeviceMesh(dp=6, tp=2), a100.with_overrides(nodes=12, gpus_per_node=1), ()) is None
+    # one node of 12: the only block of whole nodes is the world; tp peers are told not alike
+    assert fold_for(DeviceMesh(dp=6, tp=2), a100.with_overrides(nodes=1, gpus_per_node=12), ("dp",)) is None
+    # tp peers fold inside a node, not across nodes
+    assert fold_for(DeviceMesh(tp=16), a100.with_overrides(nodes=2), ("dp", "tp")) is None
+    assert fold_for(DeviceMesh(tp=8), a100, ("dp", "tp")).tp
+    with pytest.raises(ValueError, match="meta mode"):
+        simulate(composed, _llama(2, 2), mesh=DeviceMesh(dp=2, tp=2), cluster=a100.with_overrides(gpus_per_node=4),
+                 mode="exact", fold=("dp",))
+
+
+def test_cli_no_fold_prints_the_same_report(capsys):
+    args = ["run", "megatron_3d", "--set", "run.numerics=meta", "--set", "parallel.schedule=1f1b",
+            "--set", "parallel.virtual_stages=1", "--json"]
+    assert main(args) == 0
+    folded = capsys.readouterr().out
+    assert main(args + ["--no-fold"]) == 0
+    assert capsys.readouterr().out == folded
