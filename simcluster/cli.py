@@ -40,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="simulate a scenario, verify it, print the report and the timeline",
                          description="Simulate SCENARIO, verify it against a single-device run, and print the report "
-                                     "and the timeline (a table of the variants for a scenario with [compare]).")
+                                     "and the timeline (a table of the variants for a scenario with [compare]). "
+                                     "Exit status 0 when it verifies and fits in the devices' memory, 1 when "
+                                     "verification fails, 2 for a mistake in the scenario, 3 when a rank's peak "
+                                     "memory exceeds its device's (a real run would die of OOM).")
     _scenario_args(run)
     run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
@@ -90,7 +93,9 @@ def _comparison(outcome: Outcome) -> Table:
         status = v.get("status", "")
         verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
-        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %", format_bytes(peak),
+        fits = r["memory"]["fits"]
+        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
+                  format_bytes(peak) + ("" if fits else " OOM"),
                   format_bytes(sent), verdict)
     return t
 
@@ -133,6 +138,22 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
 def _passed(outcome: Outcome) -> bool:
     reports = [o.report for _, o in outcome.variants] or [outcome.report]
     return all(r["verification"].get("passed", True) for r in reports)
+
+
+def out_of_memory(outcome: Outcome) -> list[str]:
+    """One line per run whose peak exceeds the device's memory: a real run would die there."""
+    labelled = [(label, o.report) for label, o in outcome.variants] or [(outcome.scenario.name, outcome.report)]
+    return [f"{label}: out of memory: rank peak {format_bytes(m['peak_bytes'])} > {format_bytes(m['capacity_bytes'])} "
+            f"on the {r['cluster']['device']} ({m['ranks_over']} of {r['world_size']} ranks over)"
+            for label, r in labelled if not (m := r["memory"])["fits"]]
+
+
+def _status(outcome: Outcome, err: Console) -> int:
+    """0: verified (or nothing to verify) and fits; 1: a verification failed; 3: out of memory."""
+    oom = out_of_memory(outcome)
+    for line in oom:
+        err.print(f"[bold red]error:[/] {line}", markup=True, soft_wrap=True)
+    return 1 if not _passed(outcome) else 3 if oom else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         render(outcome, out, args.width)
     if getattr(args, "svg", None):
         out.save_svg(args.svg, title=f"simcluster: {scenario.name}")
-    return 0 if _passed(outcome) else 1
+    return _status(outcome, err)
 
 
 if __name__ == "__main__":

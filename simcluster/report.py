@@ -104,30 +104,40 @@ def verification(mode: str, expected: dict[str, Any], got: dict[str, Any]) -> di
     return out
 
 
-def build(scenario: Scenario, result: RunResult, *, parameters: int, model_flops: float,
+def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
           verdict: dict[str, Any]) -> dict[str, Any]:
+    """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step."""
     spec = result.cluster.spec
     steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
-    makespan, fold = result.trace.end, result.fold
+    makespan, fold, world = result.trace.end, result.fold, result.mesh.world_size
     peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
+    seconds = makespan * 1e-9
     peaks = result.trace.memory_peaks()
     if fold is not None:
         peaks = fold.by_rank(peaks)
-    mfu = model_flops / (makespan * 1e-9 * result.mesh.world_size * peak) if makespan else 0.0
+    capacity = int(spec.memory_gbyte * 2**30)
+    highest = max((v["total"] for v in peaks.values()), default=0)
     return {
         "scenario": scenario.as_dict(),
-        "world_size": result.mesh.world_size,
+        "world_size": world,
         "mesh": dict(result.mesh.sizes),
         "cluster": spec.as_dict(),
         "parameters": parameters,
         "steps": steps,
         "step_time_ns": makespan // steps,
         "total_time_ns": makespan,
-        "mfu": round(mfu, 6),
+        "tokens_per_s": round(tokens * steps / seconds, 3) if makespan else 0.0,
+        "model_flops_per_step": flops[0] / steps,
+        "hardware_flops_per_step": flops[1] / steps,
+        "mfu": round(flops[0] / (seconds * world * peak), 6) if makespan else 0.0,
+        "hfu": round(flops[1] / (seconds * world * peak), 6) if makespan else 0.0,
+        "tflops_per_gpu": round(flops[1] / (seconds * world) / 1e12, 3) if makespan else 0.0,
         "compute_idle_fraction": round(idle_fraction(result.trace, fold), 6),
         "busy_ns": busy(result.trace, fold),
         "communication": communication(result.trace),
         "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},
+        "memory": {"capacity_bytes": capacity, "peak_bytes": highest, "fits": highest <= capacity,
+                   "ranks_over": sum(1 for v in peaks.values() if v["total"] > capacity)},
         "trace_events": len(result.trace) * (fold.copies if fold else 1),
         "verification": verdict,
     }

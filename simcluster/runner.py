@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
+from simcluster.model.flops import step_flops
 from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
@@ -78,6 +79,7 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
     with _as_scenario_error():
         model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
                           seq=m["seq"], vocab=m["vocab"], causal=m["causal"], arch=m["arch"], kv_heads=m["kv_heads"],
+                          attention_kernel=m["attention_kernel"],
                           tied_head=m["arch"] == "gpt" if m["tied_head"] is None else m["tied_head"],
                           dropout=m["dropout"], seed=r["seed"], recompute=p["recompute"], dtype=m["dtype"])
         per_rank, rest = divmod(m["global_batch"], dp)
@@ -113,7 +115,8 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
         result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype, fold=alike)
         assembled = (lambda: assemble_composed(result.results, coords, plan))
         parameters = cfg.model.parameters
-        model_flops = 6.0 * parameters * cfg.global_batch * cfg.model.seq * cfg.steps
+        tokens = cfg.global_batch * cfg.model.seq
+        flops = tuple(f * cfg.steps for f in step_flops(cfg.model, tokens))
         if not sc.run["verify"]:
             verdict: dict[str, Any] = {"mode": mode, "status": "not requested (run.verify = false)"}
         elif mode == "meta":
@@ -122,6 +125,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
             verdict = _report.verification(mode, reference(cfg, mode), assembled())
     elif sc.run["program"] == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
+        flops, tokens = (model_flops, model_flops), cfg.tokens
         result = simulate(train_mlp, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
         if not sc.run["verify"]:
             verdict = {"mode": mode, "status": "not requested (run.verify = false)"}
@@ -138,7 +142,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
         elements = sc.model["global_batch"] * sc.model["seq"] * sc.model["hidden"]
         result = simulate(allreduce_decomposed, elements, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode,
                           cost_dtype=dtype)
-        parameters, model_flops = 0, 0.0
+        parameters, flops, tokens = 0, (0.0, 0.0), 0
         if mode == "meta":
             verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
         else:
@@ -150,8 +154,8 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
             verdict["reference"] = "the all-reduce's result"
     else:
         result = simulate(collectives_demo, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-        parameters, model_flops = 0, 0.0
+        parameters, flops, tokens = 0, (0.0, 0.0), 0
         verdict = {"mode": mode, "status": "not applicable: the collectives program has no single-device form "
                                            "(its results are checked against their definitions by the test suite)"}
-    rep = _report.build(sc, result, parameters=parameters, model_flops=model_flops, verdict=verdict)
+    rep = _report.build(sc, result, parameters=parameters, flops=flops, tokens=tokens, verdict=verdict)
     return Outcome(sc, result, rep)

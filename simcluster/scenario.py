@@ -45,6 +45,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      "Adam; fp16 with a static loss scale of 4096); fp32: everything fp32. Kernels and "
                      "communication are timed in it", choices=("bf16", "fp16", "fp32")),
         "causal": Key(bool, True, "causal attention"),
+        "attention_kernel": Key(str, "flash", "what the attention core costs in time and memory: one fused "
+                                "FlashAttention kernel, or each step as its own kernel with the s x s scores in memory",
+                                choices=("flash", "unfused")),
         "tied_head": Key(bool, None, "LM head tied to the token embedding (default: gpt yes, llama no)"),
         "arch": Key(str, "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary "
                     "positions, SwiGLU MLP, grouped-query attention, no biases, untied head)", choices=("gpt", "llama")),

@@ -1,5 +1,6 @@
 """Activation memory per layer, from the engine's accounting in meta mode: Korthikanti et al. 2022,
-Table 2 (16-bit activations, 1-byte dropout masks), one test per row."""
+Table 2 (16-bit activations, 1-byte dropout masks, the attention core unfused as in the paper), one
+test per row; then the fused (flash) kernel, which keeps softmax statistics instead of s x s tensors."""
 
 import pytest
 
@@ -22,13 +23,13 @@ def held_per_layer(program, cfg, mesh):
     return holds[0]
 
 
-def model(recompute="none"):
+def model(recompute="none", kernel="unfused"):
     return GPTConfig(layers=2, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, recompute=recompute,
-                     dtype="bf16", tied_head=False)
+                     dtype="bf16", tied_head=False, attention_kernel=kernel)
 
 
-def tp_layer(t, sp=False, recompute="none"):
-    data = DPConfig(model=model(recompute), global_batch=b, steps=1, precision="bf16")
+def tp_layer(t, sp=False, recompute="none", kernel="unfused"):
+    data = DPConfig(model=model(recompute, kernel), global_batch=b, steps=1, precision="bf16")
     return held_per_layer(composed, Plan(data=data, sp=sp), DeviceMesh(tp=t))
 
 
@@ -68,3 +69,12 @@ def test_context_parallel_shards_everything_like_tp_plus_sp(attention):
     data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
     got = held_per_layer(composed, Plan(data=data, attention=attention), DeviceMesh(cp=P))
     assert got == s * b * h * (34 / P + 5 * a * s / (h * P))
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (4, False), (4, True)])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_flash_attention_keeps_statistics_not_scores(t, sp, recompute):
+    """What selective recomputation keeps, plus one fp32 per query row and head: with or without it."""
+    statistics = 4 * a * s * b / t
+    outside = t if sp else 1
+    assert tp_layer(t, sp=sp, recompute=recompute, kernel="flash") == s * b * h * (10 / outside + 24 / t) + statistics

@@ -21,7 +21,7 @@ def as_bytes(out):
        dropout=st.sampled_from([0.0, 0.15]), seed=st.integers(0, 50))
 def test_recomputation_gives_byte_identical_training(layers, heads, causal, tied, dropout, seed):
     base = dict(layers=layers, hidden=6 * heads, heads=heads, ffn_hidden=10, seq=5, vocab=11, causal=causal,
-                tied_head=tied, dropout=dropout, seed=seed)
+                tied_head=tied, dropout=dropout, seed=seed, attention_kernel="unfused")  # (flash keeps no scores)
     runs = {r: train(make_ops("exact"), GPTConfig(**base, recompute=r), steps=2, batch_size=2) for r in Recompute}
     reference = as_bytes(runs[Recompute.NONE])
     assert as_bytes(runs[Recompute.SELECTIVE]) == reference

@@ -6,7 +6,9 @@ numpy caches hold an equivalent set (e.g. the softmax numerators and mask rather
 output), but memory is charged as a GPU implementation would hold it, tensor by tensor, so the totals
 are the paper's: sbh(34 + 5as/h) alone; with tensor parallelism t, the tensors inside the parallel
 region shrink by t; with sequence parallelism everything does; selective recomputation drops the
-attention core's 5as^2b; full recomputation keeps only the layer's input.
+attention core's 5as^2b; full recomputation keeps only the layer's input. A fused (flash) attention
+kernel keeps no s x s tensor either: it keeps one fp32 softmax statistic per query row and head, and
+regenerates its dropout mask from the random state (flash.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from simcluster.numerics.tensor import ITEMSIZE
 
 
 def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
-                      dtype: str = "bf16") -> dict[str, int]:
+                      dtype: str = "bf16", attention_kernel: str = "unfused") -> dict[str, int]:
     """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full")
@@ -39,7 +41,9 @@ def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = 
         # the two layer norms' inputs: 4sbh
         "layer norm inputs": 2 * item * sbh // outside,
     }
-    if recompute == "none":  # the attention core: recomputed under selective recomputation
+    if attention_kernel == "flash":
+        kept["softmax statistics (flash)"] = 4 * a * s * b // t
+    elif recompute == "none":  # the attention core: recomputed under selective recomputation
         kept |= {"softmax output": item * a * s * s * b // t, "softmax dropout mask": a * s * s * b // t,
                  "softmax dropout output": item * a * s * s * b // t}
     return kept

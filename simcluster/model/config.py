@@ -46,6 +46,7 @@ class GPTConfig:
     arch: str = "gpt"  # "gpt"; "llama": RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases
     kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); None: as many as heads
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    attention_kernel: str = "flash"  # what the attention core costs: one fused kernel, or each step (flash.py)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
@@ -72,6 +73,8 @@ class GPTConfig:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.attention_kernel not in ("flash", "unfused"):
+            raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
 
     @property
     def head_dim(self) -> int:

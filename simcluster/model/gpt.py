@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from simcluster.model import flash
 from simcluster.model.activations import layer_bytes
 from simcluster.model.config import GPTConfig, Recompute, Slice, batch, init_params, unit_names, units
 from simcluster.model.memory import MemoryLedger
@@ -93,13 +94,14 @@ class GPT:
     def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
         """The two-pass core: e, l, keep and the output (b, a, s, d)."""
         ops, cfg = self.ops, self.cfg
-        s = ops.attention_scores(q, k, 1.0 / np.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
-        e = ops.attention_weights(s, ops.max(s, -1))
-        l_sum = ops.sum(e, -1, partial=True)
-        keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
-        ek = e if keep is None else ops.zero_where(keep, e)
-        o_sum = ops.einsum("bask,bakd->basd", ek, v, partial=True)
-        out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - cfg.dropout))
+        with flash.forward(ops, cfg, q, k):
+            s = ops.attention_scores(q, k, 1.0 / np.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
+            e = ops.attention_weights(s, ops.max(s, -1))
+            l_sum = ops.sum(e, -1, partial=True)
+            keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
+            ek = e if keep is None else ops.zero_where(keep, e)
+            o_sum = ops.einsum("bask,bakd->basd", ek, v, partial=True)
+            out = ops.attention_output(o_sum, l_sum, q.dtype, 1.0 / (1.0 - cfg.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
 
     # -- one block -----------------------------------------------------------------------------
@@ -169,17 +171,18 @@ class GPT:
         """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward)."""
         ops, cfg = self.ops, self.cfg
         scale = 1.0 / np.sqrt(cfg.head_dim)
-        probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
-        pd = probs if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], probs),
-                                                        1.0 / (1.0 - cfg.dropout))
-        dv = ops.einsum("bask,basd->bakd", pd, dout)
-        dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
-        dp = dpd if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], dpd),
-                                                      1.0 / (1.0 - cfg.dropout))
-        delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
-        ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
-        dq = ops.scale(ops.einsum("bask,bakd->basd", ds, c_["k"]), scale)
-        dk = ops.scale(ops.einsum("bask,basd->bakd", ds, c_["q"]), scale)
+        with flash.backward(ops, cfg, c_["q"], c_["k"]):
+            probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
+            pd = probs if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], probs),
+                                                            1.0 / (1.0 - cfg.dropout))
+            dv = ops.einsum("bask,basd->bakd", pd, dout)
+            dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
+            dp = dpd if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], dpd),
+                                                          1.0 / (1.0 - cfg.dropout))
+            delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
+            ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
+            dq = ops.scale(ops.einsum("bask,bakd->basd", ds, c_["k"]), scale)
+            dk = ops.scale(ops.einsum("bask,basd->bakd", ds, c_["q"]), scale)
         return dq, dk, dv
 
     # -- the whole model -------------------------------------------------------------------------
@@ -285,7 +288,8 @@ class GPT:
         """What one block keeps for backward on this rank (model/activations.py), for x (b, s, h)."""
         b, s, _ = x.shape
         return layer_bytes(s=s, b=b, h=self.cfg.hidden, a=self.cfg.heads, t=t, sp=sp,
-                           recompute=self.cfg.recompute.value, dtype=self.cfg.dtype)
+                           recompute=self.cfg.recompute.value, dtype=self.cfg.dtype,
+                           attention_kernel=self.cfg.attention_kernel)
 
     def _bytes(self, tensors: dict[str, Any]) -> int:
         total = 0

@@ -10,8 +10,9 @@ The modes themselves are in modes.py.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -20,6 +21,10 @@ from simcluster.numerics import random as _random
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
 
 Record = Callable[[str, float, float], None]
+
+
+def _unrecorded(name: str, flops: float, nbytes: float) -> None:
+    """Where the kernels inside a fused kernel go."""
 
 
 class Mode(Enum):
@@ -58,6 +63,17 @@ class Ops:
     def kernel(self, name: str, *, flops: float, nbytes: float) -> None:
         """A kernel with no numbers: only its cost (used by timing-only programs)."""
         self._record(name, float(flops), float(nbytes))
+
+    @contextmanager
+    def fused(self, name: str, *, flops: float, nbytes: float) -> Iterator[None]:
+        """The enclosed ops as one kernel of the given cost: the same numbers, but what a fused GPU
+        kernel keeps on chip (FlashAttention's score tiles) costs neither memory traffic nor launches."""
+        record, self._record = self._record, _unrecorded
+        try:
+            yield
+        finally:
+            self._record = record
+        record(name, float(flops), float(nbytes))
 
     def _elementwise_cost(self, name: str, shape: tuple[int, ...], n_in: int, flops_per: float = 1.0) -> None:
         n = _numel(shape)

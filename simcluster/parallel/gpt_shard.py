@@ -25,6 +25,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model import flash
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
 from simcluster.parallel import ring_attention, ulysses
@@ -155,17 +156,18 @@ class GPTShard:
         """The two-pass core on full-sequence q, k, v (b, a', s, d): this tp rank's heads, or with
         ulysses this cp rank's share of them."""
         ops, m = self.ops, self.m
-        s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
-        e = ops.attention_weights(s, ops.max(s, -1))
-        l_sum = ops.sum(e, -1, partial=True)
-        keep = None
-        if m.dropout:
-            h0 = self.tr * self.heads + self.r * q.shape[1]
-            keep = self._mask(f"attn.{layer}", tuple(e.shape), step, (where.offset, h0, 0, 0),
-                              (where.total, m.heads, m.seq, m.seq))
-        ek = e if keep is None else ops.zero_where(keep, e)
-        out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
-                                   1.0 / (1.0 - m.dropout))
+        with flash.forward(ops, m, q, k):
+            s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
+            e = ops.attention_weights(s, ops.max(s, -1))
+            l_sum = ops.sum(e, -1, partial=True)
+            keep = None
+            if m.dropout:
+                h0 = self.tr * self.heads + self.r * q.shape[1]
+                keep = self._mask(f"attn.{layer}", tuple(e.shape), step, (where.offset, h0, 0, 0),
+                                  (where.total, m.heads, m.seq, m.seq))
+            ek = e if keep is None else ops.zero_where(keep, e)
+            out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
+                                       1.0 / (1.0 - m.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
 
     def attend(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
@@ -226,7 +228,8 @@ class GPTShard:
         """Bytes a block keeps on this rank (model/activations.py): TP (and SP) shrink what they
         split, and cp splits everything (every rank keeps its tokens' share, scores included)."""
         return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
-                           recompute=self.m.recompute.value, dtype=self.m.dtype) // self.P
+                           recompute=self.m.recompute.value, dtype=self.m.dtype,
+                           attention_kernel=self.m.attention_kernel) // self.P
 
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
         """The model's normalisation (layer norm) over the last dim: y and what its backward needs."""

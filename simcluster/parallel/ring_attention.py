@@ -22,6 +22,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model import flash
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 
@@ -191,25 +192,27 @@ def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
     K, V = yield [ctx.comm.all_gather(x, group=cp, dim=2, async_op=True) for x in (k, v)]  # (b, a, s, d)
     cols = np.concatenate([_positions(model, o) for o in range(model.P)])
     rows = model.positions
-    s = ops.attention_scores(q, K, 1.0 / np.sqrt(model.m.head_dim), model.allowed(rows, cols))
-    row_max = ops.max(s, -1)
-    e = ops.attention_weights(s, row_max)
-    l_sum = ops.sum(e, -1, partial=True)
-    keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, cols)
-    out = ops.attention_output(ops.einsum("bask,bakd->basd", _kept(model, e, keep), V, partial=True), l_sum, q.dtype,
-                               1.0 / (1.0 - model.m.dropout))
+    with flash.forward(ops, model.m, q, K):
+        s = ops.attention_scores(q, K, 1.0 / np.sqrt(model.m.head_dim), model.allowed(rows, cols))
+        row_max = ops.max(s, -1)
+        e = ops.attention_weights(s, row_max)
+        l_sum = ops.sum(e, -1, partial=True)
+        keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, cols)
+        out = ops.attention_output(ops.einsum("bask,bakd->basd", _kept(model, e, keep), V, partial=True), l_sum,
+                                   q.dtype, 1.0 / (1.0 - model.m.dropout))
     return out, {"scores": [s], "max": row_max, "l": l_sum, "keep": keep, "q": q, "K": K, "V": V, "out": out}
 
 
 def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     ops, ctx, cp = model.ops, model.ctx, model.cp
     scale = 1.0 / np.sqrt(model.m.head_dim)
-    e = ops.attention_weights(core["scores"][0], core["max"])
-    probs = ops.attention_probs(e, core["l"])
-    delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
-    dV = ops.einsum("bask,basd->bakd", _drop(model, probs, core["keep"]), dout, partial=True)
-    ds = ops.mul(probs, ops.sub(_drop(model, ops.einsum("basd,bakd->bask", dout, core["V"]), core["keep"]), delta))
-    dq = ops.scale(ops.einsum("bask,bakd->basd", ds, core["K"]), scale)
-    dK = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
+    with flash.backward(ops, model.m, core["q"], core["K"]):
+        e = ops.attention_weights(core["scores"][0], core["max"])
+        probs = ops.attention_probs(e, core["l"])
+        delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
+        dV = ops.einsum("bask,basd->bakd", _drop(model, probs, core["keep"]), dout, partial=True)
+        ds = ops.mul(probs, ops.sub(_drop(model, ops.einsum("basd,bakd->bask", dout, core["V"]), core["keep"]), delta))
+        dq = ops.scale(ops.einsum("bask,bakd->basd", ds, core["K"]), scale)
+        dK = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
     dk, dv = yield [ctx.comm.reduce_scatter(x, group=cp, dim=2, async_op=True) for x in (dK, dV)]
     return dq, ops.scale(ops.finalize(dk), scale), ops.finalize(dv)

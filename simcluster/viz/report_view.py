@@ -39,7 +39,10 @@ class ReportView:
         t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
         t.add_row("parameters", f"{r['parameters']:,}")
         t.add_row("step time", f"{format_ns(r['step_time_ns'])} ({r['steps']} step(s), {format_ns(r['total_time_ns'])} in all)")
-        t.add_row("MFU", f"{100 * r['mfu']:.2f} %")
+        if r["model_flops_per_step"]:  # (a program with a model)
+            t.add_row("throughput", f"{r['tokens_per_s']:,.0f} tokens/s; {r['tflops_per_gpu']:.1f} TFLOP/s per GPU")
+            t.add_row("MFU / HFU", f"{100 * r['mfu']:.2f} % / {100 * r['hfu']:.2f} % (PaLM's model FLOPs / "
+                                   f"Megatron-LM's hardware FLOPs)")
         t.add_row("compute idle", f"{100 * r['compute_idle_fraction']:.0f} % of the run (bubbles and waits, mean over ranks)")
         return t
 
@@ -77,6 +80,10 @@ class ReportView:
         categories = sorted({c for v in peaks.values() for c in v if c != "total"})
         for c in categories + ["total"]:
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
+        m = self.report.get("memory")
+        if m:
+            t.add_row("device", f"{format_bytes(m['capacity_bytes'])}: " + (
+                "fits" if m["fits"] else f"[bold red]OUT OF MEMORY[/] on {m['ranks_over']} rank(s)"))
         return t
 
     def _verdict(self) -> Table:

@@ -1,0 +1,55 @@
+"""Predicted against published: Megatron-LM's weak-scaling table (not a test).
+
+Runs each row of benchmarks/megatron_table1.toml (Narayanan et al. 2021, Table 1: GPT 1.7B on 32
+A100s to 1T on 3,072) in meta mode, folded, and prints the predicted TFLOP/s per GPU (the report's
+`tflops_per_gpu`: Megatron's Eq. 3 FLOPs over the simulated step) beside the paper's, with the
+simulation's own wall time and peak memory (this process's resident set, which only grows: the
+figure for a row is the most any row so far needed). The error's mean and maximum end the table.
+
+    python benchmarks/fidelity.py [--rows 1-4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from pathlib import Path
+
+from simcluster.runner import run_scenario
+from simcluster.scenario import load
+
+TABLE = Path(__file__).with_name("megatron_table1.toml")
+PAPER = [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]  # TFLOP/s per GPU, Table 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1-10", help="rows to run, e.g. 1-4 (default: all ten)")
+    args = p.parse_args()
+    first, _, last = args.rows.partition("-")
+    rows = range(int(first), int(last or first) + 1)
+    sc = load(str(TABLE))
+    print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'paper':>6} {'error':>7} {'MFU':>6} "
+          f"{'memory/GPU':>10} {'sim s':>6} {'sim GB':>7}")
+    errors = []
+    for i in rows:
+        label, v = sc.variants[i - 1]
+        t = time.perf_counter()
+        r = run_scenario(v).report
+        wall = time.perf_counter() - t
+        m = r["mesh"]
+        layout = f"{r['world_size']} ({m['tp']}x{m['pp']}x{m['dp']})"
+        err = r["tflops_per_gpu"] / PAPER[i - 1] - 1
+        errors.append(err)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        fits = "" if r["memory"]["fits"] else " OOM"
+        print(f"{i:>3} {layout:<20} {r['tflops_per_gpu']:>9.1f} {PAPER[i - 1]:>6} {100 * err:>+6.1f}% "
+              f"{100 * r['mfu']:>5.1f}% {r['memory']['peak_bytes'] / 1e9:>8.1f}GB{fits} {wall:>6.1f} {rss:>7.2f}",
+              flush=True)
+    print(f"mean |error| {100 * sum(abs(e) for e in errors) / len(errors):.1f} %, "
+          f"max |error| {100 * max(abs(e) for e in errors):.1f} %")
+
+
+if __name__ == "__main__":
+    main()

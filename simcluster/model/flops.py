@@ -1,0 +1,36 @@
+"""FLOPs of a training step as the literature counts them: model FLOPs (for MFU) and hardware FLOPs
+(for HFU), from the model's shapes.
+
+Both count matrix multiplications only (2 FLOPs a multiply-add), per token:
+- a layer's forward: 2 x its weight matrices' size, plus the attention core's two products, QK^T and
+  PV, 2 x 2 x s x h (the whole s x s square, causal or not, as PaLM and Megatron-LM count it);
+- the LM head's forward: 2 x h x V (the input embedding is a lookup: no FLOPs);
+- backward: twice the forward (the input and the weight gradients).
+Model FLOPs = 3 x forward: PaLM's 6N + 12 l h s per token (Chowdhery et al. 2022, appendix B), which
+Llama 3 reports MFU with. Hardware FLOPs add what recomputation runs again (Narayanan et al. 2021,
+eq. 3, for full recomputation; Korthikanti et al. 2022, section 6, for selective): full recomputation
+repeats every layer's forward, selective only the attention core's. For a GPT with a 4h MLP this is
+Megatron-LM's 72 B s l h^2 (1 + s/6h + V/12lh) for model FLOPs and, with full recomputation, its
+96 B s l h^2 (1 + s/6h + V/16lh), the formula behind the TFLOP/s of its Table 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+from simcluster.model.config import GPTConfig, Recompute
+
+
+def forward_per_token(model: GPTConfig) -> tuple[float, float, float]:
+    """Forward FLOPs per token: (all layers' weight products, all layers' attention cores, the head)."""
+    shapes = model.parameter_shapes()
+    weights = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.") and len(s) == 2)
+    return 2.0 * weights, 4.0 * model.layers * model.seq * model.hidden, 2.0 * model.hidden * model.vocab
+
+
+def step_flops(model: GPTConfig, tokens: int) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of a step over `tokens` tokens."""
+    layers, core, head = forward_per_token(model)
+    useful = 3.0 * (layers + core + head)
+    again = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: layers + core}[model.recompute]
+    return useful * tokens, (useful + again) * tokens

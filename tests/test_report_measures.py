@@ -1,0 +1,43 @@
+"""The report's literature measures: FLOPs as Megatron-LM and PaLM count them, and whether a run fits."""
+
+import json
+
+import pytest
+
+from simcluster.cli import main
+from simcluster.model.config import GPTConfig
+from simcluster.model.flops import step_flops
+from simcluster.model.precision import model_state_bytes
+
+
+@pytest.mark.parametrize("l,h,a,s,V", [(24, 2304, 24, 2048, 51200), (128, 25600, 160, 2048, 51200), (2, 64, 4, 32, 128)])
+def test_flops_are_megatrons_closed_forms(l, h, a, s, V):
+    """Narayanan et al. 2021, eq. 3 (full recomputation: 96), and Korthikanti et al. 2022 (model FLOPs: 72),
+    for a GPT with a 4h MLP, B sequences of s tokens."""
+    B = 8
+    model = GPTConfig(layers=l, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False)
+    useful, _ = step_flops(model, B * s)
+    assert useful == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
+    full = GPTConfig(**{**model.__dict__, "recompute": "full"})
+    assert step_flops(full, B * s)[1] == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)),
+                                                       rel=1e-12)
+    selective = GPTConfig(**{**model.__dict__, "recompute": "selective"})  # again: QK^T and PV, 4Bs^2h a layer
+    assert step_flops(selective, B * s)[1] - useful == pytest.approx(4 * B * s * s * h * l, rel=1e-12)
+
+
+def test_a_run_that_does_not_fit_fails_like_a_real_one(capsys):
+    """DDP keeps 16 bytes a parameter (Rajbhandari et al. 2020): a device smaller than that cannot hold
+    it, whatever the activations; a device of exactly the simulated peak can."""
+    args = ["run", "zero_memory", "--json", "--set", "run.numerics=meta", "--set", "parallel.zero=0"]
+    assert main(args) == 0
+    rep = json.loads(capsys.readouterr().out)["variants"][0]
+    psi, peak = rep["parameters"], rep["memory"]["peak_bytes"]
+    states = psi * sum(model_state_bytes(1, "bf16").values())
+    assert states == 16 * psi and peak > states  # and activations on top
+    for capacity, fits in ((states - 1, False), (peak - 1, False), (peak, True)):
+        status = main(args + ["--set", f"cluster.memory_gbyte={(capacity + 0.5) / 2**30!r}"])
+        out = capsys.readouterr()
+        memory = json.loads(out.out)["variants"][0]["memory"]
+        assert memory["capacity_bytes"] == capacity and memory["fits"] is fits
+        assert status == (0 if fits else 3)
+        assert ("out of memory" in out.err) is not fits
