@@ -19,7 +19,7 @@ class ClusterSpec:
     peak_tflops: float = 312.0  # dense 16-bit tensor-core peak (bf16/fp16)
     peak_tflops_fp32: float = 19.5  # plain fp32 (no tensor cores)
     hbm_gbyte_per_s: float = 2039.0
-    memory_gbyte: float = 80.0
+    memory_gbyte: float = 80.0  # device memory in GiB (the datasheet's "80GB"); a peak above it is out of memory
     nvlink_gbyte_per_s: float = 300.0  # each way
     nic_gbit_per_s: float = 200.0  # each way
     nvlink_latency_ns: int = 1000  # per ring step; assumption
