@@ -12,42 +12,29 @@ own kernel, the s x s tensors through memory, as the first Megatron-LM did.
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
 from simcluster.numerics.tensor import ITEMSIZE
 
-KERNELS = ("flash", "unfused")
-
-
-def _sizes(q: Any, k: Any) -> tuple[int, int, float]:
+def _fused(ops: Any, cfg: Any, name: str, q: Any, k: Any, products: float, moved: int) -> ContextManager[None]:
+    """One kernel doing `products` times q k^T's FLOPs (half of them when causal) and moving `moved`
+    tensors of q's size, as many of k's, and as many fp32 statistics per query row."""
+    if cfg.attention_kernel != "flash":
+        return nullcontext()
     b, a, sq, d = q.shape
-    return b * a * sq * d, b * a * k.shape[2] * d, float(b * a * sq * k.shape[2] * d)
+    nq, nk = b * a * sq * d, b * a * k.shape[2] * d
+    flops = 2.0 * products * b * a * sq * k.shape[2] * d * (0.5 if cfg.causal else 1.0)
+    return ops.fused(name, flops=flops, nbytes=ITEMSIZE[cfg.dtype] * moved * (nq + nk) + 4 * moved // 2 * nq // d)
 
 
 def forward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
-    """Around the forward core on q (b, a, sq, d) and k (b, a, sk, d): one fused kernel, or nothing."""
-    if cfg.attention_kernel != "flash":
-        return nullcontext()
-    nq, nk, prod = _sizes(q, k)
-    part = 0.5 if cfg.causal else 1.0
-    item = ITEMSIZE[cfg.dtype]
-    return ops.fused("flash_attention", flops=4.0 * prod * part,
-                     nbytes=item * (2 * nq + 2 * nk) + 4 * nq // q.shape[3])
+    """Around the forward core on q (b, a, sq, d) and k (b, a, sk, d): one fused kernel, or nothing.
+    Two products (QK^T, PV); reads q, k, v, writes the output and the statistics."""
+    return _fused(ops, cfg, "flash_attention", q, k, products=2, moved=2)
 
 
 def backward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
-    """Around the backward core: reads q, o, dO, k, v and the statistics, writes dq, dk, dv."""
-    if cfg.attention_kernel != "flash":
-        return nullcontext()
-    nq, nk, prod = _sizes(q, k)
-    part = 0.5 if cfg.causal else 1.0
-    item = ITEMSIZE[cfg.dtype]
-    return ops.fused("flash_attention_backward", flops=10.0 * prod * part,
-                     nbytes=item * (4 * nq + 4 * nk) + 8 * nq // q.shape[3])
-
-
-def statistics_bytes(*, s: int, b: int, a: int) -> int:
-    """What the forward keeps for the backward besides q, k, v, o: one fp32 per query row and head."""
-    return 4 * math.prod((s, b, a))
+    """Around the backward core: five products (QK^T again, dV, dP, dQ, dK); reads q, o, dO, k, v and
+    the statistics, writes dq, dk, dv (counted as four of each size), and the row sums dO.o."""
+    return _fused(ops, cfg, "flash_attention_backward", q, k, products=5, moved=4)
