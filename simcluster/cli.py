@@ -29,8 +29,8 @@ def _scenario_args(p: argparse.ArgumentParser, optional: bool = True) -> None:
     p.add_argument("--at-scale", action="store_true",
                    help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
     p.add_argument("--no-fold", dest="fold", action="store_false",
-                   help="in meta mode, simulate every data-parallel replica instead of one block of them "
-                        "standing for all (same results, slower; for checking the fold)")
+                   help="in meta mode, simulate every rank instead of letting one stand for its identical peers "
+                        "(data-parallel replicas, tensor-parallel peers): the same results, slower")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     _scenario_args(export)
     export.add_argument("-o", "--output", required=True, help="where to write the trace (JSON)")
     return p
+
+
+EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the simulated ranks only
 
 
 def _ints(text: str | None, what: str) -> list[int] | None:
@@ -182,12 +185,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         from simcluster.viz.chrome import dumps
 
-        trace = outcome.result.full_trace()
+        result = outcome.result
+        whole = result.fold is None or len(result.trace) * result.fold.copies <= EXPORT_EVENTS
+        trace = result.full_trace() if whole else result.trace
         Path(args.output).write_text(dumps(trace, title=scenario.name))
-        out.print(f"wrote {len(trace)} events to {args.output}")
+        out.print(f"wrote {len(trace)} events to {args.output}" + ("" if whole else
+                  f" (the simulated ranks: every rank would be {len(result.trace) * result.fold.copies:,} events; "
+                  f"{result.fold.describe()})"))
         return 0
     if args.command == "timeline":
-        trace = outcome.result.full_trace()
+        result = outcome.result
+        if result.fold is not None and ranks is None:  # the representatives, each standing for its peers
+            out.print(f"(folded: {result.fold.describe()}; --ranks draws any rank)", markup=False)
+            trace = result.trace
+        else:
+            trace = result.full_trace(ranks)
         if args.streams:
             keep = set(args.streams.split(","))
             trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])

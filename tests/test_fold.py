@@ -112,3 +112,18 @@ def test_cli_no_fold_prints_the_same_report(capsys):
     folded = capsys.readouterr().out
     assert main(args + ["--no-fold"]) == 0
     assert capsys.readouterr().out == folded
+
+
+def test_views_of_a_folded_run_draw_any_rank(capsys, tmp_path):
+    """The timeline draws the representatives, or any rank asked for (rebuilt); export writes every rank."""
+    meta = ["--set", "run.numerics=meta", "--set", "parallel.schedule=1f1b", "--set", "parallel.virtual_stages=1"]
+    assert main(["timeline", "megatron_3d", *meta, "--width", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "folded" in out and "r7 compute" in out and "r8 " not in out
+    assert main(["timeline", "megatron_3d", *meta, "--ranks", "9", "--width", "40"]) == 0
+    assert "r9 compute" in capsys.readouterr().out
+    path = tmp_path / "trace.json"
+    assert main(["export", "megatron_3d", *meta, "-o", str(path)]) == 0
+    names = {e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r}" for r in range(16)}

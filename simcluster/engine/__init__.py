@@ -28,9 +28,12 @@ class RunResult:
     fold: Fold | None = None
     unfolded_because: str = ""  # why a fold that was asked for could not be used
 
-    def full_trace(self) -> Trace:
-        """Every rank's trace (rebuilt from the simulated block when folded)."""
-        return self.trace if self.fold is None else self.fold.expand(self.trace)
+    def full_trace(self, ranks: Sequence[int] | None = None) -> Trace:
+        """Every rank's trace, or `ranks`' (rebuilt from the simulated ranks' when folded)."""
+        if self.fold is None:
+            return self.trace if ranks is None else Trace([e for e in self.trace if e.rank in set(ranks)],
+                                                          [lane for lane in self.trace.lanes if lane[0] in set(ranks)])
+        return self.fold.expand(self.trace, ranks)
 
     @property
     def makespan_ns(self) -> int:

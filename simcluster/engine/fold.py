@@ -116,8 +116,8 @@ class Fold:
                 out[r] = {self.stream(s, r): x for s, x in v.items()} if rename else v
         return out
 
-    def expand(self, trace: Trace) -> Trace:
-        """The unfolded run's trace, rebuilt from the simulated ranks'."""
+    def expand(self, trace: Trace, ranks: Iterable[int] | None = None) -> Trace:
+        """The unfolded run's trace (of `ranks` only, if given), rebuilt from the simulated ranks'."""
         events: dict[int, list[TraceEvent]] = {}
         for e in trace.events:
             events.setdefault(e.rank, []).append(e)
@@ -130,7 +130,7 @@ class Fold:
         all_lanes: list[tuple[int, str]] = []
         all_events: list[TraceEvent] = []
         all_memory: list[MemoryEvent] = []
-        for r in range(self.world):
+        for r in range(self.world) if ranks is None else sorted(set(ranks)):
             rep = self.rep(r)
             all_lanes.extend((r, self.stream(s, r)) for s in lanes.get(rep, ()))
             all_events.extend(e._replace(rank=r, stream=self.stream(e.stream, r), group=self.group(e.group, r))
