@@ -31,7 +31,7 @@ from simcluster.topology.plans import plan, semantic_bytes
 
 
 class Replay:
-    """Replays `ranks`' streams; with a fold (engine/fold.py), they are block 0 and stand for all."""
+    """Replays `ranks`' streams; with a fold (engine/fold.py), the representatives', standing for all."""
 
     def __init__(self, ranks: list[RankState], calls: list[Call], cluster: Cluster, cost_dtype: str,
                  fold: Fold | None = None) -> None:
