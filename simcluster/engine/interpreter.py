@@ -5,8 +5,8 @@ complete, then the next ready rank runs. A call completes, and its members' data
 every member has issued it; members that were waiting for it become ready again, in group order.
 Nothing depends on time here: numbers never depend on timing, so data and time are separate passes.
 
-What comes out, besides each rank's result, is each rank's streams: ordered lists of kernels, waits
-on other streams, and parts of communication calls. `timing.py` replays them on the cluster.
+What comes out, besides each rank's result, is each rank's streams (streams.py): ordered lists of
+kernels, waits on other streams, and parts of communication calls. `timing.py` replays them.
 
 Checked here: the k-th calls on a group (or the k-th messages on a send/recv channel) must agree
 across ranks (`CollectiveMismatchError`); if no rank can proceed, or a rank ends while others wait
@@ -27,60 +27,11 @@ from simcluster.engine.gcpause import gc_paused
 from simcluster.numerics.ops import Mode, make_ops
 from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
-from simcluster.program.context import COMPUTE, Context, Program
+from simcluster.program.context import Context, Program
 from simcluster.program.mesh import DeviceMesh, ProcessGroup
-from simcluster.model.memory import CATEGORIES
+from simcluster.engine.streams import COMM, WAIT, RankState, Stream, wait_index
 
-KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
 _SEND, _RECV = CommKind.SEND, CommKind.RECV
-
-
-class Stream:
-    """One rank's stream: items run in order. Kernel: (KERNEL, name, kind, flops, bytes);
-    wait: (WAIT, stream, index); communication: (COMM, call, kind, label, member index, stream, index,
-    where), where the call is joined once that item of that stream (None: no wait) has ended;
-    memory: (MEMORY, category, name, +-bytes), taking effect when the stream reaches it."""
-
-    __slots__ = ("rank", "name", "items", "waited_upto", "end_times", "waiters")
-
-    def __init__(self, rank: int, name: str) -> None:
-        self.rank = rank
-        self.name = name
-        self.items: list[tuple] = []
-        self.waited_upto: dict[str, int] = {}
-        self.end_times: list[int | None] = []
-        # the replay's, by item: its end, and what waits for it (streams to wake, calls to join)
-        self.waiters: list[list | None] = []
-
-
-def _wait_index(waiter: Stream, dep: Stream, index: int) -> int:
-    """The item of `dep` that `waiter` must wait for, from now on, to wait for item `index` (and so
-    for everything before it); -1 if it need not wait at all.
-
-    Waits that cannot delay anything are left out: on items already waited for, and on trailing
-    items of `dep` that end when its previous item ends (a memory item, or a wait on `waiter`
-    itself, which `waiter` has passed in order). The replay's times are the same either way.
-    """
-    if waiter is dep:
-        return -1
-    covered = waiter.waited_upto.get(dep.name, -1)
-    if index <= covered:
-        return -1
-    waiter.waited_upto[dep.name] = index
-    items = dep.items
-    while index > covered:
-        item = items[index]
-        if item[0] == MEMORY or (item[0] == WAIT and item[1] is waiter):
-            index -= 1
-            continue
-        return index
-    return -1
-
-
-def _add_wait(waiter: Stream, dep: Stream, index: int) -> None:
-    j = _wait_index(waiter, dep, index)
-    if j >= 0:
-        waiter.items.append((WAIT, dep, j))
 
 
 class Channel:
@@ -165,69 +116,6 @@ class EmulatedWork(Work):
         self.stream, self.index, self.call = stream, index, call
 
 
-class RankState:
-    """A rank's program and its streams (the `Streams` side of its Context)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.gen: Any = None
-        self.comm: Comm | None = None
-        self.streams: dict[str, Stream] = {}
-        self.cur = self.stream(COMPUTE)  # the current stream
-        self.label: tuple[str | None, str | None] = (None, None)
-        self.blocked: list[Work] | None = None
-        self.single = True
-        self.send_value: Any = None
-        self.finished = False
-        self.result: Any = None
-        self.works: list[Work] = []  # possibly not yet waited for
-        self.prune_at = 64
-        self.held: dict[tuple[str, str], int] = {}
-
-    @property
-    def current(self) -> str:
-        return self.cur.name
-
-    @current.setter
-    def current(self, name: str) -> None:
-        self.cur = self.stream(name)
-
-    def stream(self, name: str) -> Stream:
-        s = self.streams.get(name)
-        if s is None:
-            s = self.streams[name] = Stream(self.rank, name)
-        return s
-
-    def wait_stream(self, name: str) -> None:
-        dep = self.streams.get(name)
-        if dep is not None and dep.items:
-            _add_wait(self.cur, dep, len(dep.items) - 1)
-
-    # -- memory: ctx.memory -----------------------------------------------------------------------
-    @property
-    def memory(self) -> "RankState":
-        return self
-
-    def hold(self, category: str, name: str, nbytes: int) -> None:
-        """From this point of the current stream, the rank holds `nbytes` more of `category`."""
-        if category not in CATEGORIES:
-            raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(CATEGORIES)}")
-        if (category, name) in self.held:
-            raise ValueError(f"rank {self.rank} already holds {category} buffer {name!r}")
-        self.held[(category, name)] = int(nbytes)
-        self.cur.items.append((MEMORY, category, name, int(nbytes)))
-
-    def release(self, category: str, name: str) -> None:
-        nbytes = self.held.pop((category, name), None)
-        if nbytes is None:
-            raise ValueError(f"rank {self.rank} releases {category} buffer {name!r}, which it does not hold")
-        self.cur.items.append((MEMORY, category, name, -nbytes))
-
-    def kernel(self, name: str, flops: float, nbytes: float) -> None:
-        kind, label = self.label
-        self.cur.items.append((KERNEL, f"{label}/{name}" if label else name, kind or COMPUTE, flops, nbytes))
-
-
 class Interpreter:
     """Runs every rank's program, or with a fold (engine/fold.py) the representatives'."""
 
@@ -291,7 +179,7 @@ class Interpreter:
                 # the commonest case (one work, checked in full by _works_of otherwise), unrolled
                 y.waited = True
                 cur = st.cur
-                j = _wait_index(cur, y.stream, y.index)
+                j = wait_index(cur, y.stream, y.index)
                 if j >= 0:
                     cur.items.append((WAIT, y.stream, j))
                 st.single = True
@@ -313,7 +201,7 @@ class Interpreter:
             done = True
             for w in works:
                 w.waited = True
-                j = _wait_index(cur, w.stream, w.index)
+                j = wait_index(cur, w.stream, w.index)
                 if j >= 0:
                     cur.items.append((WAIT, w.stream, j))
                 done = done and w.done
@@ -391,7 +279,7 @@ class Interpreter:
         target = st.streams.get(op.stream) or st.stream(op.stream)
         cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
-        j = _wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
+        j = wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
         target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
         work = EmulatedWork(op, sync, target, len(target.items) - 1, call)
         works = st.works  # (kept to check that each is waited for; pruned as they are)

@@ -22,7 +22,8 @@ import simpy
 from simcluster.engine.errors import DeadlockError
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
-from simcluster.engine.interpreter import COMM, KERNEL, MEMORY, WAIT, Call, RankState, Stream
+from simcluster.engine.interpreter import Call
+from simcluster.engine.streams import COMM, KERNEL, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE

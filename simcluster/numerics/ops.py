@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from simcluster.numerics import kernels as _k
+from simcluster.numerics.flat import FlatBuffers
 from simcluster.numerics import random as _random
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
 
@@ -48,7 +49,7 @@ def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:-1] + (b[1],)
 
 
-class Ops:
+class Ops(FlatBuffers):
     """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs."""
 
     mode: Mode
@@ -386,62 +387,6 @@ class Ops:
         if self.mode is Mode.META:
             return MetaTensor(tuple(x.shape), dtype_name(dtype))
         return np.asarray(x).astype(numpy_dtype(dtype_name(dtype)))
-
-    # -- flat buffers: buckets and ZeRO shards ----------------------------------------------------
-    def flat(self, xs: list[Any]) -> Any:
-        """The tensors (arrays or partials) as one 1-D buffer, in order."""
-        total = sum(_numel(tuple(x.shape)) for x in xs)
-        self._cost("flatten", (total,), 0, 2)
-        first = xs[0]
-        if isinstance(first, MetaTensor):
-            return MetaTensor((total,), first.dtype, first.partial)
-        if isinstance(first, Partial):
-            return Partial(np.concatenate([x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs]), first.dtype)
-        return np.concatenate([np.asarray(x).reshape(-1) for x in xs])
-
-    def unflat(self, flat: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
-        """Inverse of `flat` (views); trailing padding is ignored."""
-        out, at = [], 0
-        for shape in shapes:
-            n = _numel(tuple(shape))
-            if isinstance(flat, MetaTensor):
-                out.append(MetaTensor(tuple(shape), flat.dtype, flat.partial))
-            elif isinstance(flat, Partial):
-                out.append(Partial(flat.limbs[at:at + n].reshape(tuple(shape) + (flat.limbs.shape[-1],)), flat.dtype))
-            else:
-                out.append(flat[at:at + n].reshape(shape))
-            at += n
-        return out
-
-    def pad(self, flat: Any, multiple: int) -> Any:
-        """Zero-pad a 1-D buffer to a multiple of `multiple` elements."""
-        n = flat.shape[0]
-        size = -(-n // multiple) * multiple
-        if size == n:
-            return flat
-        if isinstance(flat, MetaTensor):
-            return MetaTensor((size,), flat.dtype, flat.partial)
-        if isinstance(flat, Partial):
-            return Partial(np.concatenate([flat.limbs, np.zeros((size - n, flat.limbs.shape[-1]), np.int64)]), flat.dtype)
-        return np.concatenate([flat, np.zeros(size - n, dtype=flat.dtype)])
-
-    def chunk(self, flat: Any, parts: int, index: int) -> Any:
-        """Part `index` of `parts` equal parts of a 1-D buffer (a view)."""
-        n = flat.shape[0] // parts
-        if isinstance(flat, MetaTensor):
-            return MetaTensor((n,), flat.dtype, flat.partial)
-        if isinstance(flat, Partial):
-            return Partial(flat.limbs[index * n:(index + 1) * n], flat.dtype)
-        return flat[index * n:(index + 1) * n]
-
-    def retag(self, p: Any, dtype: str) -> Any:
-        """A partial charged and rounded as `dtype` from now on (its exact value unchanged);
-        in fast mode, the float buffer itself is cast, as a real bf16 all-reduce would."""
-        if isinstance(p, MetaTensor):
-            return MetaTensor(tuple(p.shape), dtype_name(dtype), p.partial)
-        if isinstance(p, Partial):
-            return Partial(p.limbs, dtype)
-        return np.asarray(p).astype(numpy_dtype(dtype_name(dtype)))
 
     def _meta_like(self, x: Any) -> Any:
         return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))

@@ -1,0 +1,76 @@
+"""Flat buffers: what DDP buckets and ZeRO shards are made of, in every mode.
+
+A unit's tensors flattened into one 1-D buffer, padded to a multiple of the shard count, cut into
+equal chunks, and back; a partial keeps its limbs, a meta tensor its shape. The methods of `Ops`
+(ops.py), kept here as one idea.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name, numpy_dtype
+
+
+class FlatBuffers:
+    """Mixed into Ops, whose `_cost(name, shape, flops_per, tensors)` charges the one kernel here."""
+
+    _cost: Any
+
+    def flat(self, xs: list[Any]) -> Any:
+        """The tensors (arrays or partials) as one 1-D buffer, in order."""
+        total = sum(math.prod(tuple(x.shape)) for x in xs)
+        self._cost("flatten", (total,), 0, 2)
+        first = xs[0]
+        if isinstance(first, MetaTensor):
+            return MetaTensor((total,), first.dtype, first.partial)
+        if isinstance(first, Partial):
+            return Partial(np.concatenate([x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs]), first.dtype)
+        return np.concatenate([np.asarray(x).reshape(-1) for x in xs])
+
+    def unflat(self, flat: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
+        """Inverse of `flat` (views); trailing padding is ignored."""
+        out, at = [], 0
+        for shape in shapes:
+            n = math.prod(tuple(shape))
+            if isinstance(flat, MetaTensor):
+                out.append(MetaTensor(tuple(shape), flat.dtype, flat.partial))
+            elif isinstance(flat, Partial):
+                out.append(Partial(flat.limbs[at:at + n].reshape(tuple(shape) + (flat.limbs.shape[-1],)), flat.dtype))
+            else:
+                out.append(flat[at:at + n].reshape(shape))
+            at += n
+        return out
+
+    def pad(self, flat: Any, multiple: int) -> Any:
+        """Zero-pad a 1-D buffer to a multiple of `multiple` elements."""
+        n = flat.shape[0]
+        size = -(-n // multiple) * multiple
+        if size == n:
+            return flat
+        if isinstance(flat, MetaTensor):
+            return MetaTensor((size,), flat.dtype, flat.partial)
+        if isinstance(flat, Partial):
+            return Partial(np.concatenate([flat.limbs, np.zeros((size - n, flat.limbs.shape[-1]), np.int64)]), flat.dtype)
+        return np.concatenate([flat, np.zeros(size - n, dtype=flat.dtype)])
+
+    def chunk(self, flat: Any, parts: int, index: int) -> Any:
+        """Part `index` of `parts` equal parts of a 1-D buffer (a view)."""
+        n = flat.shape[0] // parts
+        if isinstance(flat, MetaTensor):
+            return MetaTensor((n,), flat.dtype, flat.partial)
+        if isinstance(flat, Partial):
+            return Partial(flat.limbs[index * n:(index + 1) * n], flat.dtype)
+        return flat[index * n:(index + 1) * n]
+
+    def retag(self, p: Any, dtype: str) -> Any:
+        """A partial charged and rounded as `dtype` from now on (its exact value unchanged);
+        in fast mode, the float buffer itself is cast, as a real bf16 all-reduce would."""
+        if isinstance(p, MetaTensor):
+            return MetaTensor(tuple(p.shape), dtype_name(dtype), p.partial)
+        if isinstance(p, Partial):
+            return Partial(p.limbs, dtype)
+        return np.asarray(p).astype(numpy_dtype(dtype_name(dtype)))
