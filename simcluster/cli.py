@@ -90,16 +90,14 @@ def _comparison(outcome: Outcome) -> Table:
         t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
     for label, o in outcome.variants:
         r = o.report
-        peak = max((v.get("total", 0) for v in r.get("memory_peak_bytes", {}).values()), default=0)
+        memory = r["memory"]
         sent = sum(c["bytes_per_rank"] for c in r["communication"])
         v = r["verification"]
         status = v.get("status", "")
         verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
-        fits = r["memory"]["fits"]
         t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
-                  format_bytes(peak) + ("" if fits else " OOM"),
-                  format_bytes(sent), verdict)
+                  format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict)
     return t
 
 

@@ -102,8 +102,8 @@ def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
 
 
 def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
-    """Run one scenario. `fold`: in meta mode, simulate one block of identical data-parallel replicas
-    for all of them (engine/fold.py: the same trace and report, at a fraction of the cost)."""
+    """Run one scenario. `fold`: in meta mode, let one rank stand for its identical peers (data-parallel
+    replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a fraction of the cost."""
     spec = sc.cluster_spec()
     mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
     mode, dtype = sc.run["numerics"], sc.model["dtype"]

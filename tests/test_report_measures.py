@@ -1,6 +1,7 @@
 """The report's literature measures: FLOPs as Megatron-LM and PaLM count them, and whether a run fits."""
 
 import json
+import math
 
 import pytest
 
@@ -41,3 +42,34 @@ def test_a_run_that_does_not_fit_fails_like_a_real_one(capsys):
         assert memory["capacity_bytes"] == capacity and memory["fits"] is fits
         assert status == (0 if fits else 3)
         assert ("out of memory" in out.err) is not fits
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
+    """FlashAttention: QK^T and PV forward (2 x 2 b s^2 h FLOPs), five products backward (QK^T again),
+    half of them when causal; compute-bound at this size, so its time is FLOPs over the achievable
+    rate. The unfused core issues its steps instead, and no fused kernel."""
+    from simcluster.engine import simulate
+    from simcluster.parallel.composed import composed
+    from simcluster.parallel.data_parallel import DPConfig
+    from simcluster.parallel.plan import Plan
+    from simcluster.program.mesh import DeviceMesh
+    from simcluster.topology.presets import preset
+
+    b, s, h = 2, 2048, 256
+    spec = preset("dgx-a100", gpus_per_node=1)
+    rate = spec.peak_tflops * 1e3 * spec.compute_efficiency  # FLOPs per ns
+    names = {}
+    for kernel in ("flash", "unfused"):
+        model = GPTConfig(layers=1, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
+                          dtype="bf16", causal=causal, attention_kernel=kernel)
+        run = simulate(composed, Plan(data=DPConfig(model=model, global_batch=b, steps=1, precision="bf16")),
+                       mesh=DeviceMesh(), cluster=spec, mode="meta")
+        names[kernel] = {e.name.split("/")[-1]: e.duration for e in run.trace if e.name.startswith(("F0:block0",
+                                                                                                     "B0:block0"))}
+    part = 0.5 if causal else 1.0
+    fwd, bwd = names["flash"]["flash_attention"], names["flash"]["flash_attention_backward"]
+    assert fwd == math.ceil(4 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
+    assert bwd == math.ceil(10 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
+    assert "attention_scores" not in names["flash"]
+    assert "attention_scores" in names["unfused"] and "flash_attention" not in names["unfused"]

@@ -30,10 +30,12 @@ class RunResult:
 
     def full_trace(self, ranks: Sequence[int] | None = None) -> Trace:
         """Every rank's trace, or `ranks`' (rebuilt from the simulated ranks' when folded)."""
-        if self.fold is None:
-            return self.trace if ranks is None else Trace([e for e in self.trace if e.rank in set(ranks)],
-                                                          [lane for lane in self.trace.lanes if lane[0] in set(ranks)])
-        return self.fold.expand(self.trace, ranks)
+        if self.fold is not None:
+            return self.fold.expand(self.trace, ranks)
+        if ranks is None:
+            return self.trace
+        keep = set(ranks)
+        return Trace([e for e in self.trace if e.rank in keep], [lane for lane in self.trace.lanes if lane[0] in keep])
 
     @property
     def makespan_ns(self) -> int:
@@ -71,7 +73,8 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
                              f"numbers)")
         # Fold along every axis given; where the run is not symmetric along tp, along dp alone.
-        for axes in (fold, ("dp",)) if "tp" in fold and "dp" in fold else (fold,):
+        attempts = [fold] + ([("dp",)] if "tp" in fold and "dp" in fold else [])
+        for axes in attempts:
             plan = fold_for(mesh, spec, axes)
             if plan is None:
                 why = why or ("nothing to fold: no block of whole replicas and whole nodes smaller than the world, "
