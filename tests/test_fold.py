@@ -22,9 +22,9 @@ FOLDING = [
     ("zero_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # DDP, ZeRO-1/2/3 over dp 8
     ("fsdp_prefetch", []),  # ZeRO-3 with and without prefetch, dp 16 on two nodes
     ("pipeline_schedules", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=8"]),  # GPipe .. ZB-H1
-    ("megatron_3d", []),  # TP x PP x DP with SP, 1F1B and interleaved (dp folds; tp does not: see below)
+    ("megatron_3d", []),  # TP x PP x DP with SP, 1F1B and interleaved
     ("llama3_4d", []),  # TP x CP x PP x DP, GQA, all-gather CP, ZeRO-3 over dp x cp
-    ("llama3_4d", ["cluster.gpus_per_node=2", "cluster.nodes=8"]),  # the same, tp peers folded too
+    ("llama3_4d", ["cluster.gpus_per_node=2", "cluster.nodes=8"]),  # the same, one tp group a node
     ("ring_long_sequence", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=2"]),  # ring CP
     ("sequence_volume", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP+SP, Ulysses, ring
     ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
@@ -34,9 +34,8 @@ FOLDING = [
 
 @pytest.mark.parametrize("name,overrides", FOLDING, ids=[f"{n}{'-' if o else ''}{'-'.join(o)}" for n, o in FOLDING])
 def test_folded_runs_give_the_unfolded_trace_and_report_byte_for_byte(name, overrides):
-    """Megatron and Llama layouts with tp < GPUs per node fold dp only: the clipping norm's all-reduce
-    over the world runs a ring through each node in rank order, which a tp rotation does not map
-    onto itself."""
+    """With tp < GPUs per node, the clipping norm's all-reduce over the world crosses tp groups: its
+    ring visits a node's ranks by tp index (cluster.ring_order), which a tp rotation maps onto itself."""
     sc = load(name, ["run.numerics=meta"] + overrides)
     folded, unfolded = run_all(sc, fold=True), run_all(sc, fold=False)
     pairs = [(folded, unfolded)] if not sc.variants else list(zip((o for _, o in folded.variants),
@@ -119,7 +118,7 @@ def test_views_of_a_folded_run_draw_any_rank(capsys, tmp_path):
     meta = ["--set", "run.numerics=meta", "--set", "parallel.schedule=1f1b", "--set", "parallel.virtual_stages=1"]
     assert main(["timeline", "megatron_3d", *meta, "--width", "40"]) == 0
     out = capsys.readouterr().out
-    assert "folded" in out and "r7 compute" in out and "r8 " not in out
+    assert "folded" in out and "r6 compute" in out and "r7 " not in out and "r8 " not in out
     assert main(["timeline", "megatron_3d", *meta, "--ranks", "9", "--width", "40"]) == 0
     assert "r9 compute" in capsys.readouterr().out
     path = tmp_path / "trace.json"
@@ -127,3 +126,11 @@ def test_views_of_a_folded_run_draw_any_rank(capsys, tmp_path):
     names = {e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]
              if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {f"rank {r}" for r in range(16)}
+
+
+def test_tp_peers_fold_when_a_node_holds_several_tp_groups():
+    """megatron_3d: tp 2 on nodes of 8, with the clipping norm's all-reduce over the world."""
+    sc = load("megatron_3d", ["run.numerics=meta", "parallel.schedule=1f1b", "parallel.virtual_stages=1"])
+    result = run_all(sc.variants[0][1]).result
+    assert result.fold is not None and result.fold.tp and result.unfolded_because == ""
+    assert len(result.fold.ranks) == 4  # one replica of tp 2 x pp 4, one rank of each tp pair

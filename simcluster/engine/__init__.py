@@ -66,7 +66,7 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
         raise ValueError(
             f"the mesh has {mesh.world_size} ranks ({', '.join(f'{a}={n}' for a, n in mesh.sizes.items())}) but the "
             f"cluster has {spec.world_size} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); they must be equal")
-    topo = Cluster(spec)
+    topo = Cluster(spec, tp=mesh.sizes["tp"])
     why = ""
     if fold:
         if Mode(mode) is not Mode.META:

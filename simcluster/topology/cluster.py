@@ -16,8 +16,9 @@ PORT_NAMES = ("nvlink-out", "nvlink-in", "nic-out", "nic-in")
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, tp: int = 1) -> None:
         self.spec = spec
+        self.tp = tp  # the mesh's tp degree: how a ring orders a node's ranks (ring_order)
         self.world_size = spec.world_size
         self.gpus_per_node = spec.gpus_per_node
         nvlink = spec.nvlink_gbyte_per_s  # GB/s == bytes/ns
@@ -43,6 +44,17 @@ class Cluster:
         if self.same_node(src, dst):
             return (src * 4 + NVLINK_OUT, dst * 4 + NVLINK_IN), self.spec.nvlink_latency_ns
         return (src * 4 + NIC_OUT, dst * 4 + NIC_IN), self.spec.nic_latency_ns
+
+    def ring_order(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The order a ring visits `ranks` in: by node, inside a node by tp index, then by rank.
+
+        Through an NVSwitch every order costs the same; this one is mapped onto itself when the tp
+        index is rotated inside each tp group (a ring through tp ranks 0,0,..,1,1,..: the rotation
+        shifts it along itself), so a group across tp groups (the clipping norm's world all-reduce)
+        moves the same flows on every tp rank, which lets a simulation fold tp peers (engine/fold.py).
+        With tp = 1, or a group inside one tp group, it is rank order."""
+        t = self.tp
+        return tuple(sorted(ranks, key=lambda r: (r // self.gpus_per_node, r % t, r)))
 
     def link_name(self, link: int) -> str:
         return f"rank{link // 4}:{PORT_NAMES[link % 4]}"

@@ -53,7 +53,8 @@ def _by_node(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, ...]] 
 
 
 def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, peer: int | None = None) -> list[Phase]:
-    """Phases of a collective over `ranks` (group order). `nbytes`: see the module docstring."""
+    """Phases of a collective over `ranks` (group order; rings visit them in `cluster.ring_order`).
+    `nbytes`: see the module docstring."""
     n = len(ranks)
     S = float(nbytes)
     if kind in (CommKind.SEND, CommKind.RECV):
@@ -61,7 +62,7 @@ def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, 
     if n == 1:
         return []
     if kind is CommKind.BARRIER:
-        return [_ring(ranks, 2 * (n - 1), 0.0)]
+        return [_ring(cluster.ring_order(ranks), 2 * (n - 1), 0.0)]
     if kind is CommKind.ALL_TO_ALL:
         flows = tuple((a, b, S / n) for a in ranks for b in ranks if a != b)
         return [Phase(1, flows)]
@@ -72,11 +73,12 @@ def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, 
             chain = chain[::-1]
         return [Phase(n - 1, tuple((chain[i], chain[i + 1], S) for i in range(n - 1)))]
 
-    nodes = _by_node(cluster, ranks)
+    ring = cluster.ring_order(ranks)
+    nodes = _by_node(cluster, ring)
     if nodes is None:
         if kind is CommKind.ALL_REDUCE:
-            return [_ring(ranks, 2 * (n - 1), 2 * (n - 1) / n * S)]
-        return [_ring(ranks, n - 1, (n - 1) / n * S)]
+            return [_ring(ring, 2 * (n - 1), 2 * (n - 1) / n * S)]
+        return [_ring(ring, n - 1, (n - 1) / n * S)]
 
     k, m = len(nodes[0]), len(nodes)
     intra_rs = _merge([_ring(node, k - 1, (k - 1) / k * S) for node in nodes])
