@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
                             description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
     _scenario_args(export)
     export.add_argument("-o", "--output", required=True, help="where to write the trace (JSON)")
+    plan = sub.add_parser("plan", help="search the parallel layouts of a scenario's model on its cluster, best first",
+                          description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B or "
+                                      "interleaved), CP, DP, ZeRO stage, micro-batch size and recomputation. Every "
+                                      "layout is estimated in closed form; the best that fit are simulated (meta "
+                                      "mode) and printed by simulated step time. Exit status 3 when none fits.")
+    _scenario_args(plan)
+    plan.add_argument("--simulate", type=int, default=8, metavar="K",
+                      help="how many of the best estimated layouts to simulate (default 8)")
+    plan.add_argument("--json", action="store_true", help="print the search as one JSON document instead")
     return p
 
 
@@ -157,6 +166,37 @@ def _status(outcome: Outcome, err: Console) -> int:
     return 1 if not _passed(outcome) else 3 if oom else 0
 
 
+def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -> int:
+    """`simcluster plan`: the search, with a bar over the simulations on an interactive stderr."""
+    from simcluster.planner import search
+    from simcluster.viz.plan_view import plan_data, plan_table
+
+    if args.simulate < 1:
+        raise ScenarioError(f"--simulate must be at least 1, got {args.simulate}")
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
+                      transient=True) as progress:
+            task = progress.add_task("estimating every layout", total=None)
+
+            def on_simulate(i: int, n: int, layout: Any) -> None:
+                progress.update(task, total=n, completed=i, description=f"simulating {layout.label()}")
+
+            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold)
+    else:
+        found = search(scenario, simulate=args.simulate, fold=args.fold)
+    if not found.rows:
+        raise ScenarioError(f"no layout of {scenario.name!r} fits {found.examined} ways ({found.valid} valid): "
+                            f"the smallest estimate exceeds the device's memory; add nodes or shrink the model")
+    err.print(f"estimated {found.examined} layouts at {found.per_minute:,.0f} a minute", highlight=False)
+    if args.json:
+        sys.stdout.write(json.dumps(plan_data(found), indent=2, sort_keys=True) + "\n")
+    else:
+        out.print(plan_table(found, f"plan for {scenario.name!r}"))
+    return 0 if any(r.report["memory"]["fits"] for r in found.rows) else 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -176,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
         ranks = _ints(getattr(args, "ranks", None), "ranks")
+        if args.command == "plan":
+            return _plan(scenario, args, out, err)
         outcome = _with_progress(err, scenario, getattr(args, "fold", True))
     except (ScenarioError, SimulationError, ProgramError) as exc:
         err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)

@@ -1,0 +1,200 @@
+"""`simcluster plan`: the layouts of one model on one cluster, best first.
+
+Two stages, as an engineer would search:
+1. Every combination of TP (inside a node), PP (1F1B, or interleaved over two virtual stages), CP,
+   DP, ZeRO stage, micro-batch size and recomputation that the plan's checks accept is estimated in
+   closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
+   Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
+   interleaved, Narayanan et al. 2021) and time (the step's hardware FLOPs at the device's achievable
+   rate, stretched by the pipeline bubble (p-1)/(mv), plus the tensor-parallel collectives that sit
+   on the critical path and ZeRO-3's gathers). Layouts whose estimate exceeds the device by more than
+   `MARGIN` are dropped; the rest are ranked by estimated time.
+2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
+   peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
+The estimate only chooses what to simulate: every figure in the table is the simulator's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
+
+from simcluster.model.activations import layer_bytes
+from simcluster.model.flops import step_flops
+from simcluster.model.precision import model_state_bytes
+from simcluster.program.mesh import DeviceMesh
+from simcluster.runner import Outcome, _gpt, run_scenario
+from simcluster.scenario import Scenario, ScenarioError
+from simcluster.topology.presets import PRESETS
+
+MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
+MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    recompute: str
+    schedule: str
+    virtual: int
+
+    def label(self) -> str:
+        sched = "" if self.pp == 1 else (" 1F1B" if self.schedule == "1f1b" else f" interleaved v{self.virtual}")
+        return f"TP{self.tp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
+
+    def scenario(self, sc: Scenario) -> Scenario:
+        return replace(sc, variants=(), model={**sc.model, "micro_batch": self.micro_batch},
+                       parallel={**sc.parallel, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
+                                 "zero": self.zero, "recompute": self.recompute, "schedule": self.schedule,
+                                 "virtual_stages": self.virtual, "sp": self.tp > 1})
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    memory_bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    estimate: Estimate
+    outcome: Outcome
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.outcome.report
+
+
+@dataclass(frozen=True)
+class Search:
+    examined: int  # combinations of degrees and options
+    valid: int  # that the plan's checks accept
+    fitting: int  # whose estimate fits the device (within MARGIN)
+    estimate_seconds: float  # wall time of stage 1
+    rows: tuple[Row, ...]  # simulated, best first
+
+    @property
+    def per_minute(self) -> float:
+        """Layouts examined per minute of stage 1 (estimation)."""
+        return 60.0 * self.examined / max(self.estimate_seconds, 1e-9)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(sc: Scenario) -> Iterator[Layout]:
+    """Every combination the search considers (not all valid: `estimate` checks)."""
+    gpn = sc.cluster["gpus_per_node"]
+    world = sc.cluster["nodes"] * gpn
+    for tp in _divisors(gpn):
+        for pp in _divisors(world // tp):
+            if pp > sc.model["layers"]:
+                continue
+            for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
+                dp = world // (tp * pp * cp)
+                schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2)]
+                for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
+                    for mb in MICRO_BATCHES:
+                        for recompute in RECOMPUTE:
+                            for schedule, virtual in schedules:
+                                yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual)
+
+
+def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
+    """The closed-form memory and time of a layout (module docstring); None if the plan refuses it."""
+    lsc = layout.scenario(sc)
+    try:
+        plan = _gpt(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
+    except ScenarioError:
+        return None
+    spec = lsc.cluster_spec()
+    model, data = plan.model, plan.data
+    t, p, c, v = layout.tp, layout.pp, layout.cp, layout.virtual
+    m = data.micro_batches
+    shapes = model.parameter_shapes()
+    per_layer = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0.")) / t
+    edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last)
+    psi = math.ceil(model.layers / p) * per_layer + edge
+    n = layout.dp * c  # ZeRO shards over dp x cp
+    state = model_state_bytes(1, data.precision)
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
+    states = psi * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
+    act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t, sp=t > 1,
+                      recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
+    in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
+    memory = states + act * math.ceil(model.layers / p) * in_flight
+
+    tokens = data.global_batch * model.seq
+    _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
+    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
+    compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v))
+    nvlink = spec.nvlink_gbyte_per_s * 1e9
+    passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
+    message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
+    tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
+    gathers = 0.0
+    if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
+        nic = spec.nic_gbit_per_s / 8 * 1e9
+        gathers = 2 * m * 2 * psi * (n - 1) / n / (nic if n * t * p * c > spec.gpus_per_node else nvlink)
+    return Estimate(layout, memory, compute + tp_comm + gathers)
+
+
+def bottleneck(report: dict[str, Any]) -> str:
+    """What bounds a simulated step: compute, a communication stream, or the pipeline's bubble."""
+    if report["compute_idle_fraction"] < 0.15:
+        return "compute"
+    total = max(report["total_time_ns"], 1)
+    comm: dict[str, int] = {}
+    for lanes in report["busy_ns"].values():
+        for stream, ns in lanes.items():
+            if stream != "compute":
+                comm[stream] = max(comm.get(stream, 0), ns)
+    stream, ns = max(comm.items(), key=lambda kv: (kv[1], kv[0]), default=("", 0))
+    if ns > 0.5 * report["compute_idle_fraction"] * total:
+        return f"{stream} {100 * ns / total:.0f} %"
+    return "pipeline bubble" if report["mesh"]["pp"] > 1 else "waits"
+
+
+def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, Layout], None] | None = None,
+           fold: bool = True) -> Search:
+    """Estimate every layout, simulate the `simulate` best that fit, best first."""
+    if sc.run["program"] != "gpt":
+        raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run['program']!r}")
+    base = replace(sc, run={**sc.run, "numerics": "meta", "verify": False, "steps": 1})
+    start = time.perf_counter()
+    examined, estimates = 0, []
+    for layout in layouts(base):
+        examined += 1
+        e = estimate(base, layout)
+        if e is not None:
+            estimates.append(e)
+    capacity = _capacity(base)
+    fitting = sorted((e for e in estimates if e.memory_bytes <= MARGIN * capacity),
+                     key=lambda e: (e.seconds, e.memory_bytes, e.layout.label(), e.layout.zero,
+                                    e.layout.micro_batch, e.layout.recompute))
+    stage1 = time.perf_counter() - start
+    rows = []
+    for i, e in enumerate(fitting[:simulate]):
+        if on_simulate is not None:
+            on_simulate(i, min(simulate, len(fitting)), e.layout)
+        rows.append(Row(e.layout, e, run_scenario(e.layout.scenario(base), fold=fold)))
+    rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
+    return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
+
+
+def _capacity(sc: Scenario) -> float:
+    """The device's memory in bytes (as report.py counts it), whatever the scenario's degrees."""
+    c = sc.cluster
+    figure = c.get("memory_gbyte")
+    return (figure if figure is not None else PRESETS[c["preset"]].memory_gbyte) * 2**30

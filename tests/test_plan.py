@@ -1,0 +1,55 @@
+"""`simcluster plan`: every layout it prints is one `simcluster run` would run, best first."""
+
+import json
+
+from simcluster.cli import main
+from simcluster.planner import estimate, layouts, search
+from simcluster.runner import run_scenario
+from simcluster.scenario import load
+
+# a 4-layer GPT on two nodes of 4 GPUs: small enough to simulate many layouts in meta mode
+SMALL = ["run.numerics=meta", "run.steps=1", "model.layers=4", "model.hidden=512", "model.heads=8", "model.ffn_hidden=2048",
+         "model.seq=512", "model.vocab=1024", "model.global_batch=32", "model.tied_head=false",
+         "cluster.nodes=2", "cluster.gpus_per_node=4", "parallel.dp=8", "parallel.zero=0"]
+
+
+def test_the_search_prints_simulated_layouts_best_first_each_as_run_would_run_it():
+    sc = load(None, SMALL)
+    found = search(sc, simulate=3)
+    assert found.examined >= found.valid >= found.fitting >= len(found.rows) == 3
+    times = [r.report["step_time_ns"] for r in found.rows]
+    assert times == sorted(times)
+    for row in found.rows:
+        lay = row.layout
+        assert lay.tp * lay.pp * lay.cp * lay.dp == 8 and 4 % lay.tp == 0
+        again = run_scenario(lay.scenario(sc)).report  # the same layout, run on its own
+        assert again["step_time_ns"] == row.report["step_time_ns"]
+        assert again["memory"] == row.report["memory"]
+        # the closed form only chooses what to simulate, but it is not far off the simulator's peak
+        assert 0.5 < row.estimate.memory_bytes / row.report["memory"]["peak_bytes"] < 2
+
+
+def test_the_estimate_refuses_what_the_plan_refuses():
+    sc = load(None, SMALL)
+    checked = [(lay, estimate(sc, lay)) for lay in layouts(sc)]
+    assert any(e is None for _, e in checked) and any(e is not None for _, e in checked)
+    # 8 heads: tp 4 is fine, and no layout puts more pipeline stages than layers
+    assert all(lay.pp <= 4 for lay, _ in checked)
+    # interleaved needs each replica's micro-batch count to be a multiple of pp (here 32 / dp / mb)
+    for lay, e in checked:
+        per = 32 // lay.dp // lay.micro_batch if 32 % lay.dp == 0 else 0
+        if lay.schedule == "interleaved" and e is not None:
+            assert per % lay.pp == 0
+
+
+def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
+    args = ["plan", "--simulate", "1", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    rows = json.loads(first)["rows"]
+    assert len(rows) == 1 and rows[0]["memory"]["fits"]
+    assert main(args + ["--set", "cluster.memory_gbyte=0.001"]) == 2  # 1 MB GPUs: nothing fits
+    err = capsys.readouterr().err
+    assert "no layout" in err and "Traceback" not in err
