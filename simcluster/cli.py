@@ -187,8 +187,10 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
     else:
         found = search(scenario, simulate=args.simulate, fold=args.fold)
     if not found.rows:
-        raise ScenarioError(f"no layout of {scenario.name!r} fits {found.examined} ways ({found.valid} valid): "
-                            f"the smallest estimate exceeds the device's memory; add nodes or shrink the model")
+        err.print(f"[bold red]error:[/] out of memory: none of the {found.valid} valid layouts of {scenario.name!r} "
+                  f"fits (by estimate) in the device's memory; add nodes or shrink the model", markup=True,
+                  soft_wrap=True)
+        return 3
     err.print(f"estimated {found.examined} layouts at {found.per_minute:,.0f} a minute", highlight=False)
     if args.json:
         sys.stdout.write(json.dumps(plan_data(found), indent=2, sort_keys=True) + "\n")

@@ -50,6 +50,6 @@ def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
     assert capsys.readouterr().out == first
     rows = json.loads(first)["rows"]
     assert len(rows) == 1 and rows[0]["memory"]["fits"]
-    assert main(args + ["--set", "cluster.memory_gbyte=0.001"]) == 2  # 1 MB GPUs: nothing fits
+    assert main(args + ["--set", "cluster.memory_gbyte=0.001"]) == 3  # 1 MB GPUs: nothing fits
     err = capsys.readouterr().err
-    assert "no layout" in err and "Traceback" not in err
+    assert "out of memory" in err and "Traceback" not in err
