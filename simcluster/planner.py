@@ -25,7 +25,7 @@ from simcluster.model.activations import layer_bytes
 from simcluster.model.flops import step_flops
 from simcluster.model.precision import model_state_bytes
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import Outcome, _gpt, run_scenario
+from simcluster.runner import Outcome, plan_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import PRESETS
 
@@ -115,7 +115,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     """The closed-form memory and time of a layout (module docstring); None if the plan refuses it."""
     lsc = layout.scenario(sc)
     try:
-        plan = _gpt(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
+        plan = plan_of(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
     except ScenarioError:
         return None
     spec = lsc.cluster_spec()

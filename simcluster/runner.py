@@ -72,7 +72,8 @@ def _as_scenario_error() -> Iterator[None]:
         raise ScenarioError(str(exc)) from None
 
 
-def _gpt(sc: Scenario, mesh: DeviceMesh) -> Plan:
+def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
+    """The scenario's GPT/Llama layout on `mesh`, checked (a ScenarioError says what is impossible)."""
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
@@ -108,7 +109,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
     mode, dtype = sc.run["numerics"], sc.model["dtype"]
     if sc.run["program"] == "gpt":
-        plan = _gpt(sc, mesh)
+        plan = plan_of(sc, mesh)
         cfg = plan.data
         coords = [mesh.coords(r) for r in range(mesh.world_size)]
         alike = plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else ()
