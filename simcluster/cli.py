@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--simulate", type=int, default=8, metavar="K",
                       help="how many of the best estimated layouts to simulate (default 8)")
     plan.add_argument("--json", action="store_true", help="print the search as one JSON document instead")
+    plan.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUES",
+                      help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
+                           "--fix cp=1 --fix zero=0,1 --fix recompute=full; fields: tp, pp, cp, dp, zero, "
+                           "micro_batch, recompute, schedule, virtual")
     return p
 
 
@@ -168,11 +172,12 @@ def _status(outcome: Outcome, err: Console) -> int:
 
 def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -> int:
     """`simcluster plan`: the search, with a bar over the simulations on an interactive stderr."""
-    from simcluster.planner import search
+    from simcluster.planner import parse_fixed, search
     from simcluster.viz.plan_view import plan_data, plan_table
 
     if args.simulate < 1:
         raise ScenarioError(f"--simulate must be at least 1, got {args.simulate}")
+    fixed = parse_fixed(args.fix)
     if err.is_terminal:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -183,10 +188,14 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
             def on_simulate(i: int, n: int, layout: Any) -> None:
                 progress.update(task, total=n, completed=i, description=f"simulating {layout.label()}")
 
-            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold)
+            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed)
     else:
-        found = search(scenario, simulate=args.simulate, fold=args.fold)
+        found = search(scenario, simulate=args.simulate, fold=args.fold, fixed=fixed)
     if not found.rows:
+        if not found.valid:
+            err.print(f"[bold red]error:[/] no valid layout of {scenario.name!r} among the {found.examined} "
+                      f"examined{' (with --fix)' if fixed else ''}", markup=True, soft_wrap=True)
+            return 2
         err.print(f"[bold red]error:[/] out of memory: none of the {found.valid} valid layouts of {scenario.name!r} "
                   f"fits (by estimate) in the device's memory; add nodes or shrink the model", markup=True,
                   soft_wrap=True)

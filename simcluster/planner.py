@@ -93,8 +93,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(sc: Scenario) -> Iterator[Layout]:
-    """Every combination the search considers (not all valid: `estimate` checks)."""
+FIELDS = {f: type(getattr(Layout(1, 1, 1, 1, 0, 1, "none", "1f1b", 1), f)) for f in Layout.__dataclass_fields__}
+
+
+def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
+    """`--fix` arguments (`pp=1`, `zero=0,1`, `recompute=full`) as allowed values by layout field."""
+    fixed: dict[str, tuple[Any, ...]] = {}
+    for item in items:
+        name, eq, values = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in FIELDS or not values.strip():
+            raise ScenarioError(f"--fix {item!r}: expected FIELD=VALUE[,VALUE...] with FIELD one of "
+                                f"{', '.join(FIELDS)}")
+        try:
+            fixed[name] = tuple(FIELDS[name](v.strip()) for v in values.split(","))
+        except ValueError:
+            raise ScenarioError(f"--fix {item!r}: {name} takes {FIELDS[name].__name__} values") from None
+    return fixed
+
+
+def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> Iterator[Layout]:
+    """Every combination the search considers (not all valid: `estimate` checks), or those whose
+    fields take the `fixed` values."""
+    if fixed:
+        yield from (lay for lay in layouts(sc) if all(getattr(lay, f) in vs for f, vs in fixed.items()))
+        return
     gpn = sc.cluster["gpus_per_node"]
     world = sc.cluster["nodes"] * gpn
     for tp in _divisors(gpn):
@@ -137,15 +160,15 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
 
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
-    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
+    rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
     compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v))
-    nvlink = spec.nvlink_gbyte_per_s * 1e9
+    nvlink = spec.nvlink_gbyte_per_s * spec.nvlink_efficiency * 1e9
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
-        nic = spec.nic_gbit_per_s / 8 * 1e9
+        nic = spec.nic_gbit_per_s / 8 * spec.nic_efficiency * 1e9
         gathers = 2 * m * 2 * psi * (n - 1) / n / (nic if n * t * p * c > spec.gpus_per_node else nvlink)
     return Estimate(layout, memory, compute + tp_comm + gathers)
 
@@ -167,14 +190,15 @@ def bottleneck(report: dict[str, Any]) -> str:
 
 
 def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, Layout], None] | None = None,
-           fold: bool = True) -> Search:
-    """Estimate every layout, simulate the `simulate` best that fit, best first."""
+           fold: bool = True, fixed: dict[str, tuple[Any, ...]] | None = None) -> Search:
+    """Estimate every layout (those with the `fixed` values), simulate the `simulate` best that fit,
+    best first."""
     if sc.run["program"] != "gpt":
         raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run['program']!r}")
     base = replace(sc, run={**sc.run, "numerics": "meta", "verify": False, "steps": 1})
     start = time.perf_counter()
     examined, estimates = 0, []
-    for layout in layouts(base):
+    for layout in layouts(base, fixed):
         examined += 1
         e = estimate(base, layout)
         if e is not None:

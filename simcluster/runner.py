@@ -80,7 +80,7 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
     with _as_scenario_error():
         model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
                           seq=m["seq"], vocab=m["vocab"], causal=m["causal"], arch=m["arch"], kv_heads=m["kv_heads"],
-                          attention_kernel=m["attention_kernel"],
+                          attention_kernel=m["attention_kernel"], fused_kernels=m["fused_kernels"],
                           tied_head=m["arch"] == "gpt" if m["tied_head"] is None else m["tied_head"],
                           dropout=m["dropout"], seed=r["seed"], recompute=p["recompute"], dtype=m["dtype"])
         per_rank, rest = divmod(m["global_batch"], dp)
@@ -91,7 +91,8 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
                              f"(global_batch {m['global_batch']} / dp {dp})")
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
                        steps=r["steps"], lr=r["lr"], weight_decay=WEIGHT_DECAY[m["arch"]] if r["weight_decay"] is None else r["weight_decay"], clip_grad=r["clip_grad"] or None,
-                       precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"])
+                       precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"],
+                       overlap_grad_reduce=p["overlap_grad_reduce"])
         if p["schedule"] == "interleaved" and p["pp"] > 1 and cfg.micro_batches % p["pp"]:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "

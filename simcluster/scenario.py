@@ -48,6 +48,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "attention_kernel": Key(str, "flash", "what the attention core costs in time and memory: one fused "
                                 "FlashAttention kernel, or each step as its own kernel with the s x s scores in memory",
                                 choices=("flash", "unfused")),
+        "fused_kernels": Key(bool, True, "cost a block's elementwise work as the fused kernels of Megatron-LM "
+                             "(bias in the GEMM; bias+GELU; bias+dropout+residual; scale+mask+softmax), "
+                             "not one kernel an op as eager PyTorch"),
         "tied_head": Key(bool, None, "LM head tied to the token embedding (default: gpt yes, llama no)"),
         "arch": Key(str, "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary "
                     "positions, SwiGLU MLP, grouped-query attention, no biases, untied head)", choices=("gpt", "llama")),
@@ -76,6 +79,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                          "Megatron's distributed optimizer and torchtitan's FSDP do) or dp (after a sum over cp)",
                          choices=("dp_cp", "dp")),
         "prefetch": Key(bool, True, "ZeRO-3: gather the next unit's weights while this one computes"),
+        "overlap_grad_reduce": Key(bool, True, "DDP and ZeRO-1: reduce each unit's gradients as soon as its last "
+                                   "micro-batch is done, under the rest of the backward pass (Megatron's "
+                                   "--overlap-grad-reduce); false: all of them after the backward, as Megatron-LM "
+                                   "did in 2021"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
         "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1")),
         "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),

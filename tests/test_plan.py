@@ -53,3 +53,21 @@ def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
     assert main(args + ["--set", "cluster.memory_gbyte=0.001"]) == 3  # 1 MB GPUs: nothing fits
     err = capsys.readouterr().err
     assert "out of memory" in err and "Traceback" not in err
+
+
+def test_fixed_fields_narrow_the_search_and_a_bad_fix_is_one_line(capsys):
+    sc = load(None, SMALL)
+    fixed = {"pp": (1,), "zero": (0, 1), "recompute": ("full",)}
+    found = search(sc, simulate=1, fixed=fixed)
+    every = [lay for lay in layouts(sc)]
+    narrowed = [lay for lay in layouts(sc, fixed)]
+    assert found.examined == len(narrowed) < len(every)
+    assert narrowed == [lay for lay in every if lay.pp == 1 and lay.zero in (0, 1) and lay.recompute == "full"]
+    assert (found.rows[0].layout.pp, found.rows[0].layout.recompute) == (1, "full")
+    base = ["plan", "--simulate", "1"] + [x for kv in SMALL for x in ("--set", kv)]
+    for bad in ("pp", "pp=two", "colour=red"):
+        assert main(base + ["--fix", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--fix" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(base + ["--fix", "tp=3"]) == 2  # no valid layout: said, not a crash
+    assert "no valid layout" in capsys.readouterr().err

@@ -47,6 +47,7 @@ class GPTConfig:
     kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); None: as many as heads
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
     attention_kernel: str = "flash"  # what the attention core costs: one fused kernel, or each step (flash.py)
+    fused_kernels: bool = True  # bias+GELU, bias+dropout+residual, softmax as single kernels (fusion.py)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):

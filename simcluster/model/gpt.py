@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.model import flash
+from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.config import GPTConfig, Recompute, Slice, batch, init_params, unit_names, units
 from simcluster.model.memory import MemoryLedger
@@ -172,15 +172,17 @@ class GPT:
         ops, cfg = self.ops, self.cfg
         scale = 1.0 / np.sqrt(cfg.head_dim)
         with flash.backward(ops, cfg, c_["q"], c_["k"]):
-            probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
+            with fusion.probabilities(ops, cfg):
+                probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
             pd = probs if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], probs),
                                                             1.0 / (1.0 - cfg.dropout))
             dv = ops.einsum("bask,basd->bakd", pd, dout)
             dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
             dp = dpd if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], dpd),
                                                           1.0 / (1.0 - cfg.dropout))
-            delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
-            ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
+            with fusion.softmax_backward(ops, cfg, probs):
+                delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
+                ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
             dq = ops.scale(ops.einsum("bask,bakd->basd", ds, c_["k"]), scale)
             dk = ops.scale(ops.einsum("bask,basd->bakd", ds, c_["q"]), scale)
         return dq, dk, dv

@@ -21,11 +21,8 @@ from simcluster.numerics.flat import FlatBuffers
 from simcluster.numerics import random as _random
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
 
-Record = Callable[[str, float, float], None]
-
-
-def _unrecorded(name: str, flops: float, nbytes: float) -> None:
-    """Where the kernels inside a fused kernel go."""
+# (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
+Record = Callable[[str, Any, float], None]
 
 
 class Mode(Enum):
@@ -66,15 +63,23 @@ class Ops(FlatBuffers):
         self._record(name, float(flops), float(nbytes))
 
     @contextmanager
-    def fused(self, name: str, *, flops: float, nbytes: float) -> Iterator[None]:
-        """The enclosed ops as one kernel of the given cost: the same numbers, but what a fused GPU
-        kernel keeps on chip (FlashAttention's score tiles) costs neither memory traffic nor launches."""
-        record, self._record = self._record, _unrecorded
+    def fused(self, name: str | None, *, flops: float | None = None, nbytes: float = 0.0) -> Iterator[None]:
+        """The enclosed ops as one kernel moving `nbytes`: the same numbers, but what a fused GPU kernel
+        keeps on chip (FlashAttention's score tiles, an activation between its bias and its GELU)
+        costs neither memory traffic nor launches. `flops`: the kernel's (default: the enclosed
+        ops'). No name: the enclosed ops ride in the kernel before them (a GEMM's epilogue)."""
+        record, done = self._record, [0.0]
+
+        def inside(_: str, work: Any, __: float) -> None:
+            done[0] += 2.0 * math.prod(work) if work.__class__ is tuple else work
+
+        self._record = inside
         try:
             yield
         finally:
             self._record = record
-        record(name, float(flops), float(nbytes))
+        if name is not None:
+            record(name, float(done[0] if flops is None else flops), float(nbytes))
 
     def _elementwise_cost(self, name: str, shape: tuple[int, ...], n_in: int, flops_per: float = 1.0) -> None:
         n = _numel(shape)
@@ -84,14 +89,15 @@ class Ops(FlatBuffers):
     def matmul(self, a: Any, b: Any, *, partial: bool = False) -> Any:
         """a @ b over the last dim of a; with partial=True the sum over k stays unrounded."""
         out_shape = _matmul_shape(tuple(a.shape), tuple(b.shape))
-        k = a.shape[-1]
+        k, n = a.shape[-1], b.shape[1]
         n_out = _numel(out_shape)
-        self._record("matmul", 2.0 * n_out * k, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + n_out) * self._item)
+        self._record("matmul", (1, n_out // n if n else 0, n, k),
+                     (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + n_out) * self._item)
         return self._matmul(a, b, partial, out_shape)
 
     def finalize(self, p: Any, dtype: Any = None) -> Any:
         """Round a partial once to `dtype` (default: its own logical dtype) at the semantic rounding point."""
-        self._elementwise_cost("finalize", tuple(p.shape), 1)
+        # no kernel: on a GPU the rounding is the producer's (a GEMM's epilogue, a collective's output)
         if dtype is None:
             dtype = p.dtype if isinstance(p, np.ndarray) else (
                 numpy_dtype(p.dtype) if p.dtype in ("fp32", "fp64", "fp16", "bf16") else np.float32)
@@ -160,8 +166,10 @@ class Ops(FlatBuffers):
         ib, io = rest.split("->")
         size = dict(zip(ia, a.shape)) | dict(zip(ib, b.shape))
         out_shape = tuple(size[c] for c in io)
-        flops = 2.0 * float(math.prod(size.values()))
-        self._record("einsum", flops, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
+        gemm = (math.prod(size[c] for c in io if c in ia and c in ib),  # batch
+                math.prod(size[c] for c in io if c not in ib), math.prod(size[c] for c in io if c not in ia),
+                math.prod(size[c] for c in size if c not in io))  # k: the summed letters
+        self._record("einsum", gemm, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
         if self.mode is Mode.META:
             return MetaTensor(out_shape, getattr(a, "dtype", "fp32"), partial)
         return self._num.einsum(spec, a, b, partial)
@@ -234,7 +242,7 @@ class Ops(FlatBuffers):
         """(b, a, s, k) scores, -inf where `allowed` is False."""
         b, a, sq, d = q.shape
         sk = k.shape[2]
-        self._record("attention_scores", 2.0 * b * a * sq * sk * d, (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
+        self._record("attention_scores", (b * a, sq, sk, d), (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
         if self.mode is Mode.META:
             return MetaTensor((b, a, sq, sk), q.dtype)
         return _k.attention_scores(self._num, q, k, scale, allowed)

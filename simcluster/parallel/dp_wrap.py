@@ -13,7 +13,8 @@ Over a step:
      the next unit's gather early, so it runs on the dp stream while this one computes.
   2. `gradients(unit, grads)`: one micro-batch's gradients of a unit, complete. Stages 2 and 3
      reduce-scatter them at once; DDP all-reduces, and stage 1 reduce-scatters, the sum after the
-     unit's last micro-batch (a bucket per unit, overlapped with the rest of the backward pass).
+     unit's last micro-batch (a bucket per unit, overlapped with the rest of the backward pass; with
+     `overlap_grad_reduce` off, all of them when the backward is done, as Megatron-LM did in 2021).
   3. `step()`: wait for the reductions, round each gradient once; with clipping, the global norm from
      one exact sum of squares over the world (each gradient element counted by one rank: the owner of
      its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
@@ -65,6 +66,7 @@ class DPWrap:
         self.acc: dict[str, Any] = {}  # stages 0, 1: gradients summed over micro-batches
         self.seen: dict[str, int] = {}  # micro-batches whose gradients a unit has had this step
         self.pending: list[tuple[str, Any]] = []  # reductions in flight
+        self.deferred: list[tuple[str, Any]] = []  # summed gradients waiting for the end of the backward
 
     def _counted(self, elsewhere: frozenset[str]) -> dict[str, Any] | None:
         """For clipping: which elements of each owned chunk this rank counts in the global norm (one
@@ -123,7 +125,7 @@ class DPWrap:
 
     def gradients(self, unit: str, grads: dict[str, Any], micro_batches: int) -> Generator[Any, Any, None]:
         """One micro-batch's complete gradients (exact partials) of `unit`."""
-        ops, comm = self.ops, self.ctx.comm
+        ops = self.ops
         flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision)) for k in self.names[unit]]),
                        self.n)
         self.seen[unit] = self.seen.get(unit, 0) + 1
@@ -132,6 +134,13 @@ class DPWrap:
             if self.seen[unit] < micro_batches:
                 return
             flat = self.acc.pop(unit)
+        if self.stage < 2 and not self.data.overlap_grad_reduce:
+            self.deferred.append((unit, flat))
+            return
+        yield from self._reduce(unit, flat)
+
+    def _reduce(self, unit: str, flat: Any) -> Generator[Any, Any, None]:
+        comm = self.ctx.comm
         if self.stage == 0:
             self.pending.append((unit, comm.all_reduce(flat, group=self.group, async_op=True)))
             return
@@ -142,6 +151,9 @@ class DPWrap:
     def step(self, step: int) -> Generator[Any, Any, dict[str, Any]]:
         """The optimizer step on the owned chunks; returns their rounded gradients by unit."""
         ops, data = self.ops, self.data
+        for unit, flat in self.deferred:
+            yield from self._reduce(unit, flat)
+        self.deferred = []
         reduced = yield [work for _, work in self.pending]
         total: dict[str, Any] = {}
         for (unit, _), part in zip(self.pending, reduced):

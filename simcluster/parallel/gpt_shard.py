@@ -25,7 +25,7 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model import flash
+from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
 from simcluster.parallel import ring_attention, ulysses
@@ -158,8 +158,9 @@ class GPTShard:
         ops, m = self.ops, self.m
         with flash.forward(ops, m, q, k):
             s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
-            e = ops.attention_weights(s, ops.max(s, -1))
-            l_sum = ops.sum(e, -1, partial=True)
+            with fusion.softmax(ops, m, s):
+                e = ops.attention_weights(s, ops.max(s, -1))
+                l_sum = ops.sum(e, -1, partial=True)
             keep = None
             if m.dropout:
                 h0 = self.tr * self.heads + self.r * q.shape[1]
@@ -200,21 +201,19 @@ class GPTShard:
         ops, m, gpt, pre = self.ops, self.m, self.gpt, f"layers.{i}."
         a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
         a = yield from self.gather(a_mine)  # (b, s/cp, h)
-        qkv = ops.add(ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s/cp, 3h/tp): column parallel
+        qkv = fusion.bias(ops, m, ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s/cp, 3h/tp)
         q, k, v = (gpt._heads(z) for z in gpt._split3(qkv))  # (b, a/tp, s/cp, d)
         out, core = yield from self.attend(q, k, v, i, step, where)
         ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
-        y = ops.add((yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))),
-                    p[pre + "attn.b_proj"])  # row parallel, then g: (b, tokens, h)
-        keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
-        x1 = ops.add(x, self.drop(y, keep_a))
+        y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))  # row parallel, g
+        keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
+        x1 = fusion.bias_dropout_add(ops, m, y, p[pre + "attn.b_proj"], x, lambda z: self.drop(z, keep_a))
         c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
         c = yield from self.gather(c_mine)
-        f = ops.add(ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
-        g = ops.gelu(f)
-        z = ops.add((yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))), p[pre + "mlp.b_out"])
+        f, g = fusion.bias_gelu(ops, m, ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
+        z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
-        x2 = ops.add(x1, self.drop(z, keep_m))
+        x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
         cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
                  "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
         policy = m.recompute.value

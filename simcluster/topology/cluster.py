@@ -13,6 +13,9 @@ from simcluster.topology.presets import ClusterSpec
 
 NVLINK_OUT, NVLINK_IN, NIC_OUT, NIC_IN = range(4)
 PORT_NAMES = ("nvlink-out", "nvlink-in", "nic-out", "nic-in")
+# A GEMM's output tile per SM: 128 x 128, the middle of cuBLAS's tensor-core tiles on Ampere and
+# Hopper (64 x 64 to 256 x 128); one size for every GEMM is the model's simplification.
+TILE = 128
 
 
 class Cluster:
@@ -21,16 +24,14 @@ class Cluster:
         self.tp = tp  # the mesh's tp degree: how a ring orders a node's ranks (ring_order)
         self.world_size = spec.world_size
         self.gpus_per_node = spec.gpus_per_node
-        nvlink = spec.nvlink_gbyte_per_s  # GB/s == bytes/ns
-        nic = spec.nic_gbit_per_s / 8.0
+        nvlink = spec.nvlink_gbyte_per_s * spec.nvlink_efficiency  # GB/s == bytes/ns
+        nic = spec.nic_gbit_per_s / 8.0 * spec.nic_efficiency
         # capacity in bytes per ns, by link id
         self.capacity: list[float] = [nvlink, nvlink, nic, nic] * self.world_size
-        self._flops_per_ns = {
-            "bf16": spec.peak_tflops * 1e3 * spec.compute_efficiency,
-            "fp16": spec.peak_tflops * 1e3 * spec.compute_efficiency,
-            "fp32": spec.peak_tflops_fp32 * 1e3 * spec.compute_efficiency,
-            "fp64": spec.peak_tflops_fp32 * 1e3 * spec.compute_efficiency / 2,
-        }
+        peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
+                "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
+        self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
+        self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency for d, r in peak.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
 
     def node_of(self, rank: int) -> int:
@@ -59,8 +60,25 @@ class Cluster:
     def link_name(self, link: int) -> str:
         return f"rank{link // 4}:{PORT_NAMES[link % 4]}"
 
-    def kernel_ns(self, flops: float, nbytes: float, dtype: str) -> int:
-        """max(compute-bound, memory-bound) time plus the per-kernel overhead, in whole ns."""
-        rate = self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
+    def kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:
+        """max(compute-bound, memory-bound) time plus the per-kernel overhead, in whole ns.
+
+        `work` is a kernel's FLOPs, or a GEMM's shape (batch, m, n, k). A GEMM runs as output tiles,
+        one per SM at a time, so it takes as many waves as its tiles fill and every wave costs a whole
+        wave's FLOPs (tile and wave quantisation; NVIDIA's "Matrix Multiplication Background" guide):
+        the (m, n) = (2048, 2304) products of a 2,304-wide model take 288 tiles of 128 x 128, three
+        waves of 108 on an A100, 89 % of them doing work. A side shorter than the tile gets a tile
+        of its own size (to a multiple of 16, the tensor cores' step), and a GEMM with fewer tiles
+        than SMs splits its k among them (split-K), as cuBLAS does for narrow products."""
+        if work.__class__ is tuple:
+            batch, m, n, k = work
+            tm, tn = min(TILE, -(-m // 16) * 16), min(TILE, -(-n // 16) * 16)
+            tiles = batch * -(-m // tm) * -(-n // tn)
+            sms = self.spec.sms
+            split = max(1, min(sms // max(tiles, 1), -(-k // TILE)))
+            flops = 2.0 * -(-k // split) * tm * tn * sms * -(-tiles * split // sms)
+            rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
+        else:
+            flops, rate = work, self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
         t = max(flops / rate, nbytes / self._bytes_per_ns)
         return int(math.ceil(t)) + self.spec.kernel_overhead_ns

@@ -22,10 +22,21 @@ class ClusterSpec:
     memory_gbyte: float = 80.0  # device memory in GiB (the datasheet's "80GB"); a peak above it is out of memory
     nvlink_gbyte_per_s: float = 300.0  # each way
     nic_gbit_per_s: float = 200.0  # each way
+    # what NCCL gets of a link's line rate: ~80 % of NVLink (its protocol's overhead, ~20 %: S. Jeaugey,
+    # NVIDIA, nccl-tests issue #212), 96 % of an HDR InfiniBand port (all_reduce_perf peak busbw 96 of
+    # 100 GB/s over four HDR NICs, nccl-tests issue #119)
+    nvlink_efficiency: float = 0.8
+    nic_efficiency: float = 0.96
     nvlink_latency_ns: int = 1000  # per ring step; assumption
     nic_latency_ns: int = 3000  # per ring step; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
-    compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s; assumption
+    compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s for kernels other than GEMMs; assumption
+    # GEMMs (matmul, einsum, attention's batched products): the maximum achievable matmul FLOP/s of
+    # the best-shaped bf16 GEMM over the datasheet peak, measured: A100 SXM 267.9 of 312 TFLOP/s
+    # (S. Bekman, "Machine Learning Engineering", MAMF table, CUDA 12.1); a GEMM's own shape then
+    # costs it tile and wave quantisation over `sms` streaming multiprocessors (cluster.py).
+    matmul_efficiency: float = 0.859
+    sms: int = 108  # streaming multiprocessors; datasheet (A100: 108)
     memory_efficiency: float = 0.8  # achievable fraction of HBM bandwidth; assumption
 
     def __post_init__(self) -> None:
@@ -37,7 +48,7 @@ class ClusterSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"cluster.{f.name} must be a number, got {type(v).__name__} {v!r}")
-            if f.name in ("nodes", "gpus_per_node") and (not isinstance(v, int) or v < 1):
+            if f.name in ("nodes", "gpus_per_node", "sms") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"cluster.{f.name} must be a positive integer, got {v!r}")
             if f.name.endswith("_ns") and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"cluster.{f.name} must be a non-negative integer (ns), got {v!r}")
@@ -68,7 +79,9 @@ PRESETS: dict[str, ClusterSpec] = {
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 3.35 TB/s HBM3,
     # NVLink 4 900 GB/s total (450 each way); DGX H100: 8 GPUs, one 400 Gb/s NDR NIC each.
     "dgx-h100": ClusterSpec(preset="dgx-h100", device="H100-SXM5-80GB", peak_tflops=989.0, peak_tflops_fp32=67.0,
-                            hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0),
+                            hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0,
+                            # 132 SMs (datasheet); MAMF 792.1 of 989 TFLOP/s (Bekman, as above)
+                            sms=132, matmul_efficiency=0.801),
 }
 
 

@@ -1,0 +1,57 @@
+"""Does `simcluster plan` pick what Megatron-LM picked? (not a test)
+
+For rows of Megatron-LM's Table 1 (benchmarks/megatron_table1.toml: Narayanan et al. 2021 chose
+TP 8 inside a node and the fewest pipeline stages that fit, interleaved), searches the layouts
+Megatron-LM then had (no CP, no ZeRO, micro-batch 1, full recomputation; any TP, PP, schedule) and
+prints the plan's best simulated layout beside Megatron's own, simulated the same way: Megatron's
+choice is recovered when it is the best or within 3 % of the best's step time. Ends with the
+estimate's rate (layouts a minute, the whole space, one core).
+
+    python benchmarks/plan_megatron.py [--rows 4-7] [--simulate 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from simcluster.planner import search
+from simcluster.runner import run_scenario
+from simcluster.scenario import load
+
+TABLE = Path(__file__).with_name("megatron_table1.toml")
+MEGATRON_2021 = {"cp": (1,), "zero": (0,), "micro_batch": (1,), "recompute": ("full",)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="4-10", help="rows to run, e.g. 4-7 (default: 4-10)")
+    p.add_argument("--simulate", type=int, default=3, help="layouts the plan simulates per row (default 3)")
+    args = p.parse_args()
+    first, _, last = args.rows.partition("-")
+    sc = load(str(TABLE))
+    print(f"{'row':>3} {'Megatron':<24} {'step s':>7} {'plan best':<24} {'step s':>7} {'Megatron/best':>13} "
+          f"{'recovered':>9} {'wall s':>6}")
+    for i in range(int(first), int(last or first) + 1):
+        _, v = sc.variants[i - 1]
+        t = time.perf_counter()
+        found = search(v, simulate=args.simulate, fixed=MEGATRON_2021)
+        ours = run_scenario(v).report
+        p_ = v.parallel
+        mine = f"TP{p_['tp']} PP{p_['pp']} DP{p_['dp']}"
+        best = found.rows[0]
+        b = best.layout
+        ratio = ours["step_time_ns"] / best.report["step_time_ns"]
+        same = (b.tp, b.pp) == (p_["tp"], p_["pp"])
+        print(f"{i:>3} {mine:<24} {ours['step_time_ns'] / 1e9:>7.2f} {b.label():<24} "
+              f"{best.report['step_time_ns'] / 1e9:>7.2f} {ratio:>13.3f} {'yes' if same or ratio <= 1.03 else 'no':>9} "
+              f"{time.perf_counter() - t:>6.0f}", flush=True)
+    t = time.perf_counter()
+    whole = search(sc.variants[-1][1], simulate=0)
+    print(f"estimate: {whole.examined} layouts of row 10 in {time.perf_counter() - t:.1f} s "
+          f"= {whole.per_minute:,.0f} a minute (one core)")
+
+
+if __name__ == "__main__":
+    main()

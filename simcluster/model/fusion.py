@@ -1,0 +1,69 @@
+"""What a block's elementwise work costs when it runs as the fused kernels training stacks use.
+
+The numbers are the unfused ops' (the same calls, in the same order); only what they cost changes.
+Megatron-LM (megatron/model/fused_bias_gelu.py, fused_softmax.py and the bias-dropout-add of
+transformer.py, since 2020; Megatron-core and torch.compile'd torchtitan fuse the same) runs:
+  - a linear layer's bias add in the GEMM (its epilogue): no kernel of its own;
+  - bias + GELU as one kernel: it reads the GEMM's output and writes the activation;
+  - bias + dropout + residual add as one kernel: it reads the GEMM's output and the residual, and
+    writes the sum (and the mask, a byte an element, with dropout);
+  - scale + mask + softmax as one kernel, reading the scores once and writing the probabilities
+    (unfused attention only: FlashAttention fuses the whole core, flash.py); its backward reads the
+    probabilities and their gradient once and writes the scores' gradient.
+The probabilities that backward reads are what the fused forward wrote (kept, or recomputed with
+the block): the two-pass core's division e / l that makes them again is no pass of its own there.
+`model.fused_kernels = false` issues every op as its own kernel, as eager PyTorch does.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+from simcluster.numerics.tensor import ITEMSIZE
+
+
+def _size(x: Any, cfg: Any) -> int:
+    return math.prod(x.shape) * ITEMSIZE[cfg.dtype]
+
+
+def bias(ops: Any, cfg: Any, y: Any, b: Any) -> Any:
+    """y + b, in the GEMM that made y."""
+    with ops.fused(None) if cfg.fused_kernels else nullcontext():
+        return ops.add(y, b)
+
+
+def bias_gelu(ops: Any, cfg: Any, y: Any, b: Any) -> tuple[Any, Any]:
+    """(y + b, gelu(y + b)), one kernel."""
+    with ops.fused("bias_gelu", nbytes=2 * _size(y, cfg)) if cfg.fused_kernels else nullcontext():
+        f = ops.add(y, b)
+        return f, ops.gelu(f)
+
+
+def bias_dropout_add(ops: Any, cfg: Any, y: Any, b: Any, residual: Any, drop: Any) -> Any:
+    """residual + drop(y + b), one kernel; `drop` is the block's dropout (the identity without)."""
+    moved = 3 * _size(y, cfg) + (math.prod(y.shape) if cfg.dropout else 0)
+    with ops.fused("bias_dropout_add", nbytes=moved) if cfg.fused_kernels else nullcontext():
+        return ops.add(residual, drop(ops.add(y, b)))
+
+
+def softmax(ops: Any, cfg: Any, scores: Any) -> ContextManager[None]:
+    """Around the softmax of unfused attention's scores (max, exponentials, row sums): one kernel."""
+    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
+        return nullcontext()
+    return ops.fused("scale_mask_softmax", nbytes=2 * _size(scores, cfg))
+
+
+def probabilities(ops: Any, cfg: Any) -> ContextManager[None]:
+    """Around the backward's e / l: what the fused forward wrote, no pass of its own."""
+    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
+        return nullcontext()
+    return ops.fused(None)
+
+
+def softmax_backward(ops: Any, cfg: Any, probs: Any) -> ContextManager[None]:
+    """Around the scores' gradient P * (dP - rowsum(dO * O)): one kernel."""
+    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
+        return nullcontext()
+    return ops.fused("scale_mask_softmax_backward", nbytes=3 * _size(probs, cfg))
