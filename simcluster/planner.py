@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
 from simcluster.model.activations import layer_bytes
@@ -93,7 +93,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-FIELDS = {f: type(getattr(Layout(1, 1, 1, 1, 0, 1, "none", "1f1b", 1), f)) for f in Layout.__dataclass_fields__}
+FIELDS = {f.name: int if f.type == "int" else str for f in fields(Layout)}  # what --fix may name, and its type
 
 
 def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
@@ -162,13 +162,13 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
     compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v))
-    nvlink = spec.nvlink_gbyte_per_s * spec.nvlink_efficiency * 1e9
+    nvlink = spec.nvlink_bytes_per_ns * 1e9
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
-        nic = spec.nic_gbit_per_s / 8 * spec.nic_efficiency * 1e9
+        nic = spec.nic_bytes_per_ns * 1e9
         gathers = 2 * m * 2 * psi * (n - 1) / n / (nic if n * t * p * c > spec.gpus_per_node else nvlink)
     return Estimate(layout, memory, compute + tp_comm + gathers)
 

@@ -13,8 +13,7 @@ from simcluster.topology.presets import preset
 
 A100 = preset("dgx-a100")
 ALPHA_NVL, ALPHA_IB = A100.nvlink_latency_ns, A100.nic_latency_ns
-B_NVL = A100.nvlink_gbyte_per_s * A100.nvlink_efficiency  # bytes per ns, as NCCL gets them
-B_IB = A100.nic_gbit_per_s / 8 * A100.nic_efficiency
+B_NVL, B_IB = A100.nvlink_bytes_per_ns, A100.nic_bytes_per_ns  # as NCCL gets them
 
 
 def lone(kind, n, nbytes, *, nodes=1, per_node=None, cluster_kw=None, **kw):

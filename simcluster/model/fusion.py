@@ -28,15 +28,24 @@ def _size(x: Any, cfg: Any) -> int:
     return math.prod(x.shape) * ITEMSIZE[cfg.dtype]
 
 
+def _kernel(ops: Any, cfg: Any, name: str | None, nbytes: float = 0.0, *,
+            attention: bool = False) -> ContextManager[None]:
+    """The enclosed ops as one kernel (no name: inside the GEMM before them), or as they are when the
+    model's kernels are not fused (or, for attention's softmax, when flash fuses the whole core)."""
+    if not cfg.fused_kernels or (attention and cfg.attention_kernel == "flash"):
+        return nullcontext()
+    return ops.fused(name, nbytes=nbytes)
+
+
 def bias(ops: Any, cfg: Any, y: Any, b: Any) -> Any:
     """y + b, in the GEMM that made y."""
-    with ops.fused(None) if cfg.fused_kernels else nullcontext():
+    with _kernel(ops, cfg, None):
         return ops.add(y, b)
 
 
 def bias_gelu(ops: Any, cfg: Any, y: Any, b: Any) -> tuple[Any, Any]:
     """(y + b, gelu(y + b)), one kernel."""
-    with ops.fused("bias_gelu", nbytes=2 * _size(y, cfg)) if cfg.fused_kernels else nullcontext():
+    with _kernel(ops, cfg, "bias_gelu", 2 * _size(y, cfg)):
         f = ops.add(y, b)
         return f, ops.gelu(f)
 
@@ -44,26 +53,20 @@ def bias_gelu(ops: Any, cfg: Any, y: Any, b: Any) -> tuple[Any, Any]:
 def bias_dropout_add(ops: Any, cfg: Any, y: Any, b: Any, residual: Any, drop: Any) -> Any:
     """residual + drop(y + b), one kernel; `drop` is the block's dropout (the identity without)."""
     moved = 3 * _size(y, cfg) + (math.prod(y.shape) if cfg.dropout else 0)
-    with ops.fused("bias_dropout_add", nbytes=moved) if cfg.fused_kernels else nullcontext():
+    with _kernel(ops, cfg, "bias_dropout_add", moved):
         return ops.add(residual, drop(ops.add(y, b)))
 
 
 def softmax(ops: Any, cfg: Any, scores: Any) -> ContextManager[None]:
     """Around the softmax of unfused attention's scores (max, exponentials, row sums): one kernel."""
-    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
-        return nullcontext()
-    return ops.fused("scale_mask_softmax", nbytes=2 * _size(scores, cfg))
+    return _kernel(ops, cfg, "scale_mask_softmax", 2 * _size(scores, cfg), attention=True)
 
 
 def probabilities(ops: Any, cfg: Any) -> ContextManager[None]:
     """Around the backward's e / l: what the fused forward wrote, no pass of its own."""
-    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
-        return nullcontext()
-    return ops.fused(None)
+    return _kernel(ops, cfg, None, attention=True)
 
 
 def softmax_backward(ops: Any, cfg: Any, probs: Any) -> ContextManager[None]:
     """Around the scores' gradient P * (dP - rowsum(dO * O)): one kernel."""
-    if not cfg.fused_kernels or cfg.attention_kernel == "flash":
-        return nullcontext()
-    return ops.fused("scale_mask_softmax_backward", nbytes=3 * _size(probs, cfg))
+    return _kernel(ops, cfg, "scale_mask_softmax_backward", 3 * _size(probs, cfg), attention=True)

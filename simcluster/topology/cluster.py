@@ -24,8 +24,7 @@ class Cluster:
         self.tp = tp  # the mesh's tp degree: how a ring orders a node's ranks (ring_order)
         self.world_size = spec.world_size
         self.gpus_per_node = spec.gpus_per_node
-        nvlink = spec.nvlink_gbyte_per_s * spec.nvlink_efficiency  # GB/s == bytes/ns
-        nic = spec.nic_gbit_per_s / 8.0 * spec.nic_efficiency
+        nvlink, nic = spec.nvlink_bytes_per_ns, spec.nic_bytes_per_ns
         # capacity in bytes per ns, by link id
         self.capacity: list[float] = [nvlink, nvlink, nic, nic] * self.world_size
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns

@@ -58,6 +58,16 @@ class ClusterSpec:
                 raise ValueError(f"cluster.{f.name} must be positive, got {v!r}")
 
     @property
+    def nvlink_bytes_per_ns(self) -> float:
+        """What NCCL gets of an NVLink port, each way (GB/s == bytes/ns)."""
+        return self.nvlink_gbyte_per_s * self.nvlink_efficiency
+
+    @property
+    def nic_bytes_per_ns(self) -> float:
+        """What NCCL gets of a NIC, each way."""
+        return self.nic_gbit_per_s / 8.0 * self.nic_efficiency
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
