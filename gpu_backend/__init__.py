@@ -1,5 +1,5 @@
-"""Runs simcluster.parallel programs on torch.distributed (gloo on CPU, NCCL on GPU). Needs torch."""
+"""Runs simcluster programs on torch.distributed (gloo on CPU, NCCL on GPU). Needs torch."""
 
-from gpu_backend.runner import TorchBackend, pick_backend, run_rank, spawn
+from gpu_backend.runner import LaunchError, TorchBackend, launch, preflight, run_rank, spawn
 
-__all__ = ["TorchBackend", "pick_backend", "run_rank", "spawn"]
+__all__ = ["LaunchError", "TorchBackend", "launch", "preflight", "run_rank", "spawn"]

@@ -1,99 +1,113 @@
-"""Run a simcluster program on torch.distributed and compare it with the emulator.
+"""Run a simcluster scenario on torch.distributed and put it beside the emulator's prediction.
 
-    torchrun --nproc-per-node 4 -m gpu_backend --mesh dp=2,tp=2      # launched by torchrun
-    python -m gpu_backend --mesh dp=2,tp=2                            # spawns its own processes
+    torchrun --nproc-per-node 4 -m gpu_backend SCENARIO [--set KEY=VALUE ...]   # torchrun's processes
+    python -m gpu_backend SCENARIO [--set ...] [--nproc 4]                       # spawns its own
+    simcluster run SCENARIO --backend torch                                      # the same, from simcluster
 
-Programs: `collectives` (every primitive on subgroups) and `mlp` (the TP x DP MLP, exact mode).
-Rank 0 prints, per output, whether it equals the emulator's: bytes for integers and exact partials
-(and for every output in exact mode), a float tolerance for float collectives.
+Every scenario `simcluster run` accepts, in exact or fast mode: gloo on CPU, NCCL on GPUs (one rank per
+device). Before any process computes, the program runs on the emulator in meta mode and a mismatched
+collective or a deadlock is refused with the emulator's diagnosis; while it runs, a collective that
+does not finish within --watchdog seconds is reported (which call, which ranks joined) instead of hanging.
+Exit status: 0 when the real run's outputs equal the emulator's and verify against one device, 1 when
+not (or a rank failed), 2 for a mistake in the scenario or a program the preflight refuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
-from typing import Any
+from typing import Sequence
 
-import numpy as np
+from rich.console import Console
 
-from simcluster.engine import simulate
-from simcluster.numerics.tensor import Partial
-from simcluster.parallel.collectives_demo import collectives_demo
-from simcluster.parallel.tp_dp_mlp import MLPConfig, train_mlp
-from simcluster.program.mesh import DeviceMesh
+from simcluster.cli import render_torch, say_error, scenario_arguments, torch_arguments
+from simcluster.engine.errors import SimulationError
+from simcluster.program.comm import ProgramError
+from simcluster.runner import Job, Outcome
+from simcluster.scenario import Scenario, ScenarioError, load
 
 
-def _mesh(text: str) -> DeviceMesh:
-    sizes: dict[str, int] = {}
-    for part in filter(None, text.split(",")):
-        axis, _, n = part.partition("=")
-        if not n.isdigit():
-            raise SystemExit(f"error: --mesh wants axis=size pairs such as dp=2,tp=2, got {part!r}")
-        sizes[axis.strip()] = int(n)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpu_backend", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    scenario_arguments(p, fold=False)
+    torch_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
+    return p
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Both ways in: under torchrun (RANK set) this process is one rank; otherwise spawn the ranks."""
+    if importlib.util.find_spec("torch") is None:
+        say_error(err, "the torch backend needs torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
+        return 2
+    from gpu_backend import scenario as torch_scenario
+    from gpu_backend.runner import LaunchError, check_backend, launch
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        return DeviceMesh(**sizes)
-    except (TypeError, ValueError) as exc:
-        raise SystemExit(f"error: --mesh {text}: {exc}") from None
+        sc = load(args.scenario, args.overrides, at_scale=args.at_scale)
+        job = torch_scenario.prepare(sc, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under_torchrun \
+            else job.mesh.world_size
+        kind = check_backend(args.dist_backend, local)  # at once: nccl without CUDA is a mistake, not a hang
+        torch_scenario.preflight(sc, job)
+    except (ScenarioError, SimulationError, ProgramError, LaunchError) as exc:
+        say_error(err, str(exc))
+        return 2
+    try:
+        if under_torchrun:
+            outcome = _as_torchrun_rank(sc, job, kind, args.watchdog, err)
+            if isinstance(outcome, int):  # not rank 0 (0), or this rank failed (1, said on stderr)
+                return outcome
+        else:
+            if err.is_terminal:
+                err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)
+            runs = launch(job.program, *job.args, mesh=job.mesh, mode=job.mode, backend=kind,
+                          timeout_s=args.timeout, watchdog_s=args.watchdog, check=False)
+            outcome = torch_scenario.finish(sc, job, runs, kind)
+    except LaunchError as exc:
+        say_error(err, str(exc))
+        return 1
+    return render_torch(outcome, out, args.json)
 
 
-def compare(emulated: Any, real: Any, path: str = "") -> list[str]:
-    """Lines 'path: ok (bytes)' / 'path: ok (within 1e-5)' / 'path: DIFFERS'."""
-    if isinstance(emulated, dict):
-        return [line for k in emulated for line in compare(emulated[k], real[k], f"{path}{k}.")]
-    if isinstance(emulated, list):
-        return [line for i, (a, b) in enumerate(zip(emulated, real)) for line in compare(a, b, f"{path}{i}.")]
-    name = path.rstrip(".")
-    if emulated is None:
-        return [f"{name}: {'ok' if real is None else 'DIFFERS'}"]
-    a = emulated.limbs if isinstance(emulated, Partial) else np.asarray(emulated)
-    b = real.limbs if isinstance(real, Partial) else np.asarray(real)
-    if a.tobytes() == b.tobytes():
-        return [f"{name}: ok (bytes)"]
-    if a.dtype.kind == "f" and a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-6):
-        return [f"{name}: ok (within 1e-5)"]
-    return [f"{name}: DIFFERS"]
+def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err: Console) -> Outcome | int:
+    """This process as rank RANK of torchrun's WORLD_SIZE: run, gather the runs on rank 0, finish there."""
+    from datetime import timedelta
 
+    import torch
+    import torch.distributed as dist
 
-def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m gpu_backend", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mesh", default="dp=2,tp=2", help="mesh degrees, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--program", default="collectives", choices=("collectives", "mlp"))
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    args = p.parse_args()
-    mesh = _mesh(args.mesh)
-    program, prog_args = (collectives_demo, (0,)) if args.program == "collectives" else (
-        train_mlp, (MLPConfig(hidden=16, ffn_hidden=32, tokens=16, steps=2),))
+    from gpu_backend import scenario as torch_scenario
+    from gpu_backend.runner import measured
 
-    if "RANK" in os.environ:  # under torchrun: this process is one rank
-        import torch
-        import torch.distributed as dist
-
-        from gpu_backend.runner import pick_backend, run_rank
-
-        kind = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(kind)
-        _, device = pick_backend(kind)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        mine = run_rank(program, prog_args, mesh, device=device)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-        if rank != 0:
+    device = torch.device("cpu")
+    if kind == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(kind, timeout=timedelta(seconds=watchdog_s))
+    try:
+        try:
+            mine = measured(job.program, job.args, job.mesh, mode=job.mode, device=device, watchdog_s=watchdog_s)
+        except Exception as exc:  # noqa: BLE001  (one line per failing rank, not a traceback each)
+            text = str(exc) if isinstance(exc, ProgramError) else f"{type(exc).__name__}: {exc}"
+            say_error(err, f"rank {dist.get_rank()}: {text}")
+            return 1
+        runs = [None] * dist.get_world_size()
+        dist.all_gather_object(runs, mine)
+        if dist.get_rank() != 0:
             return 0
-        real = gathered
-    else:
-        from gpu_backend.runner import spawn
+    finally:
+        dist.destroy_process_group()
+    return torch_scenario.finish(sc, job, runs, kind)
 
-        real = spawn(program, *prog_args, mesh=mesh, backend=args.backend)
-    emulated = simulate(program, *prog_args, mesh=mesh).results
-    lines = [f"rank {r} {line}" for r in range(mesh.world_size) for line in compare(emulated[r], real[r])]
-    print("\n".join(lines))
-    bad = sum("DIFFERS" in line for line in lines)
-    print(f"{len(lines) - bad} outputs equal the emulator's, {bad} differ")
-    return 1 if bad else 0
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run(args, Console(highlight=False), Console(stderr=True, highlight=False))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ order at start-up (torch requires every process to create every group in the sam
 
 from __future__ import annotations
 
+import queue
+import resource
 import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from simcluster.engine import simulate
+from simcluster.engine.errors import SimulationError
 from simcluster.model.memory import MemoryLedger
 from simcluster.numerics import limbs as _limbs
 from simcluster.numerics.limbs import BF16
@@ -28,19 +35,9 @@ from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
+from gpu_backend.watchdog import CollectiveTimeout, FlightRecorder
+
 _REDUCE = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
-
-
-def pick_backend(requested: str = "auto") -> tuple[str, torch.device]:
-    """('nccl', cuda) when CUDA is available, else ('gloo', cpu); or what was asked for."""
-    if requested not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend {requested!r} is not valid; valid: auto, gloo, nccl")
-    if requested == "nccl" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
-        return "nccl", torch.device("cuda", dist.get_rank() % torch.cuda.device_count()
-                                    if dist.is_initialized() else 0)
-    return "gloo", torch.device("cpu")
 
 
 class _Streams:
@@ -54,14 +51,33 @@ class _Streams:
         pass
 
 
+class LaunchError(RuntimeError):
+    """The ranks could not be started, or did not all finish: the message says which and why."""
+
+
+def _default_store() -> Any:
+    """The process group's key-value store (for the flight recorder), or None where torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
 class TorchBackend:
-    def __init__(self, mesh: DeviceMesh, rank: int, device: torch.device) -> None:
+    """`watchdog_s`: how long a collective may take before the watchdog reports it (watchdog.py)."""
+
+    def __init__(self, mesh: DeviceMesh, rank: int, device: torch.device, watchdog_s: float = 300.0) -> None:
         self.mesh = mesh
         self.rank = rank
         self.device = device
+        self.watchdog_s = watchdog_s
+        self.exact = True  # the form of a partial a receive expects (set from the ops' mode)
+        self.recorder = FlightRecorder(rank, _default_store())
         self.groups: dict[tuple[str, tuple[int, ...]], Any] = {}
+        timeout = timedelta(seconds=watchdog_s)
         for g in mesh.all_groups():  # the same order on every process
-            self.groups[(g.name, g.ranks)] = dist.new_group(list(g.ranks)) if g.size < mesh.world_size else None
+            self.groups[(g.name, g.ranks)] = (dist.new_group(list(g.ranks), timeout=timeout)
+                                              if g.size < mesh.world_size else None)
 
     # -- values <-> tensors --------------------------------------------------------------------
     def to_torch(self, x: Any) -> torch.Tensor:
@@ -79,6 +95,8 @@ class TorchBackend:
         arr = t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
         if isinstance(like, Partial) or (isinstance(like, tuple) and like[0]):
             dtype = like.dtype if isinstance(like, Partial) else like[1]
+            if arr.dtype != np.int64:  # fast mode's float accumulator
+                return Partial(np.ascontiguousarray(arr), dtype)
             return Partial(_limbs.normalize(np.ascontiguousarray(arr, dtype=np.int64)), dtype)
         return np.ascontiguousarray(arr)
 
@@ -88,8 +106,9 @@ class TorchBackend:
     # -- issuing -------------------------------------------------------------------------------
     def issue(self, op: CommOp, sync: bool) -> Work:
         work = Work(op, sync)
+        seq = self.recorder.issued(op)
         handle, finish = self._start(op)
-        work.backend = (handle, finish)
+        work.backend = (handle, finish, seq, time.monotonic())
         return work
 
     def _start(self, op: CommOp) -> tuple[Any, Callable[[], Any]]:
@@ -97,7 +116,7 @@ class TorchBackend:
         if k is CommKind.SEND:
             return dist.isend(self.to_torch(op.tensor), dst=op.peer, tag=op.tag), lambda: None
         if k is CommKind.RECV:
-            buf = self.to_torch(zeros_of(op.spec))
+            buf = self.to_torch(zeros_of(op.spec, exact=self.exact))
             return dist.irecv(buf, src=op.peer, tag=op.tag), lambda: self.from_torch(buf, op.spec)
         g, n = self._group(op), op.group.size
         if k is CommKind.BARRIER:
@@ -135,27 +154,74 @@ class TorchBackend:
             return h, lambda: self.from_torch(torch.cat(list(out), dim=cat), x)
         raise AssertionError(k)
 
-    @staticmethod
-    def wait(work: Work) -> Any:
+    def wait(self, work: Work) -> Any:
+        """The op's value once it has finished; the watchdog's report (CollectiveTimeout) if it does not."""
         work.waited = True
         if not work.done:
-            handle, finish = work.backend
-            handle.wait()
+            handle, finish, seq, issued = work.backend
+            try:
+                handle.wait(timedelta(seconds=self.watchdog_s))
+            except RuntimeError as exc:  # gloo's timeout, or a peer that went away
+                raise self.recorder.report(work.op, seq, time.monotonic() - issued, exc) from None
+            self.recorder.completed(work.op, seq)
             work.value, work.done = finish(), True
         return work.value
 
 
+@dataclass
+class RankRun:
+    """One rank's run: what its program returned, how long it took (wall clock on CPU, CUDA events on a
+    GPU) and its peak memory (`memory_source` says which measure)."""
+
+    result: Any
+    seconds: float
+    peak_bytes: int
+    memory_source: str
+
+
 def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
-             device: torch.device | None = None) -> Any:
+             device: torch.device | None = None, watchdog_s: float = 300.0) -> Any:
     """Run `program(ctx, *args)` as this process's rank (the process group must be initialised)."""
+    return measured(program, args, mesh, mode=mode, device=device, watchdog_s=watchdog_s).result
+
+
+def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
+             device: torch.device | None = None, watchdog_s: float = 300.0) -> RankRun:
+    """run_rank, timed from a barrier to the program's end, with the peak memory."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
-        raise ValueError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
-    backend = TorchBackend(mesh, rank, device or torch.device("cpu"))
+        raise LaunchError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
+    device = device or torch.device("cpu")
+    backend = TorchBackend(mesh, rank, device, watchdog_s)
+    backend.exact = mode == "exact"
     comm = Comm(backend.issue, rank, mesh.world_size)
     ctx = Context(rank=rank, mesh=mesh.view(rank), ops=make_ops(mode), comm=comm, streams=_Streams(),
                   memory=MemoryLedger())
-    gen = program(ctx, *args)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    try:
+        result = _drive(program(ctx, *args), backend)
+    except BaseException:
+        backend.recorder.publish("failed")
+        raise
+    backend.recorder.publish("finished")
+    if cuda:
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+        return RankRun(result, seconds, int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated")
+    seconds = time.perf_counter() - t0
+    return RankRun(result, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "the process's peak resident set (host memory)")
+
+
+def _drive(gen: Any, backend: TorchBackend) -> Any:
     if not hasattr(gen, "send"):
         return gen
     value: Any = None
@@ -165,28 +231,44 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         except StopIteration as stop:
             return stop.value
         if isinstance(y, Work):
-            value = TorchBackend.wait(y)
+            value = backend.wait(y)
         elif isinstance(y, (list, tuple)) and y and all(isinstance(w, Work) for w in y):
-            value = [TorchBackend.wait(w) for w in y]
+            value = [backend.wait(w) for w in y]
         else:
-            raise ProgramError(f"rank {rank} yielded {type(y).__name__}; a program yields ctx.comm works")
+            raise ProgramError(f"rank {backend.rank} yielded {type(y).__name__}; a program yields ctx.comm works")
 
 
-def _worker(rank: int, world: int, port: int, backend: str, program: Program, args: Sequence[Any],
-            mesh: DeviceMesh, mode: str, results: Any) -> None:
-    kind = backend if backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "nccl" else torch.device("cpu")
+def check_backend(requested: str, world: int) -> str:
+    """The backend a launch of `world` ranks will use ('gloo' or 'nccl'), or a LaunchError at once."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise LaunchError(f"backend {requested!r} is not valid; valid: auto, gloo, nccl")
+    kind = requested if requested != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if kind == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(kind, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        out = run_rank(program, args, mesh, mode=mode, device=device)
-        results.put((rank, "ok", out))
-    except BaseException as exc:  # report to the parent instead of hanging it
+        if not torch.cuda.is_available():
+            raise LaunchError("backend 'nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
+                              "False): use gloo, which runs on the CPU")
+        if torch.cuda.device_count() < world:
+            raise LaunchError(f"backend 'nccl' runs one rank per GPU: {world} ranks, {torch.cuda.device_count()} "
+                              f"GPUs here (use torchrun over several nodes, or gloo)")
+    return kind
+
+
+def _worker(rank: int, world: int, port: int, kind: str, program: Program, args: Sequence[Any],
+            mesh: DeviceMesh, mode: str, watchdog_s: float, results: Any) -> None:
+    try:  # everything: a worker that fails before its program starts must say so, not hang its parent
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "nccl" else torch.device("cpu")
+        if kind == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(kind, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=watchdog_s))
+        results.put((rank, "ok", measured(program, args, mesh, mode=mode, device=device, watchdog_s=watchdog_s)))
+    except CollectiveTimeout as exc:
+        results.put((rank, "error", str(exc)))
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent, which says it once)
         results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
-        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -195,25 +277,86 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(program: Program, *args: Any, mesh: DeviceMesh, mode: str = "exact", backend: str = "auto",
-          timeout_s: float = 300.0) -> list[Any]:
-    """Run `program` on `mesh.world_size` spawned processes; return each rank's result, by rank."""
+GRACE_S = 8.0  # after a rank's error, at most how long its peers have to report theirs (their watchdogs' accounts)
+
+
+def preflight(program: Program, args: Sequence[Any], mesh: DeviceMesh, cluster: Any = None,
+              cost_dtype: str = "fp32") -> None:
+    """The program on the emulator in meta mode (shapes only): a mismatched collective or a deadlock
+    raises the emulator's error (CollectiveMismatchError, DeadlockError) before any process starts."""
+    try:
+        simulate(program, *args, mesh=mesh, cluster=cluster, mode="meta", cost_dtype=cost_dtype)
+    except SimulationError as exc:
+        raise type(exc)(f"preflight (the program on the emulator, meta mode) refused to start the ranks: {exc}") \
+            from None
+
+
+def launch(program: Program, *args: Any, mesh: DeviceMesh, mode: str = "exact", backend: str = "auto",
+           timeout_s: float = 600.0, watchdog_s: float = 300.0, check: bool = True) -> list[RankRun]:
+    """Run `program` on `mesh.world_size` spawned processes; each rank's run, by rank. `check`: first the
+    preflight (which a caller that has run it already, or a test of the watchdog, turns off). Never waits
+    without a limit: a rank that fails, dies before reporting, or is still running after `timeout_s`
+    ends the launch with a LaunchError naming it (and what the watchdogs of its peers saw)."""
+    world = mesh.world_size
+    kind = check_backend(backend, world)
+    if check:
+        preflight(program, args, mesh)
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(mesh.world_size, _free_port(), backend, program, args, mesh, mode, results),
-                               nprocs=mesh.world_size, join=False, start_method="spawn")
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    for _ in range(mesh.world_size):
-        rank, status, value = results.get()
-        if status == "ok":
-            out[rank] = value
-        else:
-            errors.append(f"rank {rank}: {value}")
-            break
+    results = ctx.Queue()
+    procs = mp.start_processes(_worker, args=(world, _free_port(), kind, program, args, mesh, mode, watchdog_s,
+                                              results), nprocs=world, join=False, start_method="spawn").processes
+    runs: dict[int, RankRun] = {}
+    errors: dict[int, str] = {}
+    deadline, first_error = time.monotonic() + timeout_s, None
+    grace = min(GRACE_S, watchdog_s) + FlightRecorder.grace_s  # a peer's watchdog fires, then asks around
+    try:
+        while len(runs) + len(errors) < world:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in runs and r not in errors]
+                if gone:  # a report may still be in the pipe: read it before calling the rank dead
+                    try:
+                        rank, status, value = results.get(timeout=1.0)
+                    except queue.Empty:
+                        for r in gone:
+                            errors[r] = (f"its process exited (status {procs[r].exitcode}) before it reported: see its "
+                                         f"error above; a script that launches ranks must guard its entry point "
+                                         f"with `if __name__ == \"__main__\":`")
+                        first_error = first_error or now
+                        continue
+                elif first_error is not None and now > first_error + grace:
+                    break
+                elif now > deadline:
+                    for r in range(world):
+                        if r not in runs:
+                            errors.setdefault(r, f"still running after {timeout_s:g} s")
+                    break
+                else:
+                    continue
+            if status == "ok":
+                runs[rank] = value
+            else:
+                errors[rank] = value
+                first_error = first_error or time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
     if errors:
-        for p in procs.processes:
-            p.terminate()
-        raise RuntimeError("torch.distributed run failed: " + "; ".join(errors))
-    procs.join(timeout_s)
-    return [out[r] for r in range(mesh.world_size)]
+        silent = [r for r in range(world) if r not in runs and r not in errors]
+        lines = [f"rank {r}: {errors[r]}" for r in sorted(errors)]
+        if silent:
+            lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: stopped (no report)")
+        raise LaunchError(f"torch.distributed run ({kind}, {world} processes) failed:\n" + "\n".join(lines))
+    return [runs[r] for r in range(world)]
+
+
+def spawn(program: Program, *args: Any, mesh: DeviceMesh, mode: str = "exact", backend: str = "auto",
+          timeout_s: float = 600.0, watchdog_s: float = 300.0, check: bool = True) -> list[Any]:
+    """Run `program` on `mesh.world_size` spawned processes; return each rank's result, by rank."""
+    return [run.result for run in launch(program, *args, mesh=mesh, mode=mode, backend=backend,
+                                         timeout_s=timeout_s, watchdog_s=watchdog_s, check=check)]

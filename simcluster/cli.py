@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
@@ -20,7 +21,7 @@ from simcluster.viz.report_view import ReportView, format_bytes
 from simcluster.viz.timeline import Timeline, format_ns
 
 
-def _scenario_args(p: argparse.ArgumentParser, optional: bool = True) -> None:
+def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: bool = True) -> None:
     p.add_argument("scenario", nargs="?" if optional else None,
                    help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
                         + ("; default: the built-in default scenario" if optional else ""))
@@ -28,6 +29,8 @@ def _scenario_args(p: argparse.ArgumentParser, optional: bool = True) -> None:
                    help="override a scenario key, e.g. --set parallel.tp=2 (repeatable). Keys: " + ", ".join(all_keys()))
     p.add_argument("--at-scale", action="store_true",
                    help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
+    if not fold:
+        return
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="in meta mode, simulate every rank instead of letting one stand for its identical peers "
                         "(data-parallel replicas, tensor-parallel peers): the same results, slower")
@@ -44,19 +47,23 @@ def _parser() -> argparse.ArgumentParser:
                                      "Exit status 0 when it verifies and fits in the devices' memory, 1 when "
                                      "verification fails, 2 for a mistake in the scenario, 3 when a rank's peak "
                                      "memory exceeds its device's (a real run would die of OOM).")
-    _scenario_args(run)
+    scenario_arguments(run)
     run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
     run.add_argument("--svg", metavar="FILE", help="also save what is printed as an SVG picture")
+    run.add_argument("--backend", default="emulator", choices=("emulator", "torch"),
+                     help="emulator (default), or torch: run the scenario's ranks as processes on torch.distributed "
+                          "and report them beside the emulator's prediction (needs the torch extra)")
+    torch_arguments(run)
     verify = sub.add_parser("verify", help="check a scenario's numbers against one device, and nothing else",
                             description="Run SCENARIO in exact mode and compare every output with the single-device "
                                         "run byte for byte. Exit status 0 when bit-exact, 1 when not.")
-    _scenario_args(verify)
+    scenario_arguments(verify)
     sub.add_parser("list", help="the scenarios in scenarios/, with what each shows",
                    description="List the library's scenarios with a one-line description.")
     timeline = sub.add_parser("timeline", help="draw a scenario's timeline",
                               description="Simulate SCENARIO and draw its timeline: one lane per rank and stream.")
-    _scenario_args(timeline)
+    scenario_arguments(timeline)
     timeline.add_argument("--ranks", help="ranks to draw, e.g. 0,1,4 (default: all)")
     timeline.add_argument("--streams", help="streams to draw, e.g. compute,comm:dp (default: all)")
     timeline.add_argument("--start-us", type=float, help="start of the window, in microseconds")
@@ -67,14 +74,14 @@ def _parser() -> argparse.ArgumentParser:
                           help="the pipeline picture instead: one row per rank, numbered F/B/W passes")
     export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing",
                             description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
-    _scenario_args(export)
+    scenario_arguments(export)
     export.add_argument("-o", "--output", required=True, help="where to write the trace (JSON)")
     plan = sub.add_parser("plan", help="search the parallel layouts of a scenario's model on its cluster, best first",
                           description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B or "
                                       "interleaved), CP, DP, ZeRO stage, micro-batch size and recomputation. Every "
                                       "layout is estimated in closed form; the best that fit are simulated (meta "
                                       "mode) and printed by simulated step time. Exit status 3 when none fits.")
-    _scenario_args(plan)
+    scenario_arguments(plan)
     plan.add_argument("--simulate", type=int, default=8, metavar="K",
                       help="how many of the best estimated layouts to simulate (default 8)")
     plan.add_argument("--json", action="store_true", help="print the search as one JSON document instead")
@@ -83,6 +90,23 @@ def _parser() -> argparse.ArgumentParser:
                            "--fix cp=1 --fix zero=0,1 --fix recompute=full; fields: tp, pp, cp, dp, zero, "
                            "micro_batch, recompute, schedule, virtual")
     return p
+
+
+def say_error(err: Console, text: str) -> None:
+    """One red 'error:' line (the text verbatim: a [compare] in it is not markup)."""
+    err.print("[bold red]error:[/] " + escape(text), markup=True, soft_wrap=True, highlight=False)
+
+
+def torch_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a run on torch.distributed (`run --backend torch`, `python -m gpu_backend`)."""
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="with --backend torch: nccl when CUDA is present, else gloo (default: auto)")
+    p.add_argument("--nproc", type=int, help="with --backend torch: processes to spawn; must be the mesh's rank "
+                                             "count, which is the default")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="with --backend torch: give up on the processes after S seconds (default 600)")
+    p.add_argument("--watchdog", type=float, default=120.0, metavar="S",
+                   help="with --backend torch: report a collective not finished after S seconds (default 120)")
 
 
 EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the simulated ranks only
@@ -149,6 +173,41 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
         console.print(MemoryChart(outcome.result.trace, width=width))
 
 
+def measured_table(report: dict[str, Any]) -> Table:
+    """A torch.distributed run's figures per rank beside the emulator's prediction."""
+    section = report["torch"]
+    t = Table(title=f"measured: torch.distributed, {section['backend']} on {section['device']}", title_justify="left",
+              caption=f"measured peak memory: {section['memory_measure']}", caption_justify="left")
+    for col in ("rank", "step time", "predicted", "peak memory", "predicted"):
+        t.add_column(col, justify="right")
+    predicted = format_ns(section["predicted_step_time_s"] * 1e9)
+    for rank, seconds in section["step_time_s"].items():
+        t.add_row(rank, format_ns(seconds * 1e9), predicted, format_bytes(section["peak_memory_bytes"][rank]),
+                  format_bytes(report["memory_peak_bytes"][rank]["total"]))
+    return t
+
+
+def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: int = 100) -> int:
+    """What a torch.distributed run prints: the emulator's report and timeline (the prediction), the
+    measured figures, and how the real outputs compare; the exit status (0 when they agree)."""
+    section = outcome.report["torch"]
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
+    else:
+        render(outcome, out, width)
+        out.print()
+        out.print(measured_table(outcome.report))
+        a, v = section["against_emulator"], section["verification"]
+        same = f"{a['identical']} of {a['compared']} outputs byte-identical to the emulator's" + (
+            f", {a['within_tolerance']} within their bound (relative norm error)" if a["within_tolerance"] else "") + (
+            f" ({a['not_compared']} not compared: weights and moments after Adam)" if a["not_compared"] else "")
+        out.print(f"torch.distributed against the emulator: {same}" + (
+            "" if a["passed"] else f"; [bold red]{a['differing']} DIFFER[/]: {', '.join(a['differ'])}"), markup=True)
+        verdict = v.get("status") or ("bit-exact" if v.get("bit_exact") else "passed" if v.get("passed") else "MISMATCH")
+        out.print(f"torch.distributed against one device: {verdict}", markup=False)
+    return 0 if section["passed"] else 1
+
+
 def _passed(outcome: Outcome) -> bool:
     reports = [o.report for _, o in outcome.variants] or [outcome.report]
     return all(r["verification"].get("passed", True) for r in reports)
@@ -166,7 +225,7 @@ def _status(outcome: Outcome, err: Console) -> int:
     """0: verified (or nothing to verify) and fits; 1: a verification failed; 3: out of memory."""
     oom = out_of_memory(outcome)
     for line in oom:
-        err.print(f"[bold red]error:[/] {line}", markup=True, soft_wrap=True)
+        say_error(err, line)
     return 1 if not _passed(outcome) else 3 if oom else 0
 
 
@@ -224,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t.add_row(f.stem, load(str(f)).description)
             out.print(t)
             return 0
+        if args.command == "run" and args.backend == "torch":
+            from gpu_backend.__main__ import run as run_on_torch  # (needs no torch to say it needs torch)
+
+            return run_on_torch(args, out, err)
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
         ranks = _ints(getattr(args, "ranks", None), "ranks")
@@ -231,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(scenario, args, out, err)
         outcome = _with_progress(err, scenario, getattr(args, "fold", True))
     except (ScenarioError, SimulationError, ProgramError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+        say_error(err, str(exc))
         return 2
     if args.command == "export":
         from simcluster.viz.chrome import dumps

@@ -10,6 +10,7 @@ from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.model.flops import step_flops
 from simcluster.model.gpt import GPTConfig
+from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.data_parallel import DPConfig, reference
@@ -103,61 +104,96 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
     return plan
 
 
-def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
-    """Run one scenario. `fold`: in meta mode, let one rank stand for its identical peers (data-parallel
-    replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a fraction of the cost."""
-    spec = sc.cluster_spec()
+@dataclass(frozen=True)
+class Job:
+    """What a scenario runs, whichever backend runs it: `program(ctx, *args)` on every rank of `mesh`,
+    and how to read its results. `outputs(results)`: the named outputs of a run (results by rank) in
+    the single-device view; `check(results)`: the verdict against one device (report.verification).
+    `fold`: the sets of ranks that may stand for each other in meta mode (engine/fold.py)."""
+
+    program: Any
+    args: tuple[Any, ...]
+    mesh: DeviceMesh
+    mode: str
+    parameters: int
+    flops: tuple[float, float]
+    tokens: int
+    outputs: Any
+    check: Any
+    fold: tuple = ()
+    bounds: Any = None  # fast mode: name -> the relative error allowed (numerics/tolerance.py), or None
+
+
+def _verdict(sc: Scenario, check: Any) -> Any:
+    mode = sc.run["numerics"]
+    if not sc.run["verify"]:
+        return lambda results: {"mode": mode, "status": "not requested (run.verify = false)"}
+    if mode == "meta":
+        return lambda results: {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
+    return check
+
+
+def _limbs(x: Any) -> Any:
+    return x.limbs if hasattr(x, "limbs") else x
+
+
+def job_of(sc: Scenario, *, fold: bool = True) -> Job:
+    """The scenario's program, arguments and checks (a ScenarioError says what is impossible)."""
     mesh = DeviceMesh(**{a: sc.parallel[a] for a in ("dp", "pp", "cp", "tp")})
-    mode, dtype = sc.run["numerics"], sc.model["dtype"]
-    if sc.run["program"] == "gpt":
+    mode, program = sc.run["numerics"], sc.run["program"]
+    coords = [mesh.coords(r) for r in range(mesh.world_size)]
+    if program == "gpt":
         plan = plan_of(sc, mesh)
         cfg = plan.data
-        coords = [mesh.coords(r) for r in range(mesh.world_size)]
-        alike = plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else ()
-        result = simulate(composed, plan, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype, fold=alike)
-        assembled = (lambda: assemble_composed(result.results, coords, plan))
-        parameters = cfg.model.parameters
         tokens = cfg.global_batch * cfg.model.seq
-        flops = tuple(f * cfg.steps for f in step_flops(cfg.model, tokens))
-        if not sc.run["verify"]:
-            verdict: dict[str, Any] = {"mode": mode, "status": "not requested (run.verify = false)"}
-        elif mode == "meta":
-            verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
-        else:
-            verdict = _report.verification(mode, reference(cfg, mode), assembled())
-    elif sc.run["program"] == "mlp":
+        outputs = lambda results: assemble_composed(results, coords, plan)  # noqa: E731
+        m = cfg.model
+        bounds = training_bounds(cfg.precision, m.layers, max(m.hidden, m.ffn_hidden, m.seq, m.vocab, tokens))
+        return Job(composed, (plan,), mesh, mode, cfg.model.parameters,
+                   tuple(f * cfg.steps for f in step_flops(cfg.model, tokens)), tokens, outputs,
+                   _verdict(sc, lambda results: _report.verification(mode, reference(cfg, mode), outputs(results),
+                                                                     bounds)),
+                   plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else (), bounds)
+    if program == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
-        flops, tokens = (model_flops, model_flops), cfg.tokens
-        result = simulate(train_mlp, cfg, mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-        if not sc.run["verify"]:
-            verdict = {"mode": mode, "status": "not requested (run.verify = false)"}
-        elif mode == "meta":
-            verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
-        else:
+        outputs = lambda results: assemble(results, coords)  # noqa: E731
+
+        def check(results: list[Any]) -> dict[str, Any]:
             one = DeviceMesh()
-            ref = simulate(train_mlp, cfg, mesh=one, cluster=preset(spec.preset, nodes=1, gpus_per_node=1),
-                           mode=mode, cost_dtype=dtype)
-            expected = assemble(ref.results, [one.coords(0)])
-            got = assemble(result.results, [mesh.coords(r) for r in range(mesh.world_size)])
-            verdict = _report.verification(mode, expected, got)
-    elif sc.run["program"] == "allreduce":
+            ref = simulate(train_mlp, cfg, mesh=one, cluster=preset(sc.cluster["preset"], nodes=1, gpus_per_node=1),
+                           mode=mode, cost_dtype=sc.model["dtype"])
+            return _report.verification(mode, assemble(ref.results, [one.coords(0)]), outputs(results))
+        return Job(train_mlp, (cfg,), mesh, mode, parameters, (model_flops, model_flops), cfg.tokens, outputs,
+                   _verdict(sc, check))
+    if program == "allreduce":
         elements = sc.model["global_batch"] * sc.model["seq"] * sc.model["hidden"]
-        result = simulate(allreduce_decomposed, elements, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode,
-                          cost_dtype=dtype)
-        parameters, flops, tokens = 0, (0.0, 0.0), 0
-        if mode == "meta":
-            verdict = {"mode": mode, "status": "not applicable: meta mode carries no numbers"}
-        else:
-            def limbs(x: Any) -> Any:
-                return x.limbs if hasattr(x, "limbs") else x
-            expected = {f"rank{r}": limbs(res["all_reduce"]) for r, res in enumerate(result.results)}
-            got = {f"rank{r}": limbs(res["reduce_scatter+all_gather"]) for r, res in enumerate(result.results)}
-            verdict = _report.verification(mode, expected, got)
-            verdict["reference"] = "the all-reduce's result"
-    else:
-        result = simulate(collectives_demo, sc.run["seed"], mesh=mesh, cluster=spec, mode=mode, cost_dtype=dtype)
-        parameters, flops, tokens = 0, (0.0, 0.0), 0
-        verdict = {"mode": mode, "status": "not applicable: the collectives program has no single-device form "
-                                           "(its results are checked against their definitions by the test suite)"}
-    rep = _report.build(sc, result, parameters=parameters, flops=flops, tokens=tokens, verdict=verdict)
+
+        def outputs(results: list[Any]) -> dict[str, Any]:
+            return {f"rank{r}.{k}": _limbs(v) for r, res in enumerate(results) for k, v in res.items()}
+
+        def check(results: list[Any]) -> dict[str, Any]:
+            verdict = _report.verification(
+                mode, {f"rank{r}": _limbs(res["all_reduce"]) for r, res in enumerate(results)},
+                {f"rank{r}": _limbs(res["reduce_scatter+all_gather"]) for r, res in enumerate(results)})
+            return verdict | {"reference": "the all-reduce's result"}
+        return Job(allreduce_decomposed, (elements, sc.run["seed"]), mesh, mode, 0, (0.0, 0.0), 0, outputs,
+                   check if mode != "meta" else _verdict(sc, check))
+
+    def every_output(results: list[Any]) -> dict[str, Any]:
+        return {f"rank{r}.{k}": _limbs(v) for r, res in enumerate(results) for k, v in res.items()}
+    return Job(collectives_demo, (sc.run["seed"],), mesh, mode, 0, (0.0, 0.0), 0, every_output,
+               lambda results: {"mode": mode, "status": "not applicable: the collectives program has no "
+                                "single-device form (its results are checked against their definitions by the "
+                                "test suite)"})
+
+
+def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
+    """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
+    (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
+    fraction of the cost."""
+    job = job_of(sc, fold=fold)
+    result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
+                      cost_dtype=sc.model["dtype"], fold=job.fold)
+    rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,
+                        verdict=job.check(result.results))
     return Outcome(sc, result, rep)

@@ -14,3 +14,21 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true",
                      help="rewrite tests/golden/*.txt from the current output (review the diff before committing)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip, saying why, where CUDA is absent (each feature they touch has a CPU test too)."""
+    import importlib.util
+
+    import pytest
+
+    if not any("gpu" in item.keywords for item in items):
+        return
+    cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (a `gpu` test; its CPU twin runs on gloo)"))

@@ -36,6 +36,7 @@ def test_collectives_demo_on_gloo_matches_the_emulator():
     assert checked == 4 * 14
 
 
+@pytest.mark.slow  # (the command-line mlp test in test_torch_composed.py runs by default)
 def test_exact_mlp_on_gloo_is_byte_identical_to_the_emulator():
     mesh = DeviceMesh(dp=2, tp=2)
     cfg = MLPConfig(hidden=8, ffn_hidden=16, tokens=8, steps=2)

@@ -1,5 +1,10 @@
-"""The composed GPT program on torch.distributed (gloo) gives the emulator's bytes in exact mode:
-each family alone, and a 4D layout on 8 processes."""
+"""The composed GPT program on torch.distributed (gloo) gives the emulator's bytes in exact mode: each
+family alone from the command line (`simcluster run --backend torch`), and a 4D layout on 8 processes,
+compared here byte for byte."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -28,35 +33,76 @@ def same_on_gloo(data, mesh, **options):
     assert_same_bytes(b, reference(data), only_wanted=True)  # and both equal one device
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_data_parallel(stage):
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10, dropout=0.1)
-    data = DPConfig(model=model, global_batch=6, micro_batches=2, steps=3, zero=stage,
-                    precision="bf16" if stage % 2 else "fp32")
-    same_on_gloo(data, DeviceMesh(dp=3))
+def on_torch(*sets):
+    """`simcluster run --backend torch --json` with these --set overrides: the report."""
+    args = [sys.executable, "-m", "simcluster.cli", "run", "--backend", "torch", "--json", "--watchdog", "60",
+            "--timeout", "300"]
+    for s in sets:
+        args += ["--set", s]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallel(sp):
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=True, dropout=0.1)
-    data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
-    same_on_gloo(data, DeviceMesh(dp=2, tp=2), sp=sp)
+def byte_identical_everywhere(report):
+    torch_run = report["torch"]
+    same = torch_run["against_emulator"]
+    assert same["compared"] > 0 and same["identical"] == same["compared"] and not same["differ"], same
+    assert torch_run["verification"]["bit_exact"], torch_run["verification"]["mismatches"]
+    assert sorted(torch_run["step_time_s"]) == sorted(report["memory_peak_bytes"])  # a measure for every rank
+    assert all(t > 0 for t in torch_run["step_time_s"].values())
 
 
-@pytest.mark.parametrize("attention", ["ulysses", "ring", "allgather"])
-def test_context_parallel(attention):
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=9, dropout=0.1)
-    data = DPConfig(model=model, global_batch=2, steps=2, precision="bf16")
-    same_on_gloo(data, DeviceMesh(dp=2, cp=2), attention=attention)
+SMALL = ("run.steps=2", "model.dropout=0.1")
 
 
-@pytest.mark.parametrize("schedule,p,v,dp", [("gpipe", 2, 1, 2), ("1f1b", 4, 1, 1), ("interleaved", 2, 2, 1),
-                                             ("zb-h1", 3, 1, 1)])
-def test_pipeline(schedule, p, v, dp):
-    model = GPTConfig(layers=p * v + 1, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False, dropout=0.1)
+# one of each family in the default run; the rest with -m slow
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+def test_data_parallel_from_the_command_line(stage):
+    report = on_torch(*SMALL, f"parallel.zero={stage}", "parallel.dp=3", "cluster.gpus_per_node=3", "model.layers=1",
+                      "model.hidden=8", "model.heads=2", "model.ffn_hidden=12", "model.seq=4", "model.vocab=10",
+                      "model.global_batch=6", "model.micro_batch=1", f"model.dtype={'bf16' if stage % 2 else 'fp32'}")
+    byte_identical_everywhere(report)
+
+
+@pytest.mark.parametrize("sp", [pytest.param("false", marks=pytest.mark.slow), "true"])
+def test_tensor_parallel_from_the_command_line(sp):
+    byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.tp=2", f"parallel.sp={sp}",
+                                       "parallel.zero=0", "cluster.gpus_per_node=4", "model.layers=2", "model.hidden=8",
+                                       "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8",
+                                       "model.tied_head=true", "model.global_batch=4", "model.micro_batch=1"))
+
+
+@pytest.mark.parametrize("attention", ["ulysses", "ring", pytest.param("allgather", marks=pytest.mark.slow)])
+def test_context_parallel_from_the_command_line(attention):
+    byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.cp=2", f"parallel.attention={attention}",
+                                       "cluster.gpus_per_node=4", "model.layers=2", "model.hidden=8", "model.heads=4",
+                                       "model.ffn_hidden=8", "model.seq=4", "model.vocab=9", "model.global_batch=2"))
+
+
+@pytest.mark.parametrize("schedule,p,v,dp", [pytest.param("gpipe", 2, 1, 2, marks=pytest.mark.slow),
+                                             pytest.param("1f1b", 4, 1, 1, marks=pytest.mark.slow),
+                                             ("interleaved", 2, 2, 1), ("zb-h1", 3, 1, 1)])
+def test_pipeline_from_the_command_line(schedule, p, v, dp):
     m = 2 * p
-    data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision="bf16")
-    same_on_gloo(data, DeviceMesh(dp=dp, pp=p), schedule=schedule, virtual=v)
+    byte_identical_everywhere(on_torch(
+        *SMALL, f"parallel.dp={dp}", f"parallel.pp={p}", f"parallel.schedule={schedule}",
+        f"parallel.virtual_stages={v}", "parallel.zero=0", f"cluster.gpus_per_node={dp * p}",
+        f"model.layers={p * v + 1}", "model.hidden=4", "model.heads=2", "model.ffn_hidden=6", "model.seq=3",
+        "model.vocab=7", "model.tied_head=false", f"model.global_batch={dp * m}", "model.micro_batch=1"))
+
+
+@pytest.mark.parametrize("program", ["mlp", "allreduce", "collectives"])
+def test_the_other_programs_from_the_command_line(program):
+    report = on_torch(f"run.program={program}", "parallel.dp=2", "parallel.tp=2" if program == "mlp" else "parallel.tp=1",
+                      f"cluster.gpus_per_node={4 if program == 'mlp' else 2}", "model.hidden=8", "model.ffn_hidden=16",
+                      "model.seq=2", "model.global_batch=4", "parallel.zero=0", "run.steps=2")
+    same = report["torch"]["against_emulator"]
+    assert same["compared"] > 0 and same["passed"] and not same["differ"], same
+    if program != "collectives":  # (no single-device form)
+        assert report["torch"]["verification"]["passed"]
+    if program == "mlp":  # exact mode, no float reduction of its own: every byte
+        assert same["identical"] == same["compared"]
 
 
 @pytest.mark.parametrize("zero,attention", [(3, "ring")])

@@ -37,7 +37,7 @@ def test_big_model_has_the_papers_parameter_count():
     assert BIG.parameters == 7_500_000_000
 
 
-@pytest.mark.parametrize("n", sorted(TABLE_1))
+@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.slow) if n >= 1024 else n for n in sorted(TABLE_1)])
 def test_zero_paper_table_1(n):
     psi = BIG.parameters
     owned = sum(padded(unit_size(BIG, u), n) // n for u in units(BIG))  # each rank's share, with padding

@@ -330,6 +330,7 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
     model.memory.hold("optimizer", "adam", sizes["optimizer"])
     losses = []
     grads: dict[str, Any] = {}
+    first: dict[str, Any] = {}
     for step in range(steps):
         ids, targets = batch(cfg, cfg.seed, step, batch_size)
         where = Slice(0, batch_size)
@@ -339,13 +340,14 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
         model.memory.hold("gradients", "grads", sizes["gradients"])
         partials = model.backward(weights, cache, step, loss_scale=LOSS_SCALE[precision])
         grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision))) for k, v in partials.items()}
+        first = first or grads
         unscaled = unscale(ops, grads, precision)
         if clip_grad:
             unscaled = clip_by_norm(ops, unscaled, square_sum(ops, list(unscaled.values())), clip_grad)
         master = adam_step(ops, master, unscaled, state, lr=lr, weight_decay=weight_decay)
         model.memory.release("gradients", "grads")
         losses.append(loss)
-    return {"loss": losses, "grads": grads, "params": master, "adam_m": state.m, "adam_v": state.v,
+    return {"loss": losses, "grads": grads, "first_grads": first, "params": master, "adam_m": state.m, "adam_v": state.v,
             "peak_activation_bytes": model.memory.peak("activations"), "memory": model.memory}
 
 

@@ -54,7 +54,7 @@ class FlatBuffers:
         if isinstance(flat, MetaTensor):
             return MetaTensor((size,), flat.dtype, flat.partial)
         if isinstance(flat, Partial):
-            return Partial(np.concatenate([flat.limbs, np.zeros((size - n, flat.limbs.shape[-1]), np.int64)]), flat.dtype)
+            return Partial(np.concatenate([flat.limbs, np.zeros((size - n, flat.limbs.shape[-1]), flat.limbs.dtype)]), flat.dtype)
         return np.concatenate([flat, np.zeros(size - n, dtype=flat.dtype)])
 
     def chunk(self, flat: Any, parts: int, index: int) -> Any:
@@ -67,10 +67,12 @@ class FlatBuffers:
         return flat[index * n:(index + 1) * n]
 
     def retag(self, p: Any, dtype: str) -> Any:
-        """A partial charged and rounded as `dtype` from now on (its exact value unchanged);
-        in fast mode, the float buffer itself is cast, as a real bf16 all-reduce would."""
+        """A partial charged and rounded as `dtype` from now on (its exact value unchanged); in fast
+        mode its values are rounded to `dtype`, as the inputs of a real bf16 all-reduce are."""
         if isinstance(p, MetaTensor):
             return MetaTensor(tuple(p.shape), dtype_name(dtype), p.partial)
         if isinstance(p, Partial):
-            return Partial(p.limbs, dtype)
+            if p.exact:
+                return Partial(p.limbs, dtype)
+            return Partial.accumulating(p.finalize(numpy_dtype(dtype_name(dtype))), dtype)
         return np.asarray(p).astype(numpy_dtype(dtype_name(dtype)))

@@ -10,7 +10,9 @@ import numpy as np
 from simcluster.numerics import exact as _exact
 from simcluster.numerics import transcendental as _tr
 from simcluster.numerics.ops import Mode, Ops, Record, _broadcast
-from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
+from simcluster.numerics import kernels as _k
+from simcluster.numerics.limbs import BF16
+from simcluster.numerics.tensor import MetaTensor, Partial, accumulator_dtype, dtype_name
 
 
 class _ExactNum:
@@ -38,16 +40,22 @@ class _ExactNum:
 
 
 class _FastNum:
-    """Fast mode's primitives: numpy in the arrays' own dtype (float64 for checking against torch)."""
+    """Fast mode's primitives, as a GPU computes: numpy floats, every sum accumulated in float32 (float64
+    for float64 data, for checking against torch) and rounded once to the data's dtype; a partial sum
+    stays in its accumulator (a fast Partial)."""
 
     def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
-        return np.einsum(spec, a, b, optimize=True)
+        dtype = np.result_type(a, b)
+        acc = accumulator_dtype(dtype)
+        out = np.einsum(spec, a.astype(acc, copy=False), b.astype(acc, copy=False), optimize=True)
+        return Partial.accumulating(out, dtype) if partial else np.asarray(out).astype(dtype, copy=False)
 
     def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any:
-        return np.asarray(np.sum(x, axis=axis), dtype=x.dtype)
+        out = np.sum(x, axis=axis, dtype=accumulator_dtype(x.dtype))
+        return Partial.accumulating(out, x.dtype) if partial else np.asarray(out).astype(x.dtype, copy=False)
 
     def round(self, p: Any, dtype: Any) -> np.ndarray:
-        return np.asarray(p, dtype=dtype)
+        return p.finalize(dtype) if isinstance(p, Partial) else np.asarray(p, dtype=dtype)
 
     def exp(self, x: np.ndarray) -> np.ndarray:
         return np.exp(x)
@@ -57,6 +65,42 @@ class _FastNum:
 
     def tanh(self, x: np.ndarray) -> np.ndarray:
         return np.tanh(x)
+
+
+SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(BF16))
+
+
+def _sixteen(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype in SIXTEEN_BIT
+
+
+class _Widened:
+    """Kernels (numerics/kernels.py) as the fused GPU kernels run them on 16-bit data: inputs widened to
+    float32, statistics (norms' mean and rstd, softmax's exponentials and sums) kept in float32, the
+    main output rounded once to the data's dtype, partial sums tagged with it. The cross-entropy's
+    log-sum-exp stays float32, and with it the loss (Megatron-LM's cross-entropy upcasts the logits).
+    The attention scores are rounded to the data's dtype, as an unfused attention's GEMM writes them
+    (FlashAttention keeps them in fp32 on chip: not modelled, as the scores' dtype is what a ring or
+    Ulysses program computes its merge in)."""
+
+    STAYS_WIDE = frozenset({"log_sum_exp"})
+
+    def __getattr__(self, name: str) -> Callable:
+        kernel = getattr(_k, name)
+
+        def widened(num: Any, *args: Any) -> Any:
+            low = next((a.dtype for a in args if _sixteen(a)), None)
+            if low is None:
+                return kernel(num, *args)
+            out = kernel(num, *(a.astype(np.float32) if _sixteen(a) else
+                                np.float32 if isinstance(a, (type, np.dtype)) else a for a in args))
+            if name in self.STAYS_WIDE:
+                return out
+            first, *rest = out if isinstance(out, tuple) else (out,)
+            first = first.astype(low)
+            rest = [Partial(r.limbs, dtype_name(low)) if isinstance(r, Partial) else r for r in rest]
+            return (first, *rest) if isinstance(out, tuple) else first
+        return widened
 
 
 class ExactOps(Ops):
@@ -85,19 +129,19 @@ class FastOps(Ops):
 
     mode = Mode.FAST
     _num = _FastNum()
+    _kernels = _Widened()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
         dtype = np.result_type(a, b)
-        if dtype.itemsize < 4:  # 16-bit storage: accumulate in float32, as tensor cores do
-            out = np.matmul(a.astype(np.float32), b.astype(np.float32))
-            return out if partial else out.astype(dtype)
-        return np.matmul(a, b)
+        acc = accumulator_dtype(dtype)  # 16-bit storage accumulates in float32, as tensor cores do
+        out = np.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))
+        return Partial.accumulating(out, dtype) if partial else out.astype(dtype, copy=False)
 
-    def _finalize(self, p: np.ndarray, dtype: Any) -> np.ndarray:
-        return np.asarray(p, dtype=dtype)
+    def _finalize(self, p: Any, dtype: Any) -> np.ndarray:
+        return self._num.round(p, dtype)
 
     def _sum(self, x: np.ndarray, axis: int | None, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        return np.asarray(np.sum(x, axis=axis), dtype=x.dtype)
+        return self._num.sum(x, axis, partial)
 
 
 class MetaOps(Ops):

@@ -51,6 +51,7 @@ class Ops(FlatBuffers):
 
     mode: Mode
     _num: Any
+    _kernels: Any = _k  # the transformer's kernels (fast mode widens 16-bit data for some)
 
     def __init__(self, record: Record | None = None, *, cost_dtype: str = "fp32") -> None:
         self._record = record if record is not None else (lambda name, flops, nbytes: None)
@@ -194,19 +195,19 @@ class Ops(FlatBuffers):
 
     def gelu(self, x: Any) -> Any:
         self._cost("gelu", tuple(x.shape), 20, 2)
-        return self._meta_like(x) if self.mode is Mode.META else _k.gelu(self._num, x)
+        return self._meta_like(x) if self.mode is Mode.META else self._kernels.gelu(self._num, x)
 
     def gelu_backward(self, dy: Any, x: Any) -> Any:
         self._cost("gelu_backward", tuple(x.shape), 30, 3)
-        return self._meta_like(x) if self.mode is Mode.META else _k.gelu_backward(self._num, dy, x)
+        return self._meta_like(x) if self.mode is Mode.META else self._kernels.gelu_backward(self._num, dy, x)
 
     def silu(self, x: Any) -> Any:
         self._cost("silu", tuple(x.shape), 8, 2)
-        return self._meta_like(x) if self.mode is Mode.META else _k.silu(self._num, x)
+        return self._meta_like(x) if self.mode is Mode.META else self._kernels.silu(self._num, x)
 
     def silu_backward(self, dy: Any, x: Any) -> Any:
         self._cost("silu_backward", tuple(x.shape), 12, 3)
-        return self._meta_like(x) if self.mode is Mode.META else _k.silu_backward(self._num, dy, x)
+        return self._meta_like(x) if self.mode is Mode.META else self._kernels.silu_backward(self._num, dy, x)
 
     def layer_norm(self, x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> Any:
         """(y, mean, rstd)."""
@@ -214,7 +215,7 @@ class Ops(FlatBuffers):
         if self.mode is Mode.META:
             stat = MetaTensor(tuple(x.shape[:-1]) + (1,), x.dtype)
             return self._meta_like(x), stat, stat
-        return _k.layer_norm(self._num, x, gamma, beta, eps)
+        return self._kernels.layer_norm(self._num, x, gamma, beta, eps)
 
     def layer_norm_backward(self, dy: Any, x: Any, gamma: Any, mean: Any, rstd: Any) -> Any:
         """(dx, dgamma partial, dbeta partial) over this shard's tokens."""
@@ -222,21 +223,21 @@ class Ops(FlatBuffers):
         if self.mode is Mode.META:
             g = MetaTensor(tuple(gamma.shape), gamma.dtype, True)
             return self._meta_like(x), g, g
-        return _k.layer_norm_backward(self._num, dy, x, gamma, mean, rstd)
+        return self._kernels.layer_norm_backward(self._num, dy, x, gamma, mean, rstd)
 
     def rms_norm(self, x: Any, gamma: Any, eps: float = 1e-5) -> Any:
         """(y, rstd)."""
         self._cost("rms_norm", tuple(x.shape), 5, 2)
         if self.mode is Mode.META:
             return self._meta_like(x), MetaTensor(tuple(x.shape[:-1]) + (1,), x.dtype)
-        return _k.rms_norm(self._num, x, gamma, eps)
+        return self._kernels.rms_norm(self._num, x, gamma, eps)
 
     def rms_norm_backward(self, dy: Any, x: Any, gamma: Any, rstd: Any) -> Any:
         """(dx, dgamma partial)."""
         self._cost("rms_norm_backward", tuple(x.shape), 8, 3)
         if self.mode is Mode.META:
             return self._meta_like(x), MetaTensor(tuple(gamma.shape), gamma.dtype, True)
-        return _k.rms_norm_backward(self._num, dy, x, gamma, rstd)
+        return self._kernels.rms_norm_backward(self._num, dy, x, gamma, rstd)
 
     def attention_scores(self, q: Any, k: Any, scale: float, allowed: Any = None) -> Any:
         """(b, a, s, k) scores, -inf where `allowed` is False."""
@@ -245,27 +246,27 @@ class Ops(FlatBuffers):
         self._record("attention_scores", (b * a, sq, sk, d), (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
         if self.mode is Mode.META:
             return MetaTensor((b, a, sq, sk), q.dtype)
-        return _k.attention_scores(self._num, q, k, scale, allowed)
+        return self._kernels.attention_scores(self._num, q, k, scale, allowed)
 
     def attention_weights(self, s: Any, row_max: Any) -> Any:
         self._cost("attention_weights", tuple(s.shape), 10, 2)
-        return self._meta_like(s) if self.mode is Mode.META else _k.attention_weights(self._num, s, row_max)
+        return self._meta_like(s) if self.mode is Mode.META else self._kernels.attention_weights(self._num, s, row_max)
 
     def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = np.float32, drop_scale: float = 1.0) -> Any:
         self._cost("attention_output", tuple(o_sum.shape), 2, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(o_sum.shape), dtype_name(dtype))
-        return _k.attention_output(self._num, o_sum, l_sum, dtype, drop_scale)
+        return self._kernels.attention_output(self._num, o_sum, l_sum, dtype, drop_scale)
 
     def attention_probs(self, e: Any, l_sum: Any) -> Any:
         self._cost("attention_probs", tuple(e.shape), 1, 2)
-        return self._meta_like(e) if self.mode is Mode.META else _k.attention_probs(self._num, e, l_sum)
+        return self._meta_like(e) if self.mode is Mode.META else self._kernels.attention_probs(self._num, e, l_sum)
 
     def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = np.float32) -> Any:
         self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(sum_exp.shape), dtype_name(dtype))
-        return _k.log_sum_exp(self._num, row_max, sum_exp, dtype)
+        return self._kernels.log_sum_exp(self._num, row_max, sum_exp, dtype)
 
     def embedding(self, ids: Any, table: Any, row_offset: int = 0) -> Any:
         """table[ids - row_offset], zero for ids outside this shard's rows; (..., h)."""

@@ -53,13 +53,23 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NUMPY_OF[name]
 
 
+def accumulator_dtype(dtype: Any) -> type:
+    """What fast mode accumulates a sum of `dtype` in: float32 (as tensor cores and cuBLAS do for 16-bit
+    inputs), float64 for a float64 sum."""
+    return np.float64 if dtype_name(dtype) == "fp64" else np.float32
+
+
 class Partial:
-    """An exact, unrounded sum: limbs of shape (*shape, LIMBS), to be rounded once by `finalize`."""
+    """An unrounded sum of logical dtype `dtype`, to be rounded once by `finalize`. Exact mode holds it as
+    integer limbs (int64, shape (*shape, LIMBS)): exact, so any order of adding gives the same value.
+    Fast mode holds a float accumulator (shape (*shape, 1), `accumulator_dtype`), as a GPU kernel
+    accumulates in fp32 whatever it stores: the same signature, sums in the order they happen."""
 
     __slots__ = ("limbs", "dtype")
 
     def __init__(self, limbs: np.ndarray, dtype: str = "fp32") -> None:
-        assert limbs.dtype == np.int64 and limbs.shape[-1] == _limbs.LIMBS, limbs.shape
+        assert (limbs.dtype == np.int64 and limbs.shape[-1] == _limbs.LIMBS) or (
+            limbs.dtype.kind == "f" and limbs.shape[-1] == 1), (limbs.dtype, limbs.shape)
         self.limbs = limbs
         self.dtype = dtype_name(dtype)
 
@@ -72,6 +82,15 @@ class Partial:
         """A partial that holds `values` exactly (a sum of one term each)."""
         return cls(_limbs.normalize(_limbs.from_float64(values)), dtype)
 
+    @classmethod
+    def accumulating(cls, values: np.ndarray, dtype: Any) -> "Partial":
+        """Fast mode's partial: `values` held in the accumulator dtype of `dtype`."""
+        return cls(np.asarray(values, accumulator_dtype(dtype))[..., None], dtype_name(dtype))
+
+    @property
+    def exact(self) -> bool:
+        return self.limbs.dtype == np.int64
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self.limbs.shape[:-1]
@@ -81,16 +100,20 @@ class Partial:
         return self.limbs.ndim - 1
 
     def __add__(self, other: "Partial") -> "Partial":
-        if not isinstance(other, Partial) or other.shape != self.shape:
+        if not isinstance(other, Partial) or other.shape != self.shape or other.exact != self.exact:
             raise TypeError(f"can only add a Partial of shape {self.shape} to a Partial, got {describe(other)}")
+        if not self.exact:
+            return Partial(self.limbs + other.limbs, self.dtype)
         return Partial(_limbs.normalize(self.limbs + other.limbs), self.dtype)
 
     def finalize(self, dtype: Any = np.float32) -> np.ndarray:
-        """Round the exact value once, to `dtype`."""
+        """Round the value once, to `dtype`."""
+        if not self.exact:
+            return self.limbs[..., 0].astype(dtype)
         return _limbs.to_float(self.limbs, dtype)
 
     def __repr__(self) -> str:
-        return f"Partial(shape={self.shape}, dtype={self.dtype})"
+        return f"Partial(shape={self.shape}, dtype={self.dtype}{'' if self.exact else ', fast'})"
 
 
 _set = object.__setattr__
@@ -249,8 +272,8 @@ def concat(xs: Sequence[Any], dim: int) -> Any:
 def reduce(xs: Sequence[Any], op: ReduceOp) -> Any:
     """Reduce equal-shaped values, in the order given.
 
-    Partials add exactly (any order gives the same limbs); arrays fold left in their own dtype
-    (fast mode: the order is the group's rank order, documented and deterministic).
+    Exact partials add exactly (any order gives the same limbs); fast partials' accumulators and arrays
+    fold left, in their own dtype, in the order given (the group's rank order: deterministic).
     """
     first = xs[0]
     if isinstance(first, MetaTensor):
@@ -258,6 +281,11 @@ def reduce(xs: Sequence[Any], op: ReduceOp) -> Any:
     if isinstance(first, Partial):
         if op is not ReduceOp.SUM:
             raise ValueError(f"a Partial can only be reduced with SUM, not {op.name}")
+        if not first.exact:
+            acc = np.array(first.limbs, copy=True)
+            for x in xs[1:]:
+                acc = acc + x.limbs
+            return Partial(acc, first.dtype)
         total = np.sum(np.stack([x.limbs for x in xs]), axis=0)
         return Partial(_limbs.normalize(total), first.dtype)
     if op is ReduceOp.SUM:
@@ -281,9 +309,11 @@ def copy(x: Any) -> Any:
     return np.array(x, copy=True)
 
 
-def zeros_of(sig: tuple[bool, str, tuple[int, ...]]) -> Any:
-    """A real value of the given signature (a receive buffer)."""
+def zeros_of(sig: tuple[bool, str, tuple[int, ...]], exact: bool = True) -> Any:
+    """A real value of the given signature (a receive buffer); `exact`: a partial's form (Partial)."""
     partial, dtype, shape = sig
+    if partial and not exact:
+        return Partial.accumulating(np.zeros(shape), dtype)
     if partial:
         return Partial(np.zeros(tuple(shape) + (_limbs.LIMBS,), dtype=np.int64), dtype)
     return np.zeros(shape, dtype=numpy_dtype(dtype))

@@ -26,6 +26,7 @@ import numpy as np
 
 from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.data_parallel import KINDS
 from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
@@ -159,16 +160,18 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
     losses: list[Any] = []
     grads: dict[str, Any] = {}
+    first: dict[str, Any] = {}
     for step in range(data.steps):
         dp.begin_step()
         work = Stage(ctx, plan, model, dp, units, step)
         yield from execute(ctx, passes, work, shape.chunks, mesh.pp)
         grads = yield from dp.step(step)
+        first = first or grads
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):
                 total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
-    return {"loss": losses, **dp.results(grads)}
+    return {"loss": losses, **dp.results(grads, first)}
 
 
 def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: Plan) -> dict[str, Any]:
@@ -183,7 +186,7 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: 
         if c["pp"] == last:
             _agree(out, {f"loss[{i}]": v for i, v in enumerate(res["loss"])}, rank)
     shapes = m.parameter_shapes()
-    for kind in ("params", "grads", "adam_m", "adam_v"):
+    for kind in KINDS:
         pieces: dict[tuple[str, int], dict[int, Any]] = {}  # (unit, tp rank) -> chunk index -> flat
         for rank, (res, c) in enumerate(zip(results, coords)):
             k, _ = res["chunk"]

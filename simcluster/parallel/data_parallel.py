@@ -74,6 +74,11 @@ def padded(n: int, dp: int) -> int:
     return -(-n // dp) * dp
 
 
+# What a training run returns per tensor: the weights, the last step's gradients, the first step's
+# (where float noise has not yet been amplified by Adam: fast mode compares them) and Adam's moments.
+KINDS = ("params", "grads", "first_grads", "adam_m", "adam_v")
+
+
 @functools.lru_cache(maxsize=8)
 def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     """The single-device run that every data-parallel run must equal (cached: the configuration is
@@ -87,7 +92,7 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,
                 weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision)
     flat: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(out["loss"])}
-    for kind in ("params", "grads", "adam_m", "adam_v"):
+    for kind in KINDS:
         for name, value in out[kind].items():
             flat[f"{kind}.{name}"] = value
     return flat

@@ -177,8 +177,9 @@ class DPWrap:
         self._new_weights(chunks)
         return grads
 
-    def results(self, grads: dict[str, Any]) -> dict[str, Any]:
-        """This rank's chunk of every unit's weights, gradients and Adam moments."""
-        return {"units": {u: {"params": self.master[u], "grads": grads[u], "adam_m": self.state.m[u],
-                              "adam_v": self.state.v[u]} for u in self.units},
+    def results(self, grads: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
+        """This rank's chunk of every unit's weights, gradients (the last step's and the first's) and
+        Adam moments."""
+        return {"units": {u: {"params": self.master[u], "grads": grads[u], "first_grads": first[u],
+                              "adam_m": self.state.m[u], "adam_v": self.state.v[u]} for u in self.units},
                 "chunk": (self.k, self.n)}

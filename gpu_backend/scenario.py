@@ -1,0 +1,100 @@
+"""Any scenario on torch.distributed: a preflight on the emulator, the ranks on torch, and a report that
+puts what was measured beside what the emulator predicted.
+
+    prepare   the scenario's job (simcluster.runner.job_of) for torch: numbers (exact or fast mode),
+              one variant, as many processes as the mesh has ranks;
+    preflight the job on the emulator in meta mode (shapes only, seconds): a mismatched collective or a
+              deadlock is refused with the emulator's diagnosis before any process starts;
+    launch    the ranks (runner.launch, or torchrun's processes calling runner.measured);
+    finish    the emulator's run in the same mode (its prediction and its numbers) and the report: the
+              emulator's, with a `torch` section of measured figures and of how the real run's outputs
+              compare with the emulator's and with one device's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpu_backend.runner import preflight as check
+from simcluster.report import relative_error
+from simcluster.runner import Job, Outcome, job_of, run_scenario
+from simcluster.scenario import Scenario, ScenarioError
+
+
+FLOAT_REDUCTION = 1e-5  # a float sum in another order: the collectives and mlp programs' (relative norm)
+
+
+def prepare(sc: Scenario, nproc: int | None = None) -> Job:
+    if sc.variants:
+        labels = ", ".join(label for label, _ in sc.variants)
+        raise ScenarioError(f"scenario {sc.name!r} compares {len(sc.variants)} variants ({labels}); the torch backend "
+                            f"runs one scenario: use a copy without its [compare] table")
+    if sc.run["numerics"] == "meta":
+        raise ScenarioError("the torch backend computes numbers: set run.numerics to exact or fast (meta mode "
+                            "carries shapes only)")
+    job = job_of(sc, fold=False)
+    world = job.mesh.world_size
+    if nproc is not None and nproc != world:
+        sizes = " x ".join(f"{a}{n}" for a, n in job.mesh.sizes.items() if n > 1) or "one rank"
+        raise ScenarioError(f"the scenario's mesh ({sizes}) has {world} ranks, one process each: --nproc {nproc} "
+                            f"does not match (change parallel.dp/pp/cp/tp, or use --nproc {world})")
+    return job
+
+
+def preflight(sc: Scenario, job: Job) -> None:
+    """The job on the emulator in meta mode, on the scenario's cluster (runner.preflight)."""
+    check(job.program, job.args, job.mesh, sc.cluster_spec(), sc.model["dtype"])
+
+
+def _same(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def against(expected: dict[str, Any], got: dict[str, Any], bounds: Any = None) -> dict[str, Any]:
+    """How the real run's outputs compare with the emulator's: byte-identical, within the bound `bounds`
+    gives an output (relative norm error; None: not compared, as fast mode's weights after Adam), or
+    different. Without `bounds`, bytes only."""
+    identical, within, uncompared, differ = 0, 0, 0, []
+    for name in expected:
+        bound = None if bounds is None else bounds(name)
+        if name in got and _same(got[name], expected[name]):
+            identical += 1
+        elif name in got and bounds is not None and bound is None:
+            uncompared += 1
+        elif name in got and bound is not None and relative_error(got[name], expected[name]) <= bound:
+            within += 1
+        else:
+            differ.append(name)
+    differ += [name for name in got if name not in expected]
+    return {"compared": len(expected) - uncompared, "identical": identical, "within_tolerance": within,
+            "not_compared": uncompared, "differ": differ[:10], "differing": len(differ), "passed": not differ}
+
+
+def finish(sc: Scenario, job: Job, runs: list[Any], backend: str) -> Outcome:
+    """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank)."""
+    emulated = run_scenario(sc, fold=False)
+    real = [run.result for run in runs]
+    steps = emulated.report["steps"]
+    # Exact mode is byte-identical on any backend, except a plain float reduction (the collectives
+    # program's), whose order is the backend's; fast mode leaves every sum's order to it, and is held
+    # to the derived bound (numerics/tolerance.py) where the program has one.
+    if job.mode == "exact":
+        bounds = (lambda name: FLOAT_REDUCTION) if sc.run["program"] == "collectives" else None
+    else:
+        bounds = job.bounds or (lambda name: FLOAT_REDUCTION)
+    section = {
+        "backend": backend,
+        "device": "cuda" if backend == "nccl" else "cpu",
+        "processes": len(runs),
+        "step_time_s": {str(r): run.seconds / steps for r, run in enumerate(runs)},
+        "predicted_step_time_s": emulated.report["step_time_ns"] / 1e9,
+        "peak_memory_bytes": {str(r): run.peak_bytes for r, run in enumerate(runs)},
+        "memory_measure": runs[0].memory_source,
+        "against_emulator": against(job.outputs(emulated.result.results), job.outputs(real), bounds),
+        "verification": job.check(real),
+    }
+    section["passed"] = section["against_emulator"]["passed"] and section["verification"].get("passed", True)
+    return Outcome(sc, emulated.result, dict(emulated.report, torch=section))

@@ -1,0 +1,114 @@
+"""A launch on torch.distributed never hangs: the preflight refuses broken programs before any process
+starts, the watchdog reports a hung collective (which call, who joined), and a rank that fails or dies
+early is named."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
+
+from gpu_backend.runner import LaunchError, launch  # noqa: E402
+from simcluster.engine import CollectiveMismatchError, DeadlockError  # noqa: E402
+from simcluster.program.mesh import DeviceMesh  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+X = np.zeros((4, 2), np.float32)
+
+
+def mismatched(ctx):
+    if ctx.rank == 0:
+        yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+    else:
+        yield ctx.comm.all_gather(X, group=ctx.mesh.dp)
+
+
+def one_rank_missing(ctx):
+    if ctx.rank != 1:
+        yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+
+
+def hangs_in_compute(ctx):
+    """Rank 1 is stuck in a computation (here: asleep) while the others wait in an all-reduce."""
+    yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+    if ctx.rank == 1:
+        time.sleep(120)
+    yield ctx.comm.all_reduce(X + 1, group=ctx.mesh.dp)
+
+
+def raises(ctx):
+    yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+    if ctx.rank == 2:
+        raise ValueError("a bug in rank 2's program")
+    yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+
+
+@pytest.mark.parametrize("program,error,says", [
+    (mismatched, CollectiveMismatchError, "rank 1 issued all_gather() of fp32(4, 2)"),
+    (one_rank_missing, DeadlockError, "rank 1 has not issued it: rank 1 is finished"),
+])
+def test_preflight_refuses_before_any_process_starts(program, error, says):
+    t = time.monotonic()
+    with pytest.raises(error) as e:
+        launch(program, mesh=DeviceMesh(dp=3), backend="gloo")
+    assert str(e.value).startswith("preflight (the program on the emulator, meta mode) refused")
+    assert says in str(e.value)
+    assert time.monotonic() - t < 5  # no process was spawned (spawning three takes longer)
+
+
+def test_watchdog_names_the_hung_collective_and_the_rank_that_did_not_join():
+    t = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        launch(hangs_in_compute, mesh=DeviceMesh(dp=3), backend="gloo", check=False, watchdog_s=3, timeout_s=100)
+    took = time.monotonic() - t
+    msg = str(e.value)
+    for rank in (0, 2):  # both waiters report the call they are stuck in: the group's second
+        assert f"rank {rank}: watchdog: rank {rank}: collective seq 2 on group dp (0,1,2), all_reduce(sum) of " \
+               f"fp32(4, 2), did not finish (waited" in msg
+    assert "joined: ranks 0, 2" in msg
+    assert "did not join: rank 1: no record (hung outside a collective, or dead)" in msg
+    assert took < 60, took  # the watchdog, not the 100 s limit, ended it
+
+
+def test_a_rank_that_ends_without_joining_is_named_with_what_it_did_last():
+    with pytest.raises(LaunchError) as e:
+        launch(one_rank_missing, mesh=DeviceMesh(dp=2), backend="gloo", check=False, watchdog_s=3, timeout_s=100)
+    msg = str(e.value)
+    assert "rank 0: watchdog: rank 0: collective seq 1 on group dp (0,1)" in msg
+    assert "did not join: rank 1: no call on this group, then ended its program" in msg
+
+
+def test_an_exception_in_one_rank_is_reported_with_its_rank():
+    with pytest.raises(LaunchError) as e:
+        launch(raises, mesh=DeviceMesh(dp=3), backend="gloo", check=False, watchdog_s=3, timeout_s=100)
+    assert "rank 2: ValueError: a bug in rank 2's program" in str(e.value)
+
+
+def test_a_script_without_a_main_guard_fails_instead_of_hanging(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from gpu_backend.runner import launch
+        from simcluster.parallel.collectives_demo import collectives_demo
+        from simcluster.program.mesh import DeviceMesh
+        launch(collectives_demo, 0, mesh=DeviceMesh(dp=2), backend="gloo", timeout_s=100)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0
+    assert "before it reported" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: nccl would run")
+def test_nccl_without_cuda_fails_at_once_from_the_command_line():
+    t = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--backend", "torch", "--dist-backend", "nccl",
+                           "--set", "parallel.dp=2", "--set", "cluster.gpus_per_node=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "backend 'nccl' needs CUDA, and this machine has none" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - t < 30
