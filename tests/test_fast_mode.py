@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 
+from broken import no_rescale, swapped_tp
 from plans import run_plan
 from simcluster import report
 from simcluster.model.gpt import GPTConfig
@@ -12,7 +13,6 @@ from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import Partial
 from simcluster.parallel import ring_attention
-from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig, reference
 
 LAYOUTS = {  # one of each family, and a 4D hybrid
@@ -91,33 +91,13 @@ def test_a_missing_all_reduce_fails_the_bound(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_a_swapped_shard_fails_the_bound(dtype):
-    def swapped(ctx, plan):
-        real = ctx.mesh
-
-        class Swap:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def coord(self, axis):
-                return real.size("tp") - 1 - real.coord("tp") if axis == "tp" else real.coord(axis)
-
-        ctx.mesh = Swap()
-        return (yield from composed(ctx, plan))
-
-    verdict = fast_verdict(data(dtype), tp=2, program=swapped)
+    verdict = fast_verdict(data(dtype), tp=2, program=swapped_tp)
     assert not verdict["passed"]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_a_wrong_merge_fails_the_bound(monkeypatch, dtype):
     """Ring attention that forgets to rescale its running sums when the maximum grows."""
-    def no_rescale(ops, state, scores, v, kept):
-        m, l_sum, o_sum = state
-        m_new = ops.max(scores, -1) if m is None else np.maximum(m, ops.max(scores, -1))
-        e = ops.attention_weights(scores, m_new)
-        l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
-        return m_new, l_t if m is None else ops.add(l_sum, l_t), o_t if m is None else ops.add(o_sum, o_t)
-
     monkeypatch.setattr(ring_attention, "online_merge", no_rescale)
     verdict = fast_verdict(data(dtype), cp=2, attention="ring")
     assert not verdict["passed"]
