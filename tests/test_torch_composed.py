@@ -112,3 +112,33 @@ def test_4d(zero, attention):
                       recompute="selective")
     data = DPConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16", zero=zero)
     same_on_gloo(data, DeviceMesh(pp=2, cp=2, tp=2), sp=True, attention=attention, schedule="1f1b")
+
+
+def within_the_fast_tolerance(report):
+    torch_run = report["torch"]
+    same = torch_run["against_emulator"]
+    assert same["compared"] > 0 and same["passed"] and not same["differ"], same
+    assert torch_run["verification"]["passed"], torch_run["verification"]
+    assert torch_run["passed"]
+
+
+FAMILIES = {  # one layout per family, and a 4D hybrid, each small
+    "zero3": ("parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2"),
+    "tp+sp": ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "parallel.zero=0", "cluster.gpus_per_node=2"),
+    "cp-ring": ("parallel.dp=1", "parallel.cp=2", "parallel.attention=ring", "cluster.gpus_per_node=2"),
+    "pp-1f1b": ("parallel.dp=1", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=0", "cluster.gpus_per_node=2"),
+    "4d": ("parallel.dp=1", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1",
+           "parallel.attention=ulysses", "parallel.schedule=1f1b", "cluster.gpus_per_node=8"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.slow),
+                                   pytest.param("fp32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fast_mode_from_the_command_line(family, dtype):
+    """Fast mode on torch.distributed agrees with the emulator's fast run, and with one device, within the
+    derived tolerance (numerics/tolerance.py)."""
+    within_the_fast_tolerance(on_torch(
+        *SMALL, "run.numerics=fast", f"model.dtype={dtype}", *FAMILIES[family], "model.layers=2", "model.hidden=8",
+        "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8", "model.tied_head=false",
+        "model.global_batch=4", "model.micro_batch=1"))
