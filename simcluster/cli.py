@@ -89,7 +89,55 @@ def _parser() -> argparse.ArgumentParser:
                       help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
                            "--fix cp=1 --fix zero=0,1 --fix recompute=full; fields: tp, pp, cp, dp, zero, "
                            "micro_batch, recompute, schedule, virtual")
+    cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile for cluster.profile",
+                         description="Measure the machine this runs on with torch (its GPU if it has one, else the "
+                                     "CPU): GEMM throughput on a grid of shapes per dtype, attention's batched "
+                                     "products, memory bandwidth, the smallest kernel's time, and all-reduce bus "
+                                     "bandwidth by message size over --nproc ranks (gloo on CPU, NCCL on GPUs). "
+                                     "Writes a profile that a scenario uses with cluster.profile = \"FILE\" "
+                                     "(needs the torch extra).")
+    cal.add_argument("-o", "--output", default="profile.toml", help="where to write the profile (default profile.toml)")
+    cal.add_argument("--nproc", type=int, default=2,
+                     help="ranks for the all-reduce measurement (default 2; 1 measures no links)")
+    cal.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                     help="nccl when CUDA is present, else gloo (default: auto)")
+    cal.add_argument("--dtypes", default="bf16,fp32", help="GEMM dtypes to measure, comma-separated (default "
+                                                           "bf16,fp32; fp16 is timed as bf16 when not measured)")
+    cal.add_argument("--quick", action="store_true", help="a smaller grid: seconds instead of a minute")
+    cal.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                     help="give up on the all-reduce processes after S seconds (default 600)")
     return p
+
+
+def _calibrate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        say_error(err, "calibrate measures with torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
+        return 2
+    from gpu_backend.calibrate import LaunchError, calibrate
+
+    try:
+        got = calibrate(args.output, nproc=args.nproc, backend=args.dist_backend,
+                        dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()], quick=args.quick,
+                        timeout_s=args.timeout, say=lambda line: err.print(line, markup=False, highlight=False))
+    except (LaunchError, ValueError, OSError) as exc:
+        say_error(err, str(exc))
+        return 2
+    t = Table(title=f"measured: {got['device']}", title_justify="left")
+    t.add_column("what")
+    t.add_column("measured", justify="right")
+    t.add_row("smallest kernel", f"{got['overhead_s'] * 1e6:.1f} us")
+    t.add_row("memory bandwidth", f"{got['memory_gbyte_per_s']:.3g} GB/s")
+    for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
+        rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
+        t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")
+    if got["link"]:
+        t.add_row(f"all-reduce, {got['ranks']} ranks ({got['backend']})",
+                  f"{got['link'][0]:.3g} GB/s bus, {got['link'][1] / 1e3:.1f} us per step")
+    out.print(t)
+    out.print(f"wrote {got['path']}; use it with --set cluster.profile={got['path']}", markup=False, highlight=False)
+    return 0
 
 
 def say_error(err: Console, text: str) -> None:
@@ -283,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t.add_row(f.stem, load(str(f)).description)
             out.print(t)
             return 0
+        if args.command == "calibrate":
+            return _calibrate(args, out, err)
         if args.command == "run" and args.backend == "torch":
             from gpu_backend.__main__ import run as run_on_torch  # (needs no torch to say it needs torch)
 

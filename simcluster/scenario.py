@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from simcluster.topology import profile
 from simcluster.topology.presets import PRESETS, ClusterSpec
 
 
@@ -28,7 +29,7 @@ class Key:
     minimum: float | None = None
 
 
-_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node")}
+_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node", "profile")}
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -62,6 +63,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "preset": Key(str, "dgx-a100", "hardware preset", choices=tuple(sorted(PRESETS))),
         "nodes": Key(int, 1, "number of nodes", minimum=1),
         "gpus_per_node": Key(int, 8, "GPUs per node (NVLink/NVSwitch domain)", minimum=1),
+        "profile": Key(str, None, "a hardware profile measured by `simcluster calibrate` (a TOML file, relative to "
+                       "the scenario's folder or the working directory): its figures replace the preset's, and "
+                       "each GEMM is timed at the rate measured for the shape nearest it"),
         **{name: Key(float if f.type in ("float", float) else int, None, f"override of the preset's {name}", minimum=0)
            for name, f in _CLUSTER_FIGURES.items()},
     },
@@ -153,7 +157,12 @@ class Scenario:
         c = self.cluster
         figures = {k: v for k, v in c.items() if k in _CLUSTER_FIGURES and v is not None}
         try:
-            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], **figures)
+            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"])
+            if c.get("profile"):
+                measured = profile.load(self._find(c["profile"]))
+                measured.gemm_rate(1, 1, 1, 1, self.model["dtype"])  # (a ProfileError now, if it lacks the dtype)
+                spec = profile.apply(spec, measured)
+            spec = spec.with_overrides(**figures) if figures else spec
         except (TypeError, ValueError) as exc:
             raise ScenarioError(str(exc)) from None
         if spec.world_size != self.world_size:
@@ -163,6 +172,15 @@ class Scenario:
                 f"ranks, but the cluster has cluster.nodes={spec.nodes} x cluster.gpus_per_node={spec.gpus_per_node}"
                 f" = {spec.world_size} GPUs; they must be equal")
         return spec
+
+    def _find(self, path: str) -> Path:
+        """A file the scenario names: beside the scenario file if it is there, else from the working directory."""
+        p = Path(path)
+        if not p.is_absolute() and self.source != "built-in default":
+            beside = Path(self.source).parent / p
+            if beside.is_file():
+                return beside
+        return p
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "model": dict(self.model),

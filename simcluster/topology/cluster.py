@@ -32,6 +32,7 @@ class Cluster:
         self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
         self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency for d, r in peak.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
+        self.profile = spec.profile
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -68,8 +69,12 @@ class Cluster:
         the (m, n) = (2048, 2304) products of a 2,304-wide model take 288 tiles of 128 x 128, three
         waves of 108 on an A100, 89 % of them doing work. A side shorter than the tile gets a tile
         of its own size (to a multiple of 16, the tensor cores' step), and a GEMM with fewer tiles
-        than SMs splits its k among them (split-K), as cuBLAS does for narrow products."""
-        if work.__class__ is tuple:
+        than SMs splits its k among them (split-K), as cuBLAS does for narrow products. With a measured
+        profile, a GEMM runs at the rate measured for the shape nearest it instead."""
+        if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
+            batch, m, n, k = work
+            flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype) * 1e3
+        elif work.__class__ is tuple:
             batch, m, n, k = work
             tm, tn = min(TILE, -(-m // 16) * 16), min(TILE, -(-n // 16) * 16)
             tiles = batch * -(-m // tm) * -(-n // tn)

@@ -7,7 +7,10 @@ NIC: one InfiniBand port per GPU, rail-optimised, through a non-blocking fabric)
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from simcluster.topology.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,15 @@ class ClusterSpec:
     matmul_efficiency: float = 0.859
     sms: int = 108  # streaming multiprocessors; datasheet (A100: 108)
     memory_efficiency: float = 0.8  # achievable fraction of HBM bandwidth; assumption
+    # a measured hardware profile (topology/profile.py, from `simcluster calibrate`): with one, the
+    # figures above are its measurements, and each GEMM is timed by the shape measured nearest to it
+    profile: "Profile | None" = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "profile":
+                continue
             if f.name in ("preset", "device"):
                 if not isinstance(v, str) or not v:
                     raise ValueError(f"cluster.{f.name} must be a non-empty string, got {v!r}")
@@ -79,7 +87,12 @@ class ClusterSpec:
         return replace(self, **kw)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(replace(self, profile=None))
+        if self.profile is None:
+            del out["profile"]
+        else:
+            out["profile"] = self.profile.source
+        return out
 
 
 PRESETS: dict[str, ClusterSpec] = {

@@ -1,0 +1,185 @@
+"""`simcluster calibrate`: measure the machine it runs on and write a hardware profile (topology/profile.py).
+
+What it measures, with torch (the GPU if there is one, else the CPU):
+- GEMM throughput on a grid of shapes (m, n, k) per dtype, and the batched products attention is
+  timed by in the cost model (q k^T and weights x v: batch = batch * heads);
+- memory bandwidth (a large copy: bytes read + written over its time);
+- the time of the smallest kernel (a one-element add: launch and dispatch overhead);
+- all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
+  GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
+  over the ring's 2(p-1) steps the latency per step.
+Each figure is the median of several timed repetitions after warm-up (wall clock on CPU, CUDA events
+on a GPU): a measurement, so two calibrations differ; a profile, once written, gives the same
+predictions every run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gpu_backend.runner import LaunchError, check_backend, cpu_share, in_processes
+from simcluster.topology import profile as _profile
+from simcluster.topology.profile import Gemm
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+# the datasheet's dense peaks (presets.py) where the device is one a preset describes
+DATASHEET = {"A100": (312.0, 19.5), "H100": (989.0, 67.0)}
+
+
+@dataclass(frozen=True)
+class Grid:
+    sizes: tuple[int, ...]  # m, n and k each take every one of these
+    attention: tuple[tuple[int, int, int], ...]  # (batch * heads, sequence, head dimension)
+    copy_bytes: int
+    message_bytes: tuple[int, ...]
+    repeats: int
+
+
+GRIDS = {  # (device type, quick)
+    ("cpu", True): Grid((64, 256), ((8, 128, 64),), 16 << 20, tuple(1 << e for e in range(12, 21, 2)), 3),
+    ("cpu", False): Grid((64, 256, 1024), ((16, 128, 64), (16, 512, 64)), 64 << 20,
+                         tuple(1 << e for e in range(12, 25, 2)), 5),
+    ("cuda", True): Grid((256, 1024, 4096), ((32, 1024, 128),), 256 << 20, tuple(1 << e for e in range(16, 27, 2)), 5),
+    ("cuda", False): Grid((256, 1024, 4096, 8192), ((32, 1024, 128), (32, 4096, 128), (64, 2048, 64)), 1 << 30,
+                          tuple(1 << e for e in range(12, 31, 2)), 10),
+}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
+    """seconds per call of fn: the median of `repeats` timings, after two untimed calls."""
+    def timed(fn: Callable[[], Any], repeats: int) -> float:
+        fn(), fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return timed
+
+
+def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int) -> list[float]:
+    """(In each rank's process.) Seconds per all-reduce of each size in bytes (fp32), the median of
+    `repeats`, each started together after a barrier."""
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
+
+
+def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tuple[float, int]:
+    """(bus bandwidth in GB/s, latency per ring step in ns) of t = alpha + ring_bytes / beta, least squares;
+    ring_bytes = 2(p-1)/p * bytes is what each rank sends in a ring all-reduce."""
+    factor = 2 * (ranks - 1) / ranks
+    xs, ys = [factor * b for b in sizes], list(seconds)
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx > 0 else 0.0
+    if slope <= 0:  # noise swamped the slope: the bandwidth of the largest message, no latency
+        return xs[-1] / ys[-1] / 1e9, 0
+    alpha = max(0.0, my - slope * mx)
+    return 1.0 / slope / 1e9, int(round(alpha / (2 * (ranks - 1)) * 1e9))
+
+
+def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),
+              quick: bool = False, timeout_s: float = 600.0, say: Callable[[str], None] = lambda _: None) -> dict:
+    """Measure, write the profile at `path`, and return what was measured (for the caller to show)."""
+    for d in dtypes:
+        if d not in TORCH_DTYPES:
+            raise ValueError(f"dtype {d!r} is not valid; valid: {', '.join(TORCH_DTYPES)}")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    kind = check_backend(backend, nproc) if nproc > 1 else ("nccl" if backend != "gloo" and
+                                                           torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", 0) if kind == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
+    else:  # a CPU rank is one process of nproc on this CPU, with its share of the cores (as a launch runs it)
+        torch.set_num_threads(cpu_share(nproc))
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} of {os.cpu_count()} cores: one rank of {nproc})"
+    grid = GRIDS[(device.type, quick)]
+    timed = _timer(device)
+
+    say(f"calibrating {name}")
+    one = torch.ones(1, device=device)
+    overhead = timed(lambda: torch.add(one, one), grid.repeats * 20)
+    say(f"  smallest kernel: {overhead * 1e6:.1f} us")
+    src = torch.empty(grid.copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), grid.repeats)
+    memory = 2 * grid.copy_bytes / copy_s / 1e9
+    say(f"  memory: {memory:.1f} GB/s ({grid.copy_bytes >> 20} MiB copies)")
+
+    gemm: list[Gemm] = []
+    shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
+    for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
+        shapes += [(bh, s, s, d), (bh, s, d, s)]
+    for dt in dtypes:
+        for batch, m, n, k in shapes:
+            a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
+            b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
+            t = timed(lambda: torch.bmm(a, b), grid.repeats)
+            rate = 2.0 * batch * m * n * k / max(t - overhead, t / 2) / 1e12  # the kernel, not its launch
+            gemm.append(Gemm(dt, batch, m, n, k, rate))
+        best = max(g.tflops for g in gemm if g.dtype == dt)
+        say(f"  {dt} GEMMs: {len(shapes)} shapes, best {best:.3g} TFLOP/s")
+
+    def best_of(kinds: tuple[str, ...]) -> float | None:
+        return max((g.tflops for g in gemm if g.dtype in kinds), default=None)
+
+    sheet = next((v for key, v in DATASHEET.items() if key in name and device.type == "cuda"), None)
+    peak16 = sheet[0] if sheet else (best_of(("bf16", "fp16")) or best_of(("fp32", "fp64")))
+    peak32 = sheet[1] if sheet else (best_of(("fp32",)) or best_of(("fp64",)) or peak16)
+
+    link, allreduce = None, []
+    if nproc > 1:
+        say(f"  all-reduce over {nproc} ranks ({kind}), {len(grid.message_bytes)} sizes")
+        per_rank = in_processes(_allreduce_times, (grid.message_bytes, grid.repeats), nproc, kind, timeout_s=timeout_s)
+        seconds = [max(ts) for ts in zip(*per_rank)]  # a call ends when its last rank does
+        allreduce = list(zip(grid.message_bytes, seconds))
+        link = fit_link(grid.message_bytes, seconds, nproc)
+        say(f"  link: {link[0]:.3g} GB/s bus bandwidth, {link[1] / 1e3:.1f} us per ring step")
+    memory_gbyte = (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None)
+    notes = [f"measured with torch {torch.__version__} on {name}, {'quick' if quick else 'full'} grid",
+             "peak_tflops: " + ("the datasheet's" if sheet else "the best GEMM measured (no datasheet for this device)"),
+             "links inside a node are these; links between nodes (the NIC) stay the preset's"
+             if link else "one rank: no links measured (the preset's stay)"]
+    _profile.write(path, device=name, peak_tflops=peak16, peak_tflops_fp32=peak32, memory_gbyte_per_s=memory,
+                   kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
+                   allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes)
+    _profile.load(path)  # what was written reads back
+    return {"device": name, "backend": kind, "ranks": nproc, "overhead_s": overhead, "memory_gbyte_per_s": memory,
+            "gemm": gemm, "link": link, "allreduce": allreduce, "peak_tflops": peak16, "path": path}
+
+
+__all__ = ["GRIDS", "LaunchError", "calibrate", "fit_link"]

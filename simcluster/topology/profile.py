@@ -1,0 +1,193 @@
+"""Hardware profiles: what `simcluster calibrate` measured on a machine, in place of a preset's constants.
+
+A profile is a TOML file (written by gpu_backend/calibrate.py, read here without torch):
+
+    device = "..."                 what was measured
+    peak_tflops = 2.1              16-bit GEMM peak: the datasheet's on a GPU a preset names, else the best
+    peak_tflops_fp32 = 1.4         measured GEMM rate (so MFU is against what this machine achieves)
+    memory_gbyte_per_s = 9.5       achieved copy bandwidth (read + write)
+    kernel_overhead_ns = 4000      the time of the smallest kernel
+    link_gbyte_per_s = 1.2         fitted from all-reduce times over the measured ranks (absent with one
+    link_latency_ns = 30000        rank): bus bandwidth, and latency per ring step
+    gemm = [{dtype = "bf16", batch = 1, m = 256, n = 256, k = 256, tflops = 0.8}, ...]
+    allreduce = [{bytes = 1024, seconds = 2e-05, busbw_gbyte_per_s = 0.05}, ...]   (shown, not used)
+
+`apply(spec, profile)` turns a preset's spec into the profiled one: the measured figures replace the
+preset's (with efficiency 1: they are achieved rates), links inside a node are the measured links
+(the NIC, between nodes, stays the preset's: a calibration on one host sees no NIC), and every GEMM
+is then timed at the rate measured for the nearest measured shape (`gemm_rate`). What the profile
+does not measure (non-GEMM compute-bound kernels: compute_efficiency of the peak) stays as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("bf16", "fp16", "fp32", "fp64")
+SAME_RATE = {"fp16": "bf16", "bf16": "fp16"}  # tensor cores run both at one rate: either stands for the other
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used (missing, not TOML, a figure missing or out of range)."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    dtype: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    tflops: float
+
+    @property
+    def where(self) -> tuple[float, float, float]:
+        """Its place in shape space: log2 of (batch * m, n, k)."""
+        return math.log2(self.batch * self.m), math.log2(self.n), math.log2(self.k)
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str
+    device: str
+    peak_tflops: float
+    peak_tflops_fp32: float
+    memory_gbyte_per_s: float
+    kernel_overhead_ns: int
+    gemm: tuple[Gemm, ...]
+    link_gbyte_per_s: float | None = None
+    link_latency_ns: int | None = None
+    memory_gbyte: float | None = None
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({g.dtype for g in self.gemm}))
+
+    def gemm_rate(self, batch: int, m: int, n: int, k: int, dtype: str) -> float:
+        """TFLOP/s of the measured GEMM of this dtype nearest to (batch, m, n, k) in log2 of (batch * m,
+        n, k); ties go to the earlier entry. A dtype not measured: fp16 and bf16 stand for each other,
+        otherwise a ProfileError."""
+        table = _by_dtype(self).get(dtype) or _by_dtype(self).get(SAME_RATE.get(dtype, ""))
+        if not table:
+            raise ProfileError(f"profile {self.source}: no {dtype} GEMMs measured (it has "
+                               f"{', '.join(self.dtypes)}); run `simcluster calibrate --dtypes {dtype}`")
+        x = (math.log2(max(batch * m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1)))
+        best = min(table, key=lambda g: sum((a - b) ** 2 for a, b in zip(g.where, x)))
+        return best.tflops
+
+
+@functools.lru_cache(maxsize=None)
+def _by_dtype(profile: Profile) -> dict[str, tuple[Gemm, ...]]:
+    return {d: tuple(g for g in profile.gemm if g.dtype == d) for d in profile.dtypes}
+
+
+def _number(doc: dict[str, Any], key: str, where: str, *, integer: bool = False, optional: bool = False) -> Any:
+    if key not in doc:
+        if optional:
+            return None
+        raise ProfileError(f"{where}: missing {key!r}")
+    v = doc[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ProfileError(f"{where}: {key} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not v > 0 and not (integer and v == 0):
+        raise ProfileError(f"{where}: {key} must be positive, got {v!r}")
+    return v
+
+
+def parse(text: str, source: str) -> Profile:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{source}: not valid TOML: {exc}") from None
+    rows = doc.get("gemm")
+    if not isinstance(rows, list) or not rows:
+        raise ProfileError(f"{source}: no gemm table (a profile lists the GEMMs it measured)")
+    gemm = []
+    for i, row in enumerate(rows):
+        where = f"{source}: gemm[{i}]"
+        if not isinstance(row, dict) or row.get("dtype") not in DTYPES:
+            raise ProfileError(f"{where}: needs dtype, one of {', '.join(DTYPES)}")
+        gemm.append(Gemm(row["dtype"], *(_number(row, k, where, integer=True) for k in ("batch", "m", "n", "k")),
+                         float(_number(row, "tflops", where))))
+    link = _number(doc, "link_gbyte_per_s", source, optional=True)
+    latency = _number(doc, "link_latency_ns", source, integer=True, optional=True)
+    if (link is None) != (latency is None):
+        raise ProfileError(f"{source}: link_gbyte_per_s and link_latency_ns go together")
+    memory = _number(doc, "memory_gbyte", source, optional=True)
+    return Profile(source=source, device=str(doc.get("device", "profiled")),
+                   peak_tflops=float(_number(doc, "peak_tflops", source)),
+                   peak_tflops_fp32=float(_number(doc, "peak_tflops_fp32", source)),
+                   memory_gbyte_per_s=float(_number(doc, "memory_gbyte_per_s", source)),
+                   kernel_overhead_ns=_number(doc, "kernel_overhead_ns", source, integer=True), gemm=tuple(gemm),
+                   link_gbyte_per_s=None if link is None else float(link), link_latency_ns=latency,
+                   memory_gbyte=None if memory is None else float(memory))
+
+
+def load(path: str | Path) -> Profile:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cannot read the hardware profile {str(path)!r}: {exc.strerror or exc}") from None
+    return parse(text, str(path))
+
+
+def apply(spec: Any, profile: Profile) -> Any:
+    """The ClusterSpec `spec` with the profile's measured figures in place of the preset's."""
+    best16 = max((g.tflops for g in profile.gemm if g.dtype in ("bf16", "fp16")), default=profile.peak_tflops)
+    figures: dict[str, Any] = dict(
+        device=profile.device, peak_tflops=profile.peak_tflops, peak_tflops_fp32=profile.peak_tflops_fp32,
+        matmul_efficiency=min(1.0, best16 / profile.peak_tflops),  # for the planner's one-rate estimate
+        hbm_gbyte_per_s=profile.memory_gbyte_per_s, memory_efficiency=1.0,
+        kernel_overhead_ns=profile.kernel_overhead_ns, profile=profile)
+    if profile.link_gbyte_per_s is not None:
+        figures.update(nvlink_gbyte_per_s=profile.link_gbyte_per_s, nvlink_efficiency=1.0,
+                       nvlink_latency_ns=profile.link_latency_ns)
+    if profile.memory_gbyte is not None:
+        figures["memory_gbyte"] = profile.memory_gbyte
+    return replace(spec, **figures)
+
+
+def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32: float, memory_gbyte_per_s: float,
+          kernel_overhead_ns: int, gemm: list[Gemm], link: tuple[float, int] | None,
+          allreduce: list[tuple[int, float]], ranks: int, backend: str, memory_gbyte: float | None,
+          notes: list[str]) -> None:
+    """Write a profile file (readable by `load`), with comments saying what each figure is."""
+    def g(x: float) -> str:
+        return repr(float(f"{x:.4g}"))
+
+    lines = ["# simcluster hardware profile, written by `simcluster calibrate`.",
+             "# Use it in a scenario with cluster.profile = \"<this file>\" (or --set cluster.profile=<this file>).",
+             *(f"# {n}" for n in notes),
+             f"device = {_quote(device)}",
+             f"backend = {_quote(backend)}",
+             f"ranks = {ranks}",
+             f"peak_tflops = {g(peak_tflops)}",
+             f"peak_tflops_fp32 = {g(peak_tflops_fp32)}",
+             f"memory_gbyte_per_s = {g(memory_gbyte_per_s)}  # achieved copy bandwidth, read + write",
+             f"kernel_overhead_ns = {int(kernel_overhead_ns)}  # the smallest kernel's time"]
+    if memory_gbyte is not None:
+        lines.append(f"memory_gbyte = {g(memory_gbyte)}")
+    if link is not None:
+        lines += [f"link_gbyte_per_s = {g(link[0])}  # all-reduce bus bandwidth, fitted over the sizes below",
+                  f"link_latency_ns = {int(link[1])}  # per ring step, fitted"]
+    lines.append("gemm = [  # achieved TFLOP/s by shape; a GEMM is timed at its nearest measured shape")
+    lines += [f"  {{dtype = {_quote(r.dtype)}, batch = {r.batch}, m = {r.m}, n = {r.n}, k = {r.k}, "
+              f"tflops = {g(r.tflops)}}}," for r in gemm]
+    lines.append("]")
+    if allreduce:
+        factor = 2 * (ranks - 1) / ranks
+        lines.append(f"allreduce = [  # measured over {ranks} ranks (busbw = 2(p-1)/p * bytes / seconds); not read")
+        lines += [f"  {{bytes = {b}, seconds = {g(t)}, busbw_gbyte_per_s = {g(factor * b / t / 1e9)}}},"
+                  for b, t in allreduce]
+        lines.append("]")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,130 @@
+"""Hardware profiles: `simcluster calibrate` writes one on this CPU; a scenario with a profile is timed by it."""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from simcluster.runner import run_scenario
+from simcluster.scenario import ScenarioError, load
+from simcluster.topology import profile
+from simcluster.topology.cluster import Cluster
+from simcluster.topology.presets import preset
+from simcluster.topology.profile import Gemm
+
+
+def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0):
+    """A made-up profile; `scale` multiplies every rate in it."""
+    gemm = [Gemm(d, 1, s, s, s, scale * r) for d, r0 in (("bf16", 40.0), ("fp32", 10.0))
+            for s, r in ((64, r0 / 4), (4096, r0))]
+    profile.write(path, device="test device", peak_tflops=scale * 40.0, peak_tflops_fp32=scale * 10.0,
+                  memory_gbyte_per_s=scale * 500.0, kernel_overhead_ns=overhead_ns, gemm=gemm,
+                  link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[])
+    return path
+
+
+def test_a_gemm_runs_at_the_rate_measured_nearest_its_shape(tmp_path):
+    spec = profile.apply(preset("dgx-a100"), profile.load(write_profile(tmp_path / "p.toml", overhead_ns=700)))
+    cluster = Cluster(spec)
+    for m, n, k, rate in ((64, 64, 64, 10.0), (48, 80, 100, 10.0), (4096, 4096, 4096, 40.0),
+                          (3000, 5000, 2048, 40.0)):
+        flops = 2 * m * n * k
+        assert cluster.kernel_ns((1, m, n, k), 0, "bf16") == math.ceil(flops / (rate * 1e3)) + 700
+    # fp32 has its own table; fp16 is timed as bf16 (one tensor-core rate)
+    assert cluster.kernel_ns((1, 64, 64, 64), 0, "fp32") == math.ceil(2 * 64**3 / 2.5e3) + 700
+    assert cluster.kernel_ns((1, 64, 64, 64), 0, "fp16") == cluster.kernel_ns((1, 64, 64, 64), 0, "bf16")
+    # the measured figures replace the preset's, and the report says where they came from
+    assert (spec.hbm_gbyte_per_s, spec.memory_efficiency, spec.nvlink_bytes_per_ns) == (500.0, 1.0, 50.0)
+    assert spec.nic_bytes_per_ns == preset("dgx-a100").nic_bytes_per_ns  # one host measures no NIC
+    assert spec.as_dict()["profile"] == str(tmp_path / "p.toml") and spec.as_dict()["device"] == "test device"
+
+
+def test_a_profile_twice_as_fast_halves_the_predicted_step(tmp_path):
+    """Every rate doubled (GEMMs by shape, memory, links, peaks), no overheads or latencies: every kernel
+    and every transfer takes half as long, so the step does (to whole-ns rounding)."""
+    base = ["run.numerics=meta", "parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "cluster.gpus_per_node=4",
+            "model.layers=2", "model.hidden=256", "model.heads=4", "model.ffn_hidden=1024", "model.seq=128",
+            "model.vocab=512", "model.global_batch=8"]
+    steps = {}
+    for scale in (1.0, 2.0):
+        path = write_profile(tmp_path / f"p{scale}.toml", scale)
+        steps[scale] = run_scenario(load(None, base + [f"cluster.profile={path}"])).report["step_time_ns"]
+    preset_step = run_scenario(load(None, base)).report["step_time_ns"]
+    assert abs(2 * steps[2.0] - steps[1.0]) <= 0.002 * steps[1.0], steps
+    assert steps[1.0] != preset_step
+
+
+def test_a_profile_is_found_beside_its_scenario(tmp_path):
+    write_profile(tmp_path / "here.toml")
+    (tmp_path / "s.toml").write_text('[cluster]\nprofile = "here.toml"\ngpus_per_node = 8\n')
+    assert load(str(tmp_path / "s.toml")).cluster_spec().device == "test device"
+
+
+def test_profile_mistakes_are_one_line(tmp_path):
+    with pytest.raises(ScenarioError, match="cannot read the hardware profile"):
+        load(None, [f"cluster.profile={tmp_path / 'missing.toml'}"]).cluster_spec()
+    (tmp_path / "bad.toml").write_text("device = 'x'\n")
+    with pytest.raises(ScenarioError, match="no gemm table"):
+        load(None, [f"cluster.profile={tmp_path / 'bad.toml'}"]).cluster_spec()
+    p = tmp_path / "fp32only.toml"
+    p.write_text(write_profile(tmp_path / "p.toml").read_text().replace('"bf16"', '"fp32"'))
+    with pytest.raises(ScenarioError, match="no bf16 GEMMs measured"):
+        load(None, [f"cluster.profile={p}", "model.dtype=bf16"]).cluster_spec()
+    (tmp_path / "neg.toml").write_text(write_profile(tmp_path / "p.toml").read_text().replace(
+        "memory_gbyte_per_s = 500.0", "memory_gbyte_per_s = -1"))
+    with pytest.raises(ScenarioError, match="memory_gbyte_per_s must be positive"):
+        load(None, [f"cluster.profile={tmp_path / 'neg.toml'}"]).cluster_spec()
+
+
+torch_required = pytest.mark.skipif(not __import__("importlib").util.find_spec("torch"),
+                                    reason="calibrate measures with torch (the test set-up installs it)")
+
+
+@torch_required
+def test_the_link_fit_recovers_alpha_and_beta():
+    from gpu_backend.calibrate import fit_link
+
+    sizes = [1 << e for e in range(10, 24, 2)]
+    for ranks in (2, 4, 8):
+        ring = 2 * (ranks - 1) / ranks
+        seconds = [2 * (ranks - 1) * 7e-6 + ring * b / 3e9 for b in sizes]  # 7 us a step, 3 GB/s
+        bandwidth, latency = fit_link(sizes, seconds, ranks)
+        assert abs(bandwidth - 3.0) < 1e-6 and latency == 7000
+
+
+@torch_required
+@pytest.mark.torch
+def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
+    out = tmp_path / "cpu.toml"
+    done = subprocess.run([sys.executable, "-m", "simcluster.cli", "calibrate", "--quick", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = profile.load(out)
+    assert set(measured.dtypes) == {"bf16", "fp32"} and measured.link_gbyte_per_s > 0
+    assert any(g.batch > 1 for g in measured.gemm)  # attention's batched products
+    assert all(g.tflops > 0 for g in measured.gemm) and measured.memory_gbyte_per_s > 0
+    run = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--json", "--set", f"cluster.profile={out}",
+                          "--set", "run.numerics=meta"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert report["cluster"]["device"] == measured.device and report["cluster"]["profile"] == str(out)
+    # the profile's rates, not the A100's: a CPU core is hundreds of times slower (less on a small, overhead-bound step)
+    a100 = run_scenario(load(None, ["run.numerics=meta"])).report["step_time_ns"]
+    assert report["step_time_ns"] > 10 * a100
+
+
+@torch_required
+def test_calibrate_mistakes_are_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "simcluster.cli", "calibrate", "--dtypes", "fp8", "-o",
+                           str(tmp_path / "x.toml")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "dtype 'fp8' is not valid" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_gemm_rate_ties_go_to_the_first_entry():
+    g = (Gemm("fp32", 1, 64, 64, 64, 1.0), Gemm("fp32", 1, 256, 256, 256, 2.0))
+    p = profile.Profile("x", "x", 1.0, 1.0, 1.0, 0, g)
+    assert p.gemm_rate(1, 128, 128, 128, "fp32") == 1.0  # halfway in log space
+    assert replace(p, gemm=g[::-1]).gemm_rate(1, 128, 128, 128, "fp32") == 2.0
