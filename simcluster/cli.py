@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -315,7 +317,54 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
     return 0 if any(r.report["memory"]["fits"] for r in found.rows) else 3
 
 
+def writable(path: str, what: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: a folder, a missing folder, a
+    folder or file without write permission, a name too long."""
+    p = Path(path)
+    if len(p.name.encode()) > 255:
+        raise ScenarioError(f"{what} {path!r}: the file name is longer than 255 bytes")
+    try:
+        if p.is_dir():
+            raise ScenarioError(f"{what} {path!r} is a folder; give a file name")
+        folder = p.parent if str(p.parent) else Path(".")
+        if not folder.is_dir():
+            raise ScenarioError(f"{what} {path!r}: the folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise ScenarioError(f"{what} {path!r}: no permission to write there")
+    except OSError as exc:
+        raise ScenarioError(f"{what} {path!r}: {exc.strerror or exc}") from None
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The command line's own values, before any work (the scenario's are checked by scenario.py)."""
+    width = getattr(args, "width", None)
+    if width is not None and not MIN_WIDTH <= width <= MAX_WIDTH:
+        raise ScenarioError(f"--width must be between {MIN_WIDTH} and {MAX_WIDTH} columns, got {width}")
+    start, end = getattr(args, "start_us", None), getattr(args, "end_us", None)
+    for name, v in (("--start-us", start), ("--end-us", end)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ScenarioError(f"{name} must be a finite, non-negative number of microseconds, got {v}")
+    if start is not None and end is not None and end <= start:
+        raise ScenarioError(f"--end-us ({end:g}) must be after --start-us ({start:g})")
+    for option, what in (("svg", "--svg"), ("output", "-o/--output")):
+        if getattr(args, option, None):
+            writable(getattr(args, option), what)
+
+
+MIN_WIDTH, MAX_WIDTH = 20, 10_000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except BrokenPipeError:  # `simcluster run | head`
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -323,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out, err = Console(highlight=False, record=bool(getattr(args, "svg", None))), Console(stderr=True, highlight=False)
     try:
+        _check_options(args)
         if args.command == "list":
             t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
             t.add_column("name")
@@ -340,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
         ranks = _ints(getattr(args, "ranks", None), "ranks")
+        if ranks is not None and not all(0 <= r < scenario.world_size for r in ranks):
+            raise ScenarioError(f"--ranks {args.ranks}: ranks are 0 to {scenario.world_size - 1} in this scenario")
         if args.command == "plan":
             return _plan(scenario, args, out, err)
         outcome = _with_progress(err, scenario, getattr(args, "fold", True))
@@ -366,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = result.full_trace(ranks)
         if args.streams:
             keep = set(args.streams.split(","))
+            present = sorted({name for _, name in trace.lanes})
+            if not keep & set(present):
+                say_error(err, f"--streams {args.streams}: no such stream here; the streams are {', '.join(present)}")
+                return 2
             trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])
         start = int(args.start_us * 1000) if args.start_us is not None else 0
         end = int(args.end_us * 1000) if args.end_us is not None else None

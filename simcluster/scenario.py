@@ -7,6 +7,7 @@ value where it enters and names the key, the value and what would be valid.
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -129,6 +130,8 @@ def _check(where: str, key: Key, value: Any) -> Any:
         value = int(value)
     if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
         raise ScenarioError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    if want is float and not math.isfinite(value):
+        raise ScenarioError(f"{where} must be a finite number, got {value!r}")
     if key.choices is not None and value not in key.choices:
         raise ScenarioError(f"{where} = {value!r} is not valid; valid: {', '.join(map(str, key.choices))}")
     if key.minimum is not None and value < key.minimum:

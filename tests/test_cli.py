@@ -82,8 +82,22 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
       "--set", "model.tied_head=false"], "8 pipeline stages for 2 layers"),
     (["run", "--set", "model.global_batch=12"], "model.global_batch=12 must be divisible by parallel.dp=8"),
     (["run", "--set", "model.heads=3"], "heads=3 must divide hidden=64; valid: 1, 2, 4, 8, 16, 32, 64"),
+    # not a number, a window that is not one, an output that cannot be written: refused before the run
+    (["run", "--set", "cluster.peak_tflops=nan"], "cluster.peak_tflops must be a finite number, got nan"),
+    (["run", "--set", "run.lr=inf"], "run.lr must be a finite number, got inf"),
+    (["timeline", "--width", "5"], "--width must be between 20 and 10000 columns, got 5"),
+    (["timeline", "--start-us", "nan"], "--start-us must be a finite, non-negative number"),
+    (["timeline", "--start-us", "5", "--end-us", "2"], "--end-us (2) must be after --start-us (5)"),
+    (["timeline", "--ranks", "99"], "--ranks 99: ranks are 0 to 7 in this scenario"),
+    (["timeline", "--streams", "nope"], "--streams nope: no such stream here; the streams are comm:dp"),
+    (["export", "-o", "/"], "-o/--output '/' is a folder; give a file name"),
+    (["run", "--svg", "/no-such-folder/x.svg"], "--svg '/no-such-folder/x.svg': the folder '/no-such-folder' does not"),
+    (["export", "-o", "x" * 300 + ".json"], "the file name is longer than 255 bytes"),
+    (["run", "--set", "parallel.tp=[/x]"], "parallel.tp must be int, got str '[/x]'"),
+    (["run", "--set", "cluster.profile=/no-such-profile.toml"], "cannot read the hardware profile"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
+    """(A test of its own also shows Ctrl-C is one line: test_interrupted_is_one_line.)"""
     proc = subprocess.run([sys.executable, "-m", "simcluster.cli", *args], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -111,3 +125,15 @@ def test_the_hybrids_verify_from_the_command_line(layout, capsys):
         args += ["--set", s]
     assert main(args) == 0
     assert "bit-exact" in capsys.readouterr().out
+
+
+def test_interrupted_is_one_line(monkeypatch, capsys):
+    """Ctrl-C anywhere in a command: 'interrupted' and exit 130, not a traceback."""
+    import simcluster.cli as cli
+
+    def pressed(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_with_progress", pressed)
+    assert cli.main(["run"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"

@@ -6,6 +6,7 @@ NIC: one InfiniBand port per GPU, rail-optimised, through a non-blocking fabric)
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ class ClusterSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"cluster.{f.name} must be a number, got {type(v).__name__} {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"cluster.{f.name} must be a finite number, got {v!r}")
             if f.name in ("nodes", "gpus_per_node", "sms") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"cluster.{f.name} must be a positive integer, got {v!r}")
             if f.name.endswith("_ns") and (not isinstance(v, int) or v < 0):

@@ -94,6 +94,8 @@ def _number(doc: dict[str, Any], key: str, where: str, *, integer: bool = False,
     v = doc[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ProfileError(f"{where}: {key} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not math.isfinite(v):
+        raise ProfileError(f"{where}: {key} must be a finite number, got {v!r}")
     if not v > 0 and not (integer and v == 0):
         raise ProfileError(f"{where}: {key} must be positive, got {v!r}")
     return v
