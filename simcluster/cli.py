@@ -1,4 +1,4 @@
-"""`simcluster COMMAND`: run, verify, list, timeline, export. Run `simcluster COMMAND --help` for each."""
+"""`simcluster COMMAND`: run, verify, list, timeline, export, plan, calibrate. Run `simcluster COMMAND --help` for each."""
 
 from __future__ import annotations
 
