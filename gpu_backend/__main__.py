@@ -15,14 +15,13 @@ not (or a rank failed), 2 for a mistake in the scenario or a program the preflig
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from typing import Sequence
 
 from rich.console import Console
 
-from simcluster.cli import render_torch, say_error, scenario_arguments, torch_arguments
+from simcluster.cli import render_torch, say_error, scenario_arguments, torch_arguments, without_torch
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.runner import Job, Outcome
@@ -40,8 +39,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Both ways in: under torchrun (RANK set) this process is one rank; otherwise spawn the ranks."""
-    if importlib.util.find_spec("torch") is None:
-        say_error(err, "the torch backend needs torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
+    if without_torch(err, "the torch backend"):
         return 2
     from gpu_backend import scenario as torch_scenario
     from gpu_backend.runner import LaunchError, check_backend, launch

@@ -15,6 +15,7 @@ predictions every run.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -24,8 +25,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
 from gpu_backend.runner import LaunchError, check_backend, cpu_share, in_processes
+from simcluster.cli import say_error
 from simcluster.topology import profile as _profile
 from simcluster.topology.profile import Gemm
 
@@ -182,4 +186,29 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
             "gemm": gemm, "link": link, "allreduce": allreduce, "peak_tflops": peak16, "path": path}
 
 
-__all__ = ["GRIDS", "LaunchError", "calibrate", "fit_link"]
+def command(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """`simcluster calibrate`: measure, write the profile, show what was measured."""
+    try:
+        got = calibrate(args.output, nproc=args.nproc, backend=args.dist_backend,
+                        dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()], quick=args.quick,
+                        timeout_s=args.timeout, say=lambda line: err.print(line, markup=False, highlight=False))
+    except (LaunchError, ValueError, OSError) as exc:
+        say_error(err, str(exc))
+        return 2
+    t = Table(title=f"measured: {got['device']}", title_justify="left")
+    t.add_column("what")
+    t.add_column("measured", justify="right")
+    t.add_row("smallest kernel", f"{got['overhead_s'] * 1e6:.1f} us")
+    t.add_row("memory bandwidth", f"{got['memory_gbyte_per_s']:.3g} GB/s")
+    for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
+        rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
+        t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")
+    if got["link"]:
+        t.add_row(f"all-reduce, {got['ranks']} ranks ({got['backend']})",
+                  f"{got['link'][0]:.3g} GB/s bus, {got['link'][1] / 1e3:.1f} us per step")
+    out.print(t)
+    out.print(f"wrote {got['path']}; use it with --set cluster.profile={got['path']}", markup=False, highlight=False)
+    return 0
+
+
+__all__ = ["GRIDS", "LaunchError", "calibrate", "command", "fit_link"]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,6 +14,7 @@ from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
+from simcluster.options import check_options, ints
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.memory_chart import MemoryChart
@@ -111,35 +110,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _calibrate(args: argparse.Namespace, out: Console, err: Console) -> int:
+def without_torch(err: Console, what: str) -> bool:
+    """True, having said so in one line, when torch (the gpu_backend extra) is not installed."""
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
-        say_error(err, "calibrate measures with torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
-        return 2
-    from gpu_backend.calibrate import LaunchError, calibrate
+    if importlib.util.find_spec("torch") is not None:
+        return False
+    say_error(err, f"{what} needs torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
+    return True
 
-    try:
-        got = calibrate(args.output, nproc=args.nproc, backend=args.dist_backend,
-                        dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()], quick=args.quick,
-                        timeout_s=args.timeout, say=lambda line: err.print(line, markup=False, highlight=False))
-    except (LaunchError, ValueError, OSError) as exc:
-        say_error(err, str(exc))
+
+def _calibrate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if without_torch(err, "calibrate"):
         return 2
-    t = Table(title=f"measured: {got['device']}", title_justify="left")
-    t.add_column("what")
-    t.add_column("measured", justify="right")
-    t.add_row("smallest kernel", f"{got['overhead_s'] * 1e6:.1f} us")
-    t.add_row("memory bandwidth", f"{got['memory_gbyte_per_s']:.3g} GB/s")
-    for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
-        rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
-        t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")
-    if got["link"]:
-        t.add_row(f"all-reduce, {got['ranks']} ranks ({got['backend']})",
-                  f"{got['link'][0]:.3g} GB/s bus, {got['link'][1] / 1e3:.1f} us per step")
-    out.print(t)
-    out.print(f"wrote {got['path']}; use it with --set cluster.profile={got['path']}", markup=False, highlight=False)
-    return 0
+    from gpu_backend.calibrate import command
+
+    return command(args, out, err)
 
 
 def say_error(err: Console, text: str) -> None:
@@ -160,15 +146,6 @@ def torch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the simulated ranks only
-
-
-def _ints(text: str | None, what: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ScenarioError(f"--{what} wants comma-separated integers, got {text!r}") from None
 
 
 def _comparison(outcome: Outcome) -> Table:
@@ -317,43 +294,6 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
     return 0 if any(r.report["memory"]["fits"] for r in found.rows) else 3
 
 
-def writable(path: str, what: str) -> None:
-    """Refuse, before any work, an output path that cannot be written: a folder, a missing folder, a
-    folder or file without write permission, a name too long."""
-    p = Path(path)
-    if len(p.name.encode()) > 255:
-        raise ScenarioError(f"{what} {path!r}: the file name is longer than 255 bytes")
-    try:
-        if p.is_dir():
-            raise ScenarioError(f"{what} {path!r} is a folder; give a file name")
-        folder = p.parent if str(p.parent) else Path(".")
-        if not folder.is_dir():
-            raise ScenarioError(f"{what} {path!r}: the folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-            raise ScenarioError(f"{what} {path!r}: no permission to write there")
-    except OSError as exc:
-        raise ScenarioError(f"{what} {path!r}: {exc.strerror or exc}") from None
-
-
-def _check_options(args: argparse.Namespace) -> None:
-    """The command line's own values, before any work (the scenario's are checked by scenario.py)."""
-    width = getattr(args, "width", None)
-    if width is not None and not MIN_WIDTH <= width <= MAX_WIDTH:
-        raise ScenarioError(f"--width must be between {MIN_WIDTH} and {MAX_WIDTH} columns, got {width}")
-    start, end = getattr(args, "start_us", None), getattr(args, "end_us", None)
-    for name, v in (("--start-us", start), ("--end-us", end)):
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise ScenarioError(f"{name} must be a finite, non-negative number of microseconds, got {v}")
-    if start is not None and end is not None and end <= start:
-        raise ScenarioError(f"--end-us ({end:g}) must be after --start-us ({start:g})")
-    for option, what in (("svg", "--svg"), ("output", "-o/--output")):
-        if getattr(args, option, None):
-            writable(getattr(args, option), what)
-
-
-MIN_WIDTH, MAX_WIDTH = 20, 10_000
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -372,7 +312,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     out, err = Console(highlight=False, record=bool(getattr(args, "svg", None))), Console(stderr=True, highlight=False)
     try:
-        _check_options(args)
+        check_options(args)
         if args.command == "list":
             t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
             t.add_column("name")
@@ -389,7 +329,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return run_on_torch(args, out, err)
         overrides = list(args.overrides) + (["run.numerics=exact", "run.verify=true"] if args.command == "verify" else [])
         scenario = load(args.scenario, overrides, at_scale=args.at_scale)
-        ranks = _ints(getattr(args, "ranks", None), "ranks")
+        ranks = ints(getattr(args, "ranks", None), "ranks")
         if ranks is not None and not all(0 <= r < scenario.world_size for r in ranks):
             raise ScenarioError(f"--ranks {args.ranks}: ranks are 0 to {scenario.world_size - 1} in this scenario")
         if args.command == "plan":
