@@ -21,7 +21,7 @@ from typing import Sequence
 
 from rich.console import Console
 
-from simcluster.cli import render_torch, say_error, scenario_arguments, torch_arguments, without_torch
+from simcluster.cli import render_torch, say_error, say_warnings, scenario_arguments, torch_arguments, without_torch
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.runner import Job, Outcome
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     except (ScenarioError, SimulationError, ProgramError, LaunchError) as exc:
         say_error(err, str(exc))
         return 2
+    if not under_torchrun or os.environ["RANK"] == "0":
+        say_warnings(err, sc)
     try:
         if under_torchrun:
             outcome = _as_torchrun_rank(sc, job, kind, args.watchdog, err)

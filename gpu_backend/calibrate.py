@@ -110,7 +110,9 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tupl
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx > 0 else 0.0
     if slope <= 0:  # noise swamped the slope: the bandwidth of the largest message, no latency
         return xs[-1] / ys[-1] / 1e9, 0
-    alpha = max(0.0, my - slope * mx)
+    alpha = my - slope * mx
+    if alpha <= 0:  # noise tipped the line below the origin: the smallest message is (nearly) all latency
+        alpha = min(ys)
     return 1.0 / slope / 1e9, int(round(alpha / (2 * (ranks - 1)) * 1e9))
 
 

@@ -133,6 +133,12 @@ def say_error(err: Console, text: str) -> None:
     err.print("[bold red]error:[/] " + escape(text), markup=True, soft_wrap=True, highlight=False)
 
 
+def say_warnings(err: Console, scenario: Any) -> None:
+    """A yellow 'warning:' line for each setting that does nothing in the scenario's layout."""
+    for line in scenario.warnings():
+        err.print("[bold yellow]warning:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
+
+
 def torch_arguments(p: argparse.ArgumentParser) -> None:
     """The options of a run on torch.distributed (`run --backend torch`, `python -m gpu_backend`)."""
     p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -149,7 +155,8 @@ EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the s
 
 
 def _comparison(outcome: Outcome) -> Table:
-    t = Table(title=f"scenario {outcome.scenario.name!r}: {len(outcome.variants)} variants", title_justify="left")
+    t = Table(title=f"scenario {escape(repr(outcome.scenario.name))}: {len(outcome.variants)} variants",
+              title_justify="left")
     for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict"):
         t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
     for label, o in outcome.variants:
@@ -160,7 +167,7 @@ def _comparison(outcome: Outcome) -> Table:
         status = v.get("status", "")
         verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
-        t.add_row(label, format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
+        t.add_row(escape(label), format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
                   format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict)
     return t
 
@@ -173,10 +180,10 @@ def _with_progress(err: Console, scenario: Any, fold: bool = True) -> Outcome:
 
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=err, transient=True) as progress:
-        task = progress.add_task(f"simulating {scenario.name}", total=len(scenario.variants) or None)
+        task = progress.add_task(escape(f"simulating {scenario.name}"), total=len(scenario.variants) or None)
 
         def on_variant(i: int, n: int, label: str) -> None:
-            progress.update(task, completed=i, description=f"simulating {scenario.name}: {label}")
+            progress.update(task, completed=i, description=escape(f"simulating {scenario.name}: {label}"))
 
         outcome = run_all(scenario, on_variant, fold=fold)
         progress.update(task, completed=len(scenario.variants))
@@ -203,8 +210,9 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
 def measured_table(report: dict[str, Any]) -> Table:
     """A torch.distributed run's figures per rank beside the emulator's prediction."""
     section = report["torch"]
-    t = Table(title=f"measured: torch.distributed, {section['backend']} on {section['device']}", title_justify="left",
-              caption=f"measured peak memory: {section['memory_measure']}", caption_justify="left")
+    t = Table(title=escape(f"measured: torch.distributed, {section['backend']} on {section['device']}"),
+              title_justify="left", caption=escape(f"measured peak memory: {section['memory_measure']}"),
+              caption_justify="left")
     for col in ("rank", "step time", "predicted", "peak memory", "predicted"):
         t.add_column(col, justify="right")
     predicted = format_ns(section["predicted_step_time_s"] * 1e9)
@@ -318,7 +326,7 @@ def _main(argv: Sequence[str] | None) -> int:
             t.add_column("name")
             t.add_column("what it shows")
             for f in library():
-                t.add_row(f.stem, load(str(f)).description)
+                t.add_row(escape(f.stem), escape(load(str(f)).description))
             out.print(t)
             return 0
         if args.command == "calibrate":
@@ -334,6 +342,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise ScenarioError(f"--ranks {args.ranks}: ranks are 0 to {scenario.world_size - 1} in this scenario")
         if args.command == "plan":
             return _plan(scenario, args, out, err)
+        say_warnings(err, scenario)
         outcome = _with_progress(err, scenario, getattr(args, "fold", True))
     except (ScenarioError, SimulationError, ProgramError) as exc:
         say_error(err, str(exc))

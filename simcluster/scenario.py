@@ -156,6 +156,39 @@ class Scenario:
         p = self.parallel
         return p["dp"] * p["pp"] * p["cp"] * p["tp"]
 
+    def warnings(self) -> list[str]:
+        """Settings that do nothing in this layout (each variant's, once each): a line per setting."""
+        out: list[str] = []
+        for _, v in self.variants or (("", self),):
+            for line in v._inert():
+                if line not in out:
+                    out.append(line)
+        return out
+
+    def _inert(self) -> list[str]:
+        p, d = self.parallel, {k: key.default for k, key in SCHEMA["parallel"].items()}
+        out = []
+        if self.run["program"] != "gpt":
+            return out
+        if p["sp"] and p["tp"] == 1:
+            out.append("parallel.sp = true does nothing with parallel.tp = 1 (sequence parallelism splits what "
+                       "tensor parallelism replicates)")
+        if p["attention"] != d["attention"] and p["cp"] == 1:
+            out.append(f"parallel.attention = {p['attention']!r} does nothing with parallel.cp = 1 (it is how "
+                       f"context parallelism attends across ranks)")
+        if p["zero_over"] != d["zero_over"] and (p["cp"] == 1 or p["zero"] == 0):
+            out.append(f"parallel.zero_over = {p['zero_over']!r} does nothing with "
+                       + ("parallel.cp = 1" if p["cp"] == 1 else "parallel.zero = 0"))
+        if not p["prefetch"] and p["zero"] != 3:
+            out.append(f"parallel.prefetch = false does nothing with parallel.zero = {p['zero']} (only ZeRO-3 "
+                       f"gathers weights)")
+        if p["schedule"] != d["schedule"] and p["pp"] == 1:
+            out.append(f"parallel.schedule = {p['schedule']!r} does nothing with parallel.pp = 1")
+        if p["virtual_stages"] > 1 and (p["schedule"] != "interleaved" or p["pp"] == 1):
+            out.append(f"parallel.virtual_stages = {p['virtual_stages']} does nothing without the interleaved "
+                       f"schedule and parallel.pp > 1")
+        return out
+
     def cluster_spec(self) -> ClusterSpec:
         c = self.cluster
         figures = {k: v for k, v in c.items() if k in _CLUSTER_FIGURES and v is not None}

@@ -96,6 +96,19 @@ def test_the_link_fit_recovers_alpha_and_beta():
 
 
 @torch_required
+def test_a_noisy_link_fit_keeps_a_latency():
+    """A slow largest message tips the least-squares line below the origin; the latency is then the
+    smallest message's time (an all-reduce of 1 KiB is latency), not zero, which would make a small
+    scenario's collectives free (seen on this shared machine: a CPU profile timing a run 3x an A100)."""
+    from gpu_backend.calibrate import fit_link
+
+    sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22]
+    seconds = [2e-4, 2e-4, 3e-4, 60e-3]  # latency-bound, then one noisy large message
+    bandwidth, latency = fit_link(sizes, seconds, 2)
+    assert bandwidth > 0 and latency == round(2e-4 / 2 * 1e9)
+
+
+@torch_required
 @pytest.mark.torch
 def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     out = tmp_path / "cpu.toml"

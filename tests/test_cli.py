@@ -137,3 +137,39 @@ def test_interrupted_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_with_progress", pressed)
     assert cli.main(["run"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_names_and_descriptions_are_printed_verbatim_not_as_markup(tmp_path, monkeypatch, capsys):
+    """Rich markup in a scenario's name, description or compared values is the user's text: printed as
+    written (it used to raise MarkupError: a closing tag that matches nothing)."""
+    f = tmp_path / "odd.toml"
+    f.write_text('name = "x[/bold]y [red]z"\ndescription = "shows [/x] and [b]bold[/b]"\n'
+                 '[model]\nlayers = 1\n[compare]\n"parallel.zero" = [0, 1]\n')
+    assert main(["run", str(f), "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "scenario 'x[/bold]y [red]z': 2 variants" in out
+    monkeypatch.setattr("simcluster.cli.library", lambda: [f])
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "shows [/x] and [b]bold[/b]" in out
+    f.write_text('name = "x[/bold]y"\n[model]\nlayers = 1\n')
+    assert main(["run", str(f), "--width", "80"]) == 0
+    assert "scenario 'x[/bold]y': gpt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting,layout,message", [
+    ("parallel.sp=true", ["parallel.tp=2", "parallel.dp=4"], "parallel.sp = true does nothing with parallel.tp = 1"),
+    ("parallel.attention=ring", ["parallel.cp=2", "parallel.dp=4"],
+     "parallel.attention = 'ring' does nothing with parallel.cp = 1"),
+    ("parallel.prefetch=false", ["parallel.zero=3"], "parallel.prefetch = false does nothing with parallel.zero = 1"),
+    ("parallel.schedule=gpipe", ["parallel.pp=2", "parallel.dp=4", "model.tied_head=false"],
+     "parallel.schedule = 'gpipe' does nothing with parallel.pp = 1"),
+])
+def test_a_setting_that_does_nothing_is_warned_about(setting, layout, message, capsys):
+    """Warned on stderr (the run goes on); not where the layout uses it."""
+    base = ["run.numerics=meta", "parallel.zero=1"]
+    assert main(["run", "--json"] + [a for s in base + [setting] for a in ("--set", s)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {message}" in err and err.count("warning:") == 1
+    assert main(["run", "--json"] + [a for s in base + [setting] + layout for a in ("--set", s)]) == 0
+    assert "warning" not in capsys.readouterr().err

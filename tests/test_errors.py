@@ -151,3 +151,33 @@ def test_mesh_and_cluster_must_agree():
 
     with pytest.raises(ValueError, match="the mesh has 4 ranks .* but the cluster has 8 GPUs"):
         simulate(lambda ctx: None, mesh=DeviceMesh(dp=4), cluster=preset("dgx-a100"))
+
+
+def _tagged(order, side_stream=None):
+    """Rank 0 sends tag 1 (on `side_stream` if given) then tag 2; rank 1 receives in `order`."""
+    def program(ctx):
+        if ctx.rank == 0:
+            one = ctx.comm.send(np.ones(4, np.float32), dst=1, tag=1, async_op=True, stream=side_stream)
+            two = ctx.comm.send(np.full(4, 2, np.float32), dst=1, tag=2, async_op=True)
+            yield [one, two]
+            return None
+        works = {t: ctx.comm.recv(src=0, like=np.zeros(4, np.float32), tag=t, async_op=True) for t in order}
+        got = yield [works[t] for t in order]
+        return dict(zip(order, got))
+    return program
+
+
+def test_tagged_messages_received_out_of_order_are_refused_by_both_passes():
+    """The data pass would match them by tag (as gloo does); each stream runs in order, so the timed
+    replay (and NCCL, which ignores tags) could not: both passes now refuse it, naming the order."""
+    with pytest.raises(DeadlockError, match="out of order.*tag 1.*before.*tag 2.*the other way round"):
+        simulate(_tagged([2, 1]), mesh=DeviceMesh(dp=2))
+    run = simulate(_tagged([1, 2]), mesh=DeviceMesh(dp=2))  # the same order on both sides
+    assert run.results[1][1].tolist() == [1] * 4 and run.results[1][2].tolist() == [2] * 4
+
+
+def test_tagged_messages_on_separate_streams_may_be_received_in_any_order():
+    run = simulate(_tagged([2, 1], side_stream="side"), mesh=DeviceMesh(dp=2))
+    assert run.results[1][1].tolist() == [1] * 4 and run.results[1][2].tolist() == [2] * 4
+    sends = {e.stream: e for e in run.trace.events if e.rank == 0 and e.kind == "send"}
+    assert set(sends) == {"side", "send->1"}

@@ -133,6 +133,8 @@ class Interpreter:
         self.messages: dict[tuple[int, int, int], Channel] = {}
         self.calls: list[Call] = []
         self.ready: deque[RankState] = deque()
+        # the last message completed between two streams: (its item on each, in (rank, name) order; it)
+        self.orders: dict[tuple[int, int], tuple[int, int, Call]] = {}
 
     # -- running -------------------------------------------------------------------------------
     def run(self, program: Program | Sequence[Program], *args: Any) -> list[Any]:
@@ -313,6 +315,8 @@ class Interpreter:
             if any(rep(m) not in at for m in call.members):
                 raise FoldError(f"group {call.where} does not hold the representatives of its folded members")
             call.ops = [op or call.ops[at[rep(m)]] for m, op in zip(call.members, call.ops)]
+        if call.kind is _SEND:
+            self._check_order(call)
         results = collectives.execute(call.kind, call.ops)
         for op in call.ops:
             op.tensor = None  # the data lives on in the results; a long run keeps no inputs alive
@@ -329,6 +333,27 @@ class Interpreter:
                 st.send_value = value if st.single else [x.value for x in blocked]
                 st.blocked = None
                 self.ready.append(st)
+
+    def _check_order(self, message: Call) -> None:
+        """Two messages between the same two streams must be in the same order on both: each stream
+        runs in order, so the timed replay (and a GPU) would have each wait for the other. Matching
+        by tag (as the data pass does, and gloo) would hide that; NCCL ignores tags altogether.
+
+        Messages that are consistent complete in order here (each completes when its later side
+        is issued), so comparing each with the last one completed between the two streams suffices."""
+        (a, b) = sorted(((w.stream, w.index) for w in message.works), key=lambda si: (si[0].rank, si[0].name))
+        key = (id(a[0]), id(b[0]))
+        last = self.orders.get(key)
+        if last is not None and (a[1] > last[0]) != (b[1] > last[1]):
+            first, then = (last[2], message) if a[1] > last[0] else (message, last[2])
+            raise DeadlockError(
+                f"point-to-point messages out of order: rank {a[0].rank} issues {first.describe(a[0].rank)} "
+                f"before {then.describe(a[0].rank)} on its stream {a[0].name!r}, but rank {b[0].rank} issues "
+                f"them the other way round on its stream {b[0].name!r}; each stream runs in order, so on a GPU "
+                f"each would wait for the other (tags do not reorder them: NCCL ignores tags). Issue them in "
+                f"the same order on both ranks, or put one on a stream of its own (stream=...)")
+        if last is None or a[1] > last[0]:
+            self.orders[key] = (a[1], b[1], message)
 
     # -- the end -------------------------------------------------------------------------------
     def _state_of(self, r: int) -> str:

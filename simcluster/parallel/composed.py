@@ -31,8 +31,9 @@ from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
-from simcluster.parallel.pipeline_schedules import build, splits_weight_gradient
+from simcluster.parallel.pipeline_schedules import passes as stage_passes, splits_weight_gradient
 from simcluster.parallel.plan import Plan, replicas, shard, shard_kind, shard_shape, unshard
+from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.program.context import Context
 
 
@@ -48,9 +49,10 @@ class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
     def __init__(self, ctx: Context, plan: Plan, model: GPTShard, dp: DPWrap, units: list[list[str]],
-                 step: int) -> None:
+                 step: int, tapes: Tapes | None = None) -> None:
         self.ctx, self.ops, self.plan, self.model, self.dp = ctx, ctx.ops, plan, model, dp
-        self.units, self.step = units, step
+        self.units, self.step, self.tapes = units, step, tapes
+        self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
         self.split_w = splits_weight_gradient(plan.schedule)
         data = plan.data
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
@@ -61,6 +63,19 @@ class Stage:
         self.deferred: dict[tuple[int, int], list] = {}
         self.grads: dict[int, dict[str, Any]] = {}  # by micro-batch: gradients not yet handed over
         self.loss_sum: Any = None
+
+    def key(self, kind: str, u: str, p: dict[str, Any], where: Any, *inputs: Any) -> Any:
+        """What a block's pass depends on besides its layer index (tape.py): its weights' and inputs'
+        shapes, and with dropout the step and the micro-batch (its masks'). None: run it untaped."""
+        if self.tapes is None:
+            return None
+        weights = self.weights.get(u)
+        if weights is None:  # (the same shapes for the whole step, whether held or gathered)
+            weights = self.weights[u] = shape_key([p[k] for k in unit_names(self.plan.model, u)])
+        if weights is None:
+            return None
+        dropout = (self.step, where.offset, where.total) if self.plan.model.dropout else ()
+        return (kind, weights, shape_key(inputs), dropout)
 
     def message(self) -> Any:
         return MetaTensor(self.shape, self.plan.data.precision)
@@ -82,7 +97,9 @@ class Stage:
                     self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
                     held, x = model.gpt._bytes(cache[u]), None
                 else:
-                    x, cache[u] = yield from model.block(p, x, int(u[len("block"):]), step, where)
+                    i = int(u[len("block"):])
+                    x, cache[u] = yield from self.run(self.key("F", u, p, where, x), i,
+                                                      lambda: model.block(p, x, i, step, where))
                     held = model.held(x)
             dp.release(u)
             self.ctx.memory.hold("activations", f"mb{j}.{u}", held)
@@ -106,7 +123,9 @@ class Stage:
                     dy = None
                 else:
                     i = int(u[len("block"):])
-                    dy = yield from model.block_backward(p, dy, cache[u], i, self.step, where, grads, defer)
+                    key = self.key("B", u, p, where, dy, cache[u]) if defer is None else None
+                    dy = yield from self.run(key, i, lambda: model.block_backward(p, dy, cache[u], i, self.step, where,
+                                                                                  grads, defer), grads)
             dp.release(u)
             if defer is None:
                 self.ctx.memory.release("activations", f"mb{j}.{u}")
@@ -116,6 +135,11 @@ class Stage:
         else:
             self.deferred[(j, g)] = defer
         return dy
+
+    def run(self, key: Any, layer: int, block: Any, grads: dict[str, Any] | None = None) -> Generator[Any, Any, Any]:
+        if key is None:
+            return (yield from block())
+        return (yield from self.tapes.run(key, layer, block, grads))
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]:
         """ZB-H1's W pass: the deferred weight gradients, then the chunk's units are complete."""
@@ -146,7 +170,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     plan.check(mesh.dp.size, p, mesh.cp.size, t)
     data, m = plan.data, plan.model
     shape = plan.shape(p)
-    passes = build(plan.schedule, shape)[s]
+    passes = stage_passes(plan.schedule, shape, s)
     units = chunk_units(m.layers, shape.chunks)
     mine = [u for g in range(shape.chunks) if g % p == s for u in units[g]]
     names = {u: unit_names(m, u) for u in mine}
@@ -158,12 +182,13 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
                 zero_over=plan.zero_over, counted_elsewhere=elsewhere)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
+    tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
     for step in range(data.steps):
         dp.begin_step()
-        work = Stage(ctx, plan, model, dp, units, step)
+        work = Stage(ctx, plan, model, dp, units, step, tapes)
         yield from execute(ctx, passes, work, shape.chunks, mesh.pp)
         grads = yield from dp.step(step)
         first = first or grads

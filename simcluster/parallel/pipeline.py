@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Generator, Protocol
 
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, build, check
+from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, check, passes as stage_passes
 from simcluster.parallel.pipeline_schedules import splits_weight_gradient
 from simcluster.program.context import Context
 
@@ -162,6 +162,6 @@ def pipeline_uniform(ctx: Context, cfg: UniformPipeline) -> Generator[Any, Any, 
     pp = ctx.mesh.pp
     shape = PipelineShape(pp.size, cfg.micro_batches, cfg.virtual)
     check(cfg.schedule, shape, layers=shape.chunks)
-    passes = build(cfg.schedule, shape)[ctx.mesh.coord("pp")]
+    passes = stage_passes(cfg.schedule, shape, ctx.mesh.coord("pp"))
     work = UniformStage(ctx, cfg, shape.chunks, splits_weight_gradient(cfg.schedule))
     yield from execute(ctx, passes, work, shape.chunks, pp)

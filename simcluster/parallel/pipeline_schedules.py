@@ -129,6 +129,11 @@ def build(schedule: Schedule | str, shape: PipelineShape) -> list[list[Pass]]:
     return [BUILDERS[schedule](shape, s) for s in range(shape.stages)]
 
 
+def passes(schedule: Schedule | str, shape: PipelineShape, stage: int) -> list[Pass]:
+    """One stage's passes, in order (what each rank needs: not every stage's)."""
+    return BUILDERS[Schedule(schedule)](shape, stage)
+
+
 def splits_weight_gradient(schedule: Schedule | str) -> bool:
     return Schedule(schedule) is Schedule.ZB_H1
 

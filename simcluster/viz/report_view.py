@@ -6,6 +6,7 @@ import io
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.markup import escape
 from rich.table import Table
 
 from simcluster.viz.timeline import format_ns
@@ -30,12 +31,12 @@ class ReportView:
         r = self.report
         sc, c = r["scenario"], r["cluster"]
         program = sc["model"].get("arch", "gpt") if sc["run"]["program"] == "gpt" else sc["run"]["program"]
-        t = Table(title=f"scenario {sc['name']!r}: {program}, {sc['run']['numerics']} numerics",
+        t = Table(title=f"scenario {escape(repr(sc['name']))}: {program}, {sc['run']['numerics']} numerics",
                   show_header=False, title_justify="left")
         t.add_column("what", style="bold")
         t.add_column("value")
         mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items())
-        t.add_row("cluster", f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}")
+        t.add_row("cluster", escape(f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}"))
         t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
         t.add_row("parameters", f"{r['parameters']:,}")
         t.add_row("step time", f"{format_ns(r['step_time_ns'])} ({r['steps']} step(s), {format_ns(r['total_time_ns'])} in all)")

@@ -1,0 +1,224 @@
+"""Meta mode: a block's work recorded once per shape and replayed for every block like it.
+
+In meta mode a block's forward (or backward) pass on the same shapes issues the same kernels and the
+same communication, whichever layer it is and whichever micro-batch: only the labels differ ("F3:block7",
+the recomputation's "R7") and the names its gradients go under ("layers.7.mlp.w_fc"). Running the
+model's Python for each of them is most of what a large simulation costs (a 3,072-GPU Megatron
+layout runs a block about 200,000 times), so a `Tapes` records what a block did the first time — each
+kernel with its label, each communication request, each wait, the gradients it produced, what it
+returned — and replays that for the next block with the same key, relabelled. The streams, calls and
+results it leaves behind are the same as the Python's would be (tests/test_tape.py: byte-identical
+reports and traces, taped and not, for every family).
+
+A recording that does anything a replay would not repeat is not kept: a kernel on another stream
+than the block's own, memory held or released, a stream waited for by hand, a label that names
+neither the block's call nor its recomputation, a message with a tag (which may name the layer), a
+request issued before the block or left unwaited after it, a gradient under another layer's name. Such blocks simply run their Python every time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator
+
+from simcluster.numerics.tensor import MetaTensor
+
+_KERNEL, _ISSUE, _YIELD = 0, 1, 2
+enabled = True  # (tests turn taping off to compare)
+
+
+def shape_key(x: Any) -> Any:
+    """What a block's behaviour in meta mode may depend on in `x`, as a hashable value; None where
+    that cannot be told (then nothing is taped)."""
+    if x is None or x.__class__ in (int, float, str, bool):
+        return x
+    if x.__class__ is MetaTensor:
+        return x.signature
+    if x.__class__ in (tuple, list):
+        parts = tuple(shape_key(v) for v in x)
+        return None if any(p is None and v is not None for p, v in zip(parts, x)) else (x.__class__.__name__,) + parts
+    if x.__class__ is dict:
+        parts = tuple((k, shape_key(v)) for k, v in x.items())
+        return None if any(p is None and v is not None for (_, p), v in zip(parts, x.values())) else ("dict",) + parts
+    return None
+
+
+class Tape:
+    __slots__ = ("events", "result", "grads", "labels")
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.result: Any = None
+        self.grads: list[tuple[str, Any]] = []  # (name after the layer's prefix, value)
+        self.labels: dict[tuple, int] = {}  # recorded label -> 0 (the call's own) or 1 (its recomputation)
+
+
+class Tapes:
+    """One rank's tapes, by key. `state` is the emulator's RankState (the rank's streams and labels);
+    with any other backend there is nothing to tape and `run` just runs the block."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx, self.ops, self.comm, self.state = ctx, ctx.ops, ctx.comm, ctx.memory
+        self.tapes: dict[Any, Tape | None] = {}  # None: tried, and not tapeable
+
+    @classmethod
+    def of(cls, ctx: Any) -> "Tapes | None":
+        """A rank's tapes where they can work: meta mode on the emulator (whose RankState is the
+        context's memory and streams); else None."""
+        state = ctx.memory
+        if not enabled or ctx.ops.mode.value != "meta" or not all(
+                hasattr(state, a) for a in ("kernel", "streams", "cur", "held", "label")):
+            return None
+        return cls(ctx)
+
+    def run(self, key: Any, layer: int, block: Callable[[], Generator[Any, Any, Any]],
+            grads: dict[str, Any] | None = None) -> Generator[Any, Any, Any]:
+        """`block()`'s result, run or replayed. `key` must say everything its work depends on except
+        the layer index `layer` and the call's label; None runs it untaped."""
+        if key is None:
+            return (yield from block())
+        tape = self.tapes.get(key, False)
+        if tape is False:
+            tape, result = yield from self._record(layer, block, grads)
+            self.tapes[key] = tape
+            return result
+        if tape is None:
+            return (yield from block())
+        return (yield from self._replay(tape, layer, grads))
+
+    # -- recording ---------------------------------------------------------------------------------
+    def _record(self, layer: int, block: Callable[[], Generator[Any, Any, Any]],
+                grads: dict[str, Any] | None) -> Generator[Any, Any, tuple[Tape | None, Any]]:
+        st, ops, comm = self.state, self.ops, self.comm
+        kernel, issue = ops._record, comm._issue
+        if kernel != st.kernel:  # inside a fused kernel, or not the emulator: nothing to tape
+            return None, (yield from block())
+        tape, ok = Tape(), [True]
+        own, recompute = st.label, f"R{layer}"
+        stream = st.cur
+        issued: dict[int, int] = {}  # id(work) -> its index among the block's requests
+        works: list[Any] = []
+        waited: set[int] = set()
+
+        def label() -> tuple:
+            lab = st.label
+            if lab == own:
+                return lab
+            if lab[1] != recompute:
+                ok[0] = False
+            tape.labels[lab] = 1
+            return lab
+
+        def on_kernel(name: str, work: Any, nbytes: float) -> None:
+            if st.cur is not stream:
+                ok[0] = False
+            tape.events.append((_KERNEL, label(), name, work, nbytes))
+            kernel(name, work, nbytes)
+
+        def on_issue(op: Any, sync: bool) -> Any:
+            fields = (op.kind, op.rank, op.group, op.tensor, op.op, op.peer, op.dim, op.split_dim,
+                      op.concat_dim, op.sig, op.tag, op.stream)
+            if st.cur is not stream or op.tag:  # (a message's tag may name its layer: ring attention's do)
+                ok[0] = False
+            tape.events.append((_ISSUE, label(), fields, sync))
+            work = issue(op, sync)
+            issued[id(work)] = len(works)
+            works.append(work)
+            return work
+
+        before = {k: id(v) for k, v in grads.items()} if grads is not None else {}
+        held = len(st.held)
+        gen = block()
+        ops._record, comm._issue = on_kernel, on_issue
+        value: Any = None
+        try:
+            while True:
+                mark, events = _items(st), len(tape.events)
+                try:
+                    y = gen.send(value)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                finally:
+                    # what the block appended to any stream is exactly its kernels and requests
+                    if _items(st) - mark != len(tape.events) - events or st.cur is not stream:
+                        ok[0] = False
+                many = y.__class__ is list
+                at = [issued.get(id(w)) for w in (y if many else [y])]
+                if None in at:
+                    ok[0] = False
+                else:
+                    waited.update(at)
+                tape.events.append((_YIELD, tuple(at) if many else at[0], many))
+                if ops._record is not on_kernel:  # a wait inside a fused kernel: leave it be
+                    ok[0] = False
+                    value = yield y
+                    continue
+                ops._record, comm._issue = kernel, issue  # the interpreter's own work is not the block's
+                try:
+                    value = yield y
+                finally:
+                    ops._record, comm._issue = on_kernel, on_issue
+        finally:
+            ops._record, comm._issue = kernel, issue
+        if len(st.held) != held or len(waited) != len(works) or not ok[0]:
+            return None, result
+        if grads is not None:
+            prefix = f"layers.{layer}."
+            for k, v in grads.items():
+                if before.get(k) != id(v):
+                    if not k.startswith(prefix):
+                        return None, result
+                    tape.grads.append((k[len(prefix):], v))
+        tape.result = result
+        return tape, result
+
+    # -- replaying ---------------------------------------------------------------------------------
+    def _replay(self, tape: Tape, layer: int, grads: dict[str, Any] | None) -> Generator[Any, Any, Any]:
+        st, comm = self.state, self.comm
+        own = st.label
+        relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
+        kernel, issue, op_class = st.kernel, comm._issue, _op_class()
+        works: list[Any] = []
+        try:
+            for event in tape.events:
+                tag = event[0]
+                if tag == _KERNEL:
+                    lab = event[1]
+                    st.label = own if lab not in relabel else relabel[lab]
+                    kernel(event[2], event[3], event[4])
+                elif tag == _ISSUE:
+                    lab = event[1]
+                    st.label = own if lab not in relabel else relabel[lab]
+                    sync = event[3]
+                    work = issue(op_class(*event[2]), sync)
+                    comm.pending_sync = work if sync else None
+                    works.append(work)
+                else:
+                    st.label = own
+                    at, many = event[1], event[2]
+                    yield [works[i] for i in at] if many else works[at]
+        finally:
+            st.label = own
+        if grads is not None:
+            prefix = f"layers.{layer}."
+            for name, value in tape.grads:
+                grads[prefix + name] = value
+        return _fresh(tape.result)
+
+
+def _items(st: Any) -> int:
+    return sum(len(s.items) for s in st.streams.values())
+
+
+def _fresh(x: Any) -> Any:
+    """The recorded result with new containers (its tensors are immutable and shared)."""
+    if x.__class__ is dict:
+        return {k: _fresh(v) for k, v in x.items()}
+    if x.__class__ in (tuple, list):
+        return x.__class__(_fresh(v) for v in x)
+    return x
+
+
+def _op_class() -> Any:
+    from simcluster.program.comm import CommOp
+    return CommOp
