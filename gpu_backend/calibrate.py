@@ -108,12 +108,13 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tupl
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx > 0 else 0.0
-    if slope <= 0:  # noise swamped the slope: the bandwidth of the largest message, no latency
-        return xs[-1] / ys[-1] / 1e9, 0
+    per_step = 1e9 / (2 * (ranks - 1))
+    if slope <= 0:  # noise swamped the slope (small messages slowest): the largest message's bandwidth,
+        return xs[-1] / ys[-1] / 1e9, int(round(min(ys) * per_step))  # the fastest one's time as latency
     alpha = my - slope * mx
     if alpha <= 0:  # noise tipped the line below the origin: the smallest message is (nearly) all latency
         alpha = min(ys)
-    return 1.0 / slope / 1e9, int(round(alpha / (2 * (ranks - 1)) * 1e9))
+    return 1.0 / slope / 1e9, int(round(alpha * per_step))
 
 
 def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from simcluster import budget
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.model.flops import step_flops
@@ -40,6 +41,8 @@ def run_all(sc: Scenario, on_variant: Any = None, *, fold: bool = True) -> Outco
     run_scenario."""
     if not sc.variants:
         return run_scenario(sc, fold=fold)
+    for _, v in sc.variants:  # (before the first runs: a comparison that cannot finish is refused whole)
+        budget.check(v)
     outcomes = []
     for i, (label, v) in enumerate(sc.variants):
         if on_variant is not None:
@@ -191,6 +194,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
     (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
     fraction of the cost."""
+    budget.check(sc)
     job = job_of(sc, fold=fold)
     result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
                       cost_dtype=sc.model["dtype"], fold=job.fold)

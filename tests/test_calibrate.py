@@ -106,6 +106,11 @@ def test_a_noisy_link_fit_keeps_a_latency():
     seconds = [2e-4, 2e-4, 3e-4, 60e-3]  # latency-bound, then one noisy large message
     bandwidth, latency = fit_link(sizes, seconds, 2)
     assert bandwidth > 0 and latency == round(2e-4 / 2 * 1e9)
+    # the small messages slowest (seen in the suite: gloo's first calls): no slope at all
+    sizes = [4096, 16384, 65536, 262144, 1048576]
+    seconds = [3.5e-3, 3.3e-3, 4.27e-4, 4.65e-4, 6.11e-4]
+    bandwidth, latency = fit_link(sizes, seconds, 2)
+    assert abs(bandwidth - 1048576 / 6.11e-4 / 1e9) < 1e-9 and latency == round(4.27e-4 / 2 * 1e9)
 
 
 @torch_required

@@ -95,6 +95,13 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["export", "-o", "x" * 300 + ".json"], "the file name is longer than 255 bytes"),
     (["run", "--set", "parallel.tp=[/x]"], "parallel.tp must be int, got str '[/x]'"),
     (["run", "--set", "cluster.profile=/no-such-profile.toml"], "cannot read the hardware profile"),
+    # too big to finish here: refused at once, with a lower bound of the cost (simcluster/budget.py)
+    (["run", "--set", "run.steps=1000000000000"], "exact mode would need at least 3.5 MB of memory"),
+    (["run", "--set", "run.numerics=meta", "--set", "model.layers=1000000000"],
+     "meta mode would replay at least 6.0e+10 kernels (3 steps x 1 micro-batches x 1,000,000,000 layers)"),
+    (["verify", "--set", "model.hidden=8192", "--set", "model.ffn_hidden=32768", "--set", "model.layers=48",
+      "--set", "model.heads=64"], "use run.numerics = meta"),
+    (["run", "--set", "run.numerics=fast", "--set", "model.layers=1000000000"], "at least 1.6 PB of memory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     """(A test of its own also shows Ctrl-C is one line: test_interrupted_is_one_line.)"""

@@ -1,0 +1,96 @@
+"""What a run would cost here, estimated before it starts: what cannot finish is refused up front.
+
+The estimates are lower bounds, from closed forms and from rates faster than this project's machines
+reach (measured on the 2-core development machine, 2026-11-24):
+- exact mode computes about 5e8 model FLOP/s (the default GPT at hidden 128: 2.0 GFLOP in 3.8 s, the
+  single-device check included), fast mode about 1e10 (0.19 s); the bound assumes 1e9 and 2e10;
+- meta mode replays 2e5 to 4e5 kernels a second (Megatron Table 1's rows) and keeps each kernel's
+  trace event (about 460 bytes); the bound assumes 1e6 a second and 100 bytes;
+- a GPT block is at least 20 kernels a micro-batch (forward and backward; Table 1's are ~220);
+- exact and fast mode hold at least 32 bytes a parameter: fp32 weights, gradients and Adam's two
+  moments on the single device the run is checked against, and as much again over the ranks.
+A run whose bound exceeds a day, or this machine's memory, is refused with its estimate.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from simcluster.scenario import Scenario, ScenarioError
+
+LIMIT_S = 24 * 3600
+RATE = {"exact": 1e9, "fast": 2e10}  # model FLOP/s, optimistic
+KERNELS_PER_S, BYTES_PER_KERNEL = 1e6, 100
+KERNELS_PER_BLOCK = 20
+BYTES_PER_PARAMETER = 32
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # (no sysconf: no memory bound)
+        return 1 << 62
+
+
+def _duration(s: float) -> str:
+    for unit, n in (("years", 365 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if s >= 2 * n:
+            return f"{s / n:,.0f} {unit}"
+    return f"{s:,.0f} s"
+
+
+def _bytes(n: float) -> str:
+    for unit, k in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= k:
+            return f"{n / k:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
+def check(sc: Scenario) -> None:
+    """Refuse `sc` if even its lower-bound cost is more than this machine can do (before anything of
+    its size is built: a GPT's parameter count and FLOPs are affine in its layers, so they come from
+    two small copies of it)."""
+    from simcluster.runner import job_of  # (the runner checks through here)
+
+    memory = physical_memory()
+    m = sc.model
+    if sc.run["numerics"] == "meta":
+        if sc.run["program"] != "gpt":
+            return
+        share = max(1, m["global_batch"] // sc.parallel["dp"])  # sequences a step, a data-parallel rank
+        micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
+        kernels = float(sc.run["steps"]) * micro * m["layers"] * KERNELS_PER_BLOCK
+        seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
+        if seconds > LIMIT_S or nbytes > memory:
+            raise ScenarioError(
+                f"meta mode would replay at least {kernels:.1e} kernels ({run_steps(sc)} x {micro} micro-batches x "
+                f"{m['layers']:,} layers): at least {_duration(seconds)} and {_bytes(nbytes)} here (this machine has "
+                f"{_bytes(memory)}); lower run.steps, model.layers or the micro-batch count")
+        return
+    unit = sc.parallel["pp"] * (sc.parallel["virtual_stages"] if sc.parallel["schedule"] == "interleaved" else 1)
+    layers = m["layers"]
+    if sc.run["program"] != "gpt" or layers <= 2 * unit:
+        job = job_of(sc, fold=False)
+        parameters, flops = job.parameters, job.flops[0]
+    else:
+        try:
+            one, two = (job_of(replace(sc, model={**m, "layers": n * unit}, variants=()), fold=False) for n in (1, 2))
+        except ScenarioError:
+            return  # (the run itself will say what is wrong)
+        per = (two.parameters - one.parameters, (two.flops[0] - one.flops[0]))
+        k = layers // unit - 1
+        parameters, flops = one.parameters + k * per[0], one.flops[0] + k * per[1]
+    seconds = flops / RATE.get(sc.run["numerics"], RATE["fast"])
+    nbytes = float(parameters) * BYTES_PER_PARAMETER
+    if seconds > LIMIT_S or nbytes > memory:
+        raise ScenarioError(
+            f"{sc.run['numerics']} mode would need at least {_bytes(nbytes)} of memory (this machine has "
+            f"{_bytes(memory)}) and at least {_duration(seconds)} here for {parameters:,} parameters over "
+            f"{run_steps(sc)}; use run.numerics = meta (timing and memory, without the numbers), or a smaller "
+            f"model or fewer steps")
+
+
+def run_steps(sc: Scenario) -> str:
+    n = sc.run["steps"]
+    return f"{n:,} step" + ("s" if n != 1 else "")
