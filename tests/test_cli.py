@@ -105,7 +105,8 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     """(A test of its own also shows Ctrl-C is one line: test_interrupted_is_one_line.)"""
-    proc = subprocess.run([sys.executable, "-m", "simcluster.cli", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "simcluster.cli", *args], capture_output=True, text=True,
+                          timeout=300)  # (a size refused up front must not run instead: a hang fails here)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert message in " ".join(proc.stderr.split())

@@ -125,8 +125,7 @@ BUILDERS = {Schedule.GPIPE: gpipe, Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.I
 
 def build(schedule: Schedule | str, shape: PipelineShape) -> list[list[Pass]]:
     """Every stage's passes, in order."""
-    schedule = Schedule(schedule)
-    return [BUILDERS[schedule](shape, s) for s in range(shape.stages)]
+    return [passes(schedule, shape, s) for s in range(shape.stages)]
 
 
 def passes(schedule: Schedule | str, shape: PipelineShape, stage: int) -> list[Pass]:

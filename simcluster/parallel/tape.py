@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generator
 
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.program.comm import CommOp
 
 _KERNEL, _ISSUE, _YIELD = 0, 1, 2
 enabled = True  # (tests turn taping off to compare)
@@ -49,7 +50,7 @@ class Tape:
         self.events: list[tuple] = []
         self.result: Any = None
         self.grads: list[tuple[str, Any]] = []  # (name after the layer's prefix, value)
-        self.labels: dict[tuple, int] = {}  # recorded label -> 0 (the call's own) or 1 (its recomputation)
+        self.labels: set[tuple] = set()  # the recomputation's labels it recorded (the rest: the call's own)
 
 
 class Tapes:
@@ -57,7 +58,7 @@ class Tapes:
     with any other backend there is nothing to tape and `run` just runs the block."""
 
     def __init__(self, ctx: Any) -> None:
-        self.ctx, self.ops, self.comm, self.state = ctx, ctx.ops, ctx.comm, ctx.memory
+        self.ops, self.comm, self.state = ctx.ops, ctx.comm, ctx.memory
         self.tapes: dict[Any, Tape | None] = {}  # None: tried, and not tapeable
 
     @classmethod
@@ -105,7 +106,7 @@ class Tapes:
                 return lab
             if lab[1] != recompute:
                 ok[0] = False
-            tape.labels[lab] = 1
+            tape.labels.add(lab)
             return lab
 
         def on_kernel(name: str, work: Any, nbytes: float) -> None:
@@ -177,20 +178,18 @@ class Tapes:
         st, comm = self.state, self.comm
         own = st.label
         relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
-        kernel, issue, op_class = st.kernel, comm._issue, _op_class()
+        kernel, issue = st.kernel, comm._issue
         works: list[Any] = []
         try:
             for event in tape.events:
                 tag = event[0]
                 if tag == _KERNEL:
-                    lab = event[1]
-                    st.label = own if lab not in relabel else relabel[lab]
+                    st.label = relabel.get(event[1], own)
                     kernel(event[2], event[3], event[4])
                 elif tag == _ISSUE:
-                    lab = event[1]
-                    st.label = own if lab not in relabel else relabel[lab]
+                    st.label = relabel.get(event[1], own)
                     sync = event[3]
-                    work = issue(op_class(*event[2]), sync)
+                    work = issue(CommOp(*event[2]), sync)
                     comm.pending_sync = work if sync else None
                     works.append(work)
                 else:
@@ -217,8 +216,3 @@ def _fresh(x: Any) -> Any:
     if x.__class__ in (tuple, list):
         return x.__class__(_fresh(v) for v in x)
     return x
-
-
-def _op_class() -> Any:
-    from simcluster.program.comm import CommOp
-    return CommOp
