@@ -13,13 +13,15 @@ puts what was measured beside what the emulator predicted.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from gpu_backend.runner import preflight as check
 from simcluster.report import relative_error
-from simcluster.runner import Job, Outcome, job_of, run_scenario
+from simcluster import checkpoint
+from simcluster.runner import Job, Outcome, checkpoints, job_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 
 
@@ -34,6 +36,7 @@ def prepare(sc: Scenario, nproc: int | None = None) -> Job:
     if sc.run["numerics"] == "meta":
         raise ScenarioError("the torch backend computes numbers: set run.numerics to exact or fast (meta mode "
                             "carries shapes only)")
+    checkpoint.check_scenario(sc)
     job = job_of(sc, fold=False)
     world = job.mesh.world_size
     if nproc is not None and nproc != world:
@@ -75,7 +78,8 @@ def against(expected: dict[str, Any], got: dict[str, Any], bounds: Any = None) -
 
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str) -> Outcome:
     """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank)."""
-    emulated = run_scenario(sc, fold=False)
+    # (the real ranks wrote the checkpoint: the emulator's run only reads one, and the manifest is theirs)
+    emulated = run_scenario(replace(sc, run=dict(sc.run, save_checkpoint=None, save_at_step=None)), fold=False)
     real = [run.result for run in runs]
     steps = emulated.report["steps"]
     # Exact mode is byte-identical on any backend, except a plain float reduction (the collectives
@@ -97,4 +101,4 @@ def finish(sc: Scenario, job: Job, runs: list[Any], backend: str) -> Outcome:
         "verification": job.check(real),
     }
     section["passed"] = section["against_emulator"]["passed"] and section["verification"].get("passed", True)
-    return Outcome(sc, emulated.result, dict(emulated.report, torch=section))
+    return Outcome(sc, emulated.result, dict(emulated.report, torch=section) | checkpoints(sc, job, real))

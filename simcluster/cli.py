@@ -14,7 +14,7 @@ from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.options import check_options, ints
+from simcluster.options import check_options, checkpoint_overrides, ints
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.memory_chart import MemoryChart
@@ -55,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="emulator", choices=("emulator", "torch"),
                      help="emulator (default), or torch: run the scenario's ranks as processes on torch.distributed "
                           "and report them beside the emulator's prediction (needs the torch extra)")
+    ck = run.add_argument_group("checkpoints (run.program = gpt, exact or fast mode; docs/checkpoint.md)")
+    ck.add_argument("--save-checkpoint", metavar="DIR", help="write a checkpoint to the folder DIR (made if missing): "
+                    "each rank its own shards, then a manifest; sets run.save_checkpoint")
+    ck.add_argument("--at-step", type=int, metavar="K", help="save after K steps (default: after the last); sets "
+                    "run.save_at_step")
+    ck.add_argument("--resume", metavar="DIR", help="start from the checkpoint in DIR, under this scenario's layout, "
+                    "whatever layout saved it; sets run.resume")
     torch_arguments(run)
     verify = sub.add_parser("verify", help="check a scenario's numbers against one device, and nothing else",
                             description="Run SCENARIO in exact mode and compare every output with the single-device "
@@ -321,6 +328,8 @@ def _main(argv: Sequence[str] | None) -> int:
     out, err = Console(highlight=False, record=bool(getattr(args, "svg", None))), Console(stderr=True, highlight=False)
     try:
         check_options(args)
+        if hasattr(args, "overrides"):
+            args.overrides = list(args.overrides) + checkpoint_overrides(args)
         if args.command == "list":
             t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
             t.add_column("name")

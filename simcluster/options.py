@@ -4,6 +4,7 @@ the scenario's values are checked where they enter (scenario.py)."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from pathlib import Path
@@ -54,3 +55,14 @@ def check_options(args: argparse.Namespace) -> None:
     for option, what in (("svg", "--svg"), ("output", "-o/--output")):
         if getattr(args, option, None):
             writable(getattr(args, option), what)
+
+
+def checkpoint_overrides(args: argparse.Namespace) -> list[str]:
+    """`run`'s checkpoint options as the scenario keys they set (paths as TOML strings)."""
+    out = []
+    for option, key in (("save_checkpoint", "run.save_checkpoint"), ("resume", "run.resume")):
+        if getattr(args, option, None) is not None:
+            out.append(f"{key}={json.dumps(getattr(args, option))}")
+    if getattr(args, "at_step", None) is not None:
+        out.append(f"run.save_at_step={args.at_step}")
+    return out

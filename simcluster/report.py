@@ -128,10 +128,12 @@ def verification(mode: str, expected: dict[str, Any], got: dict[str, Any],
 
 
 def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
-          verdict: dict[str, Any]) -> dict[str, Any]:
-    """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step."""
+          verdict: dict[str, Any], steps: int | None = None) -> dict[str, Any]:
+    """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step;
+    `steps`: the steps run, when not run.steps (a resumed run)."""
     spec = result.cluster.spec
-    steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
+    if steps is None:
+        steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
     makespan, fold, world = result.trace.end, result.fold, result.mesh.world_size
     peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
     seconds = makespan * 1e-9

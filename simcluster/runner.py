@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from simcluster import budget
+from simcluster import budget, checkpoint
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.model.flops import step_flops
@@ -102,7 +102,7 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "
                              f"micro_batch is a multiple of {p['pp']}")
         plan = Plan(data=cfg, sp=p["sp"], attention=p["attention"], schedule=p["schedule"],
-                    virtual=p["virtual_stages"], zero_over=p["zero_over"])
+                    virtual=p["virtual_stages"], zero_over=p["zero_over"], checkpoint=checkpoint.of(sc))
         plan.check(**{a: mesh.sizes[a] for a in ("dp", "pp", "cp", "tp")})
     return plan
 
@@ -125,6 +125,7 @@ class Job:
     check: Any
     fold: tuple = ()
     bounds: Any = None  # fast mode: name -> the relative error allowed (numerics/tolerance.py), or None
+    steps: int | None = None  # the steps run, when not run.steps (resumed from a checkpoint)
 
 
 def _verdict(sc: Scenario, check: Any) -> Any:
@@ -149,14 +150,15 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
         plan = plan_of(sc, mesh)
         cfg = plan.data
         tokens = cfg.global_batch * cfg.model.seq
-        outputs = lambda results: assemble_composed(results, coords, plan)  # noqa: E731
+        start = checkpoint.start_step(sc)
+        outputs = lambda results: _from(start, assemble_composed(results, coords, plan))  # noqa: E731
         m = cfg.model
         bounds = training_bounds(cfg.precision, m.layers, max(m.hidden, m.ffn_hidden, m.seq, m.vocab, tokens))
         return Job(composed, (plan,), mesh, mode, cfg.model.parameters,
-                   tuple(f * cfg.steps for f in step_flops(cfg.model, tokens)), tokens, outputs,
-                   _verdict(sc, lambda results: _report.verification(mode, reference(cfg, mode), outputs(results),
-                                                                     bounds)),
-                   plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else (), bounds)
+                   tuple(f * (cfg.steps - start) for f in step_flops(cfg.model, tokens)), tokens, outputs,
+                   _verdict(sc, lambda results: _report.verification(mode, _from(start, reference(cfg, mode)),
+                                                                     outputs(results), bounds)),
+                   plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else (), bounds, cfg.steps - start)
     if program == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
         outputs = lambda results: assemble(results, coords)  # noqa: E731
@@ -190,14 +192,39 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
                                 "test suite)"})
 
 
+def _from(start: int, outputs: dict[str, Any]) -> dict[str, Any]:
+    """The outputs of a run resumed at step `start`: its losses, and the first step's gradients only
+    when that step is the first of the training."""
+    if not start:
+        return outputs
+    return {k: v for k, v in outputs.items() if not k.startswith("first_grads.")
+            and not (k.startswith("loss[") and int(k[5:-1]) < start)}
+
+
 def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
     (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
     fraction of the cost."""
     budget.check(sc)
+    checkpoint.check_scenario(sc)
     job = job_of(sc, fold=fold)
     result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
                       cost_dtype=sc.model["dtype"], fold=job.fold)
     rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,
-                        verdict=job.check(result.results))
-    return Outcome(sc, result, rep)
+                        verdict=job.check(result.results), steps=job.steps)
+    return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
+
+
+def checkpoints(sc: Scenario, job: Job, results: list[Any]) -> dict[str, Any]:
+    """The report's `checkpoint` entry: where the run resumed, and the checkpoint it saved (its manifest
+    written now that every rank has written its file)."""
+    ck = checkpoint.of(sc)
+    if ck is None:
+        return {}
+    out: dict[str, Any] = {}
+    if ck.resume:
+        out["resumed"] = {"from": ck.resume, "step": checkpoint.start_step(sc)}
+    if ck.save:
+        out |= checkpoint.commit(sc, [r["checkpoint"] for r in results], dict(job.mesh.sizes),
+                                 job.args[0].model.parameter_shapes())
+    return {"checkpoint": out}

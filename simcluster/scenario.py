@@ -107,6 +107,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                             "Megatron-LM, 0.1 for llama as Llama 3)", minimum=0),
         "clip_grad": Key(float, 1.0, "clip the gradients to this global norm before the optimizer step "
                          "(torch's clip_grad_norm_; 0: no clipping)", minimum=0),
+        "save_checkpoint": Key(str, None, "gpt: write a checkpoint to this folder (--save-checkpoint; each rank "
+                               "its own shards and a manifest, docs/checkpoint.md)"),
+        "save_at_step": Key(int, None, "save the checkpoint after this many steps (--at-step; default: run.steps)",
+                            minimum=0),
+        "resume": Key(str, None, "gpt: start from this checkpoint folder, under any layout (--resume): the steps "
+                      "after it are byte-identical to the uninterrupted run's"),
     },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}

@@ -142,3 +142,29 @@ def test_fast_mode_from_the_command_line(family, dtype):
         *SMALL, "run.numerics=fast", f"model.dtype={dtype}", *FAMILIES[family], "model.layers=2", "model.hidden=8",
         "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8", "model.tied_head=false",
         "model.global_batch=4", "model.micro_batch=1"))
+
+
+def test_a_checkpoint_saved_on_gloo_resumes_on_the_emulator_and_back(tmp_path):
+    """torch.distributed's ranks write the checkpoint (each its own file, rank 0's process the manifest);
+    the emulator resumes it under another layout bit-exact, and a checkpoint the emulator saved resumes
+    on gloo."""
+    from simcluster.runner import run_scenario
+    from simcluster.scenario import build
+
+    model = ["model.layers=2", "model.hidden=8", "model.heads=2", "model.ffn_hidden=12", "model.seq=4",
+             "model.vocab=10", "model.global_batch=4", "model.tied_head=false"]
+    saved = tmp_path / "on_gloo"
+    report = on_torch(*model, "run.steps=2", "parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2",
+                      f"run.save_checkpoint={str(saved)!r}", "run.save_at_step=1")
+    byte_identical_everywhere(report)
+    assert report["checkpoint"]["files"] == 2 and (saved / "manifest.json").is_file()
+    resumed = run_scenario(build({}, [*model, "run.steps=2", "parallel.dp=1", "parallel.pp=2",
+                                      "cluster.gpus_per_node=2", f"run.resume={str(saved)!r}"]))
+    assert resumed.report["verification"]["bit_exact"]
+    back = tmp_path / "on_emulator"
+    run_scenario(build({}, [*model, "run.steps=1", "parallel.dp=1", "parallel.tp=2", "cluster.gpus_per_node=2",
+                            f"run.save_checkpoint={str(back)!r}"]))
+    report = on_torch(*model, "run.steps=2", "parallel.dp=2", "parallel.zero=1", "cluster.gpus_per_node=2",
+                      f"run.resume={str(back)!r}")
+    byte_identical_everywhere(report)
+    assert report["checkpoint"]["resumed"]["step"] == 1 and report["steps"] == 1

@@ -24,7 +24,9 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster import checkpoint
 from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
+from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import KINDS
 from simcluster.parallel.dp_wrap import DPWrap
@@ -174,19 +176,34 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     units = chunk_units(m.layers, shape.chunks)
     mine = [u for g in range(shape.chunks) if g % p == s for u in units[g]]
     names = {u: unit_names(m, u) for u in mine}
-    full = init_params(ops, m)
+    ck = plan.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
+    start, loaded = checkpoint.read(ck.resume, list(kinds)) if ck and ck.resume else (0, {})
+    full = loaded.pop("master") if loaded else init_params(ops, m)
     init = {k: shard(full[k], kinds[k], t, r) for k in kinds}
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
                 zero_over=plan.zero_over, counted_elsewhere=elsewhere)
+    if loaded:
+        dp.restore({state: {k: shard(v[k], kinds[k], t, r) for k in kinds} for state, v in loaded.items()}, start)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
     tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
-    for step in range(data.steps):
+    written = None
+
+    def save(step: int) -> Any:
+        shapes, snap = m.parameter_shapes(), dp.snapshot()
+        return checkpoint.write_rank(ck.save, ctx.rank, step, [
+            dict(zip(("index", "which"), checkpoint.element_index(
+                [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.n, dp.k)),
+                 names=names[u], mask=dp.owned[u], states=snap[u]) for u in mine])
+
+    for step in range(start, data.steps):
+        if ck and ck.save and ck.at == step:
+            written = save(step)
         dp.begin_step()
         work = Stage(ctx, plan, model, dp, units, step, tapes)
         yield from execute(ctx, passes, work, shape.chunks, mesh.pp)
@@ -196,7 +213,9 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
             with ctx.annotate("forward", "loss"):
                 total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
-    return {"loss": losses, **dp.results(grads, first)}
+    if ck and ck.save and ck.at == data.steps:
+        written = save(data.steps)
+    return {"loss": losses, "first_step": start, "checkpoint": written, **dp.results(grads, first)}
 
 
 def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: Plan) -> dict[str, Any]:
@@ -209,7 +228,7 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: 
     out: dict[str, Any] = {}
     for rank, (res, c) in enumerate(zip(results, coords)):
         if c["pp"] == last:
-            _agree(out, {f"loss[{i}]": v for i, v in enumerate(res["loss"])}, rank)
+            _agree(out, {f"loss[{res['first_step'] + i}]": v for i, v in enumerate(res["loss"])}, rank)
     shapes = m.parameter_shapes()
     for kind in KINDS:
         pieces: dict[tuple[str, int], dict[int, Any]] = {}  # (unit, tp rank) -> chunk index -> flat

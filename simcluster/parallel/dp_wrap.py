@@ -29,7 +29,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.gpt import grad_dtype, model_state_bytes, unscale
-from simcluster.model.optimizer import adam_init, adam_step, clip_by_norm, square_sum
+from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.program.context import Context
 
@@ -52,7 +52,8 @@ class DPWrap:
         self.master = {u: ops.chunk(ops.pad(ops.flat([init[k] for k in names[u]]), self.n), self.n, self.k)
                        for u in self.units}  # fp32
         self.state = adam_init(ops, self.master)
-        self.counted = self._counted(counted_elsewhere)
+        self.owned = self._owned(counted_elsewhere)
+        self.counted = self.owned if data.clip_grad else None
         self._new_weights({u: ops.cast(self.master[u], data.precision) for u in self.units})
         if self.stage in (1, 2):  # every rank starts with all the weights
             self.working = {k: ops.cast(v, data.precision) for k, v in init.items()}
@@ -68,10 +69,10 @@ class DPWrap:
         self.pending: list[tuple[str, Any]] = []  # reductions in flight
         self.deferred: list[tuple[str, Any]] = []  # summed gradients waiting for the end of the backward
 
-    def _counted(self, elsewhere: frozenset[str]) -> dict[str, Any] | None:
-        """For clipping: which elements of each owned chunk this rank counts in the global norm (one
-        replica of a chunk counts it; `elsewhere` names tensors another tp rank counts)."""
-        if not self.data.clip_grad or self.ops.mode.value == "meta":
+    def _owned(self, elsewhere: frozenset[str]) -> dict[str, Any] | None:
+        """Which elements of each chunk are this rank's alone: one replica of a chunk has them (`elsewhere`
+        names tensors another tp rank has). The global gradient norm counts them, a checkpoint writes them."""
+        if self.ops.mode.value == "meta":
             return None
         mesh, n = self.ctx.mesh, self.n
         replica = self.ctx.rank != self.sum_group.ranks[0] if self.stage == 0 else (
@@ -176,6 +177,28 @@ class DPWrap:
             self.working = self._unflat(dict(zip(self.units, flats)))
         self._new_weights(chunks)
         return grads
+
+    # -- checkpoints (simcluster/checkpoint.py) --------------------------------------------------------
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Each unit's chunk of every state a checkpoint keeps: fp32 master, Adam's moments, and in mixed
+        precision the 16-bit working copy."""
+        mixed = self.data.precision != "fp32"
+        return {u: {"master": self.master[u], "adam_m": self.state.m[u], "adam_v": self.state.v[u]}
+                | ({"working": self.chunks[u]} if mixed else {}) for u in self.units}
+
+    def restore(self, states: dict[str, dict[str, Any]], step: int) -> None:
+        """Continue from a checkpoint: `states` maps adam_m, adam_v (and working) to this rank's tensor
+        pieces by name, as `init` gives the master weights; `step`: Adam's steps so far."""
+        ops = self.ops
+
+        def chunked(tensors: dict[str, Any]) -> dict[str, Any]:
+            return {u: ops.chunk(ops.pad(ops.flat([tensors[k] for k in self.names[u]]), self.n), self.n, self.k)
+                    for u in self.units}
+        self.state = AdamState(chunked(states["adam_m"]), chunked(states["adam_v"]), step)
+        if "working" in states:
+            self._new_weights(chunked(states["working"]))
+            if self.stage in (1, 2):
+                self.working = dict(states["working"])
 
     def results(self, grads: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
         """This rank's chunk of every unit's weights, gradients (the last step's and the first's) and

@@ -38,6 +38,7 @@ class Plan:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)
     zero_over: str = "dp_cp"
+    checkpoint: Any = None  # checkpoint.Checkpointing: save after a step, or resume (exact and fast modes)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))

@@ -110,8 +110,23 @@ class ReportView:
             t.add_row("mismatch", ", ".join(f"{k}={val}" for k, val in m.items()))
         return t
 
+    def _checkpoint(self) -> Table | None:
+        c = self.report.get("checkpoint")
+        if not c:
+            return None
+        t = Table(title="checkpoint", show_header=False, title_justify="left")
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        if "resumed" in c:
+            t.add_row("resumed from", escape(f"{c['resumed']['from']} at step {c['resumed']['step']} (the steps "
+                                             f"before it are not rerun, nor verified)"))
+        if "saved" in c:
+            t.add_row("saved", escape(f"after step {c['step']} to {c['saved']}: {c['files']} files, "
+                                      f"{format_bytes(c['bytes'])} (manifest.json, docs/checkpoint.md)"))
+        return t
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict()]
+        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint()]
         yield Group(*[p for p in parts if p is not None])
 
 
