@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "and the timeline (a table of the variants for a scenario with [compare]). "
                                      "Exit status 0 when it verifies and fits in the devices' memory, 1 when "
                                      "verification fails, 2 for a mistake in the scenario, 3 when a rank's peak "
-                                     "memory exceeds its device's (a real run would die of OOM).")
+                                     "memory exceeds its device's (a real run would die of OOM), 4 when a failed "
+                                     "rank ([faults]) leaves the others hanging.")
     scenario_arguments(run)
     run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
     run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
@@ -172,7 +173,7 @@ def _comparison(outcome: Outcome) -> Table:
         sent = sum(c["bytes_per_rank"] for c in r["communication"])
         v = r["verification"]
         status = v.get("status", "")
-        verdict = ("n/a (meta)" if "meta" in status else "n/a" if status else
+        verdict = ("HUNG" if "hung" in status else "n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
         t.add_row(escape(label), format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
                   format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict)
@@ -263,12 +264,30 @@ def out_of_memory(outcome: Outcome) -> list[str]:
             for label, r in labelled if not (m := r["memory"])["fits"]]
 
 
+def hung(outcome: Outcome) -> list[str]:
+    """The watchdogs' lines of each run that a failed rank left hanging (the first few ranks')."""
+    labelled = [(label, o) for label, o in outcome.variants] or [(outcome.scenario.name, outcome)]
+    out = []
+    for label, o in labelled:
+        hang = o.result.hang
+        if hang is not None:
+            out.append(f"{label}: the run hung: rank {hang.rank} failed at {hang.at_ns / 1e3:,.1f} us")
+            out += [s.line() for s in hang.stuck[:4]]
+            if len(hang.stuck) > 4:
+                out.append(f"... and {len(hang.stuck) - 4} more ranks' watchdogs (--json lists them)")
+    return out
+
+
 def _status(outcome: Outcome, err: Console) -> int:
-    """0: verified (or nothing to verify) and fits; 1: a verification failed; 3: out of memory."""
+    """0: verified (or nothing to verify) and fits; 1: a verification failed; 3: out of memory; 4: hung
+    (a failed rank, [faults])."""
+    stalled = hung(outcome)
+    for line in stalled:
+        say_error(err, line)
     oom = out_of_memory(outcome)
     for line in oom:
         say_error(err, line)
-    return 1 if not _passed(outcome) else 3 if oom else 0
+    return 4 if stalled else 1 if not _passed(outcome) else 3 if oom else 0
 
 
 def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -> int:

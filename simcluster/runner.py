@@ -6,9 +6,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from simcluster import budget, checkpoint
+from simcluster import budget, checkpoint, goodput
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
+from simcluster.engine.faults import Faults
 from simcluster.model.flops import step_flops
 from simcluster.model.gpt import GPTConfig
 from simcluster.numerics.tolerance import training_bounds
@@ -201,17 +202,45 @@ def _from(start: int, outputs: dict[str, Any]) -> dict[str, Any]:
             and not (k.startswith("loss[") and int(k[5:-1]) < start)}
 
 
+def faults_of(sc: Scenario) -> Faults | None:
+    """The scenario's [faults], checked against its mesh (None: none)."""
+    f, world = sc.faults, sc.world_size
+    for key in ("straggler_rank", "degraded_rank", "failed_rank"):
+        if f[key] is not None and f[key] >= world:
+            raise ScenarioError(f"faults.{key} = {f[key]} is not a rank of this scenario: ranks are 0 to {world - 1}")
+    if f["degraded_rank"] is not None and not 0 < f["degraded_factor"] <= 1:
+        raise ScenarioError(f"faults.degraded_factor = {f['degraded_factor']!r} must be above 0 and at most 1 (the "
+                            f"fraction of its bandwidth the link keeps)")
+    if f["failed_rank"] is not None and f["watchdog_s"] <= 0:
+        raise ScenarioError("faults.watchdog_s must be above 0")
+    faults = Faults(
+        straggler=None if f["straggler_rank"] is None else (f["straggler_rank"], f["straggler_factor"],
+                                                            round(f["straggler_from_us"] * 1e3)),
+        degraded=None if f["degraded_rank"] is None else (f["degraded_rank"], f["degraded_link"], f["degraded_factor"]),
+        failed=None if f["failed_rank"] is None else (f["failed_rank"], round(f["failed_at_us"] * 1e3)),
+        watchdog_ns=round(f["watchdog_s"] * 1e9))
+    return faults or None
+
+
 def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
     (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
     fraction of the cost."""
     budget.check(sc)
     checkpoint.check_scenario(sc)
+    faults = faults_of(sc)
     job = job_of(sc, fold=fold)
     result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                      cost_dtype=sc.model["dtype"], fold=job.fold)
+                      cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults)
+    verdict = job.check(result.results) if result.hang is None else {
+        "mode": job.mode, "status": f"not applicable: the run hung (rank {result.hang.rank} failed)"}
     rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,
-                        verdict=job.check(result.results), steps=job.steps)
+                        verdict=verdict, steps=job.steps)
+    if faults is not None:
+        rep["faults"] = {"injected": faults.describe(), "hang": None if result.hang is None else result.hang.as_dict()}
+    if sc.goodput["interruptions_per_gpu_hour"] is not None:
+        rep["goodput"] = goodput.account(sc.goodput, step_s=rep["step_time_ns"] * 1e-9, gpus=sc.world_size,
+                                         parameters=job.parameters, dtype=sc.model["dtype"])
     return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
 
 

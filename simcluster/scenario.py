@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -114,6 +114,34 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "resume": Key(str, None, "gpt: start from this checkpoint folder, under any layout (--resume): the steps "
                       "after it are byte-identical to the uninterrupted run's"),
     },
+    "faults": {
+        "straggler_rank": Key(int, None, "a rank whose kernels run slow (a throttled GPU)", minimum=0),
+        "straggler_factor": Key(float, 2.0, "how many times as long the straggler's kernels take", minimum=1),
+        "straggler_from_us": Key(float, 0.0, "when the straggler slows down, in simulated microseconds", minimum=0),
+        "degraded_rank": Key(int, None, "a rank whose link runs at a fraction of its bandwidth", minimum=0),
+        "degraded_link": Key(str, "nic", "which of its links: nic (between nodes) or nvlink (inside the node)",
+                             choices=("nic", "nvlink")),
+        "degraded_factor": Key(float, 0.25, "the fraction of its bandwidth the degraded link keeps (0 to 1]",
+                               minimum=0),
+        "failed_rank": Key(int, None, "a rank that fails: its peers' collectives never finish, and their "
+                           "watchdogs report them", minimum=0),
+        "failed_at_us": Key(float, 0.0, "when the rank fails, in simulated microseconds", minimum=0),
+        "watchdog_s": Key(float, 600.0, "how long a rank waits on a collective before its watchdog reports it "
+                          "(torch.distributed's default NCCL timeout: 10 minutes)", minimum=0),
+    },
+    "goodput": {
+        "interruptions_per_gpu_hour": Key(float, None, "job interruptions per GPU-hour (Llama 3: 419 unexpected in "
+                                          "54 days on 16,384 H100s, 1.97e-5); set it to get the goodput report",
+                                          minimum=0),
+        "storage_gbyte_per_s": Key(float, 2000.0, "checkpoint write bandwidth of the whole job, GB/s (Llama 3's "
+                                   "Tectonic: 2 TB/s sustained)", minimum=0),
+        "restart_s": Key(float, 600.0, "seconds from an interruption to training again: rescheduling, loading the "
+                         "checkpoint, warm-up (an assumption; the Llama 3 paper gives none)", minimum=0),
+        "checkpoint_every_steps": Key(int, None, "steps between checkpoints (default: the interval that "
+                                      "maximises goodput)", minimum=1),
+        "step_time_s": Key(float, None, "the step time to account with, e.g. a measured one (default: the "
+                           "simulated step)", minimum=0),
+    },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}
 LIBRARY = Path(__file__).resolve().parent.parent / "scenarios"  # the scenarios/ folder of the checkout
@@ -153,6 +181,8 @@ class Scenario:
     cluster: dict[str, Any]
     parallel: dict[str, Any]
     run: dict[str, Any]
+    faults: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["faults"].items()})
+    goodput: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["goodput"].items()})
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
     variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
@@ -225,9 +255,14 @@ class Scenario:
         return p
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "model": dict(self.model),
-                "cluster": {k: v for k, v in self.cluster.items() if v is not None},
-                "parallel": dict(self.parallel), "run": dict(self.run)}
+        out = {"name": self.name, "description": self.description, "model": dict(self.model),
+               "cluster": {k: v for k, v in self.cluster.items() if v is not None},
+               "parallel": dict(self.parallel), "run": dict(self.run)}
+        for section in ("faults", "goodput"):  # (only when used: they are off by default)
+            values = getattr(self, section)
+            if any(v != SCHEMA[section][k].default for k, v in values.items()):
+                out[section] = dict(values)
+        return out
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -268,7 +303,7 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
     for text in overrides:
         put(*parse_override(text))
     base = Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
-                    values["run"], source, tuple(overrides))
+                    values["run"], values["faults"], values["goodput"], source, tuple(overrides))
     if compare is None:
         return base
     return _with_variants(base, doc, compare, overrides, source)
@@ -289,8 +324,7 @@ def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides:
         label = ", ".join(f"{k.split('.', 1)[-1]}={_toml(v).strip(chr(34))}" for k, v in picks.items()) or f"variant {i}"
         texts = [f"{k}={_toml(v)}" for k, v in picks.items()] + list(overrides)
         variants.append((label, build(dict(doc), texts, source=source)))
-    return Scenario(base.name, base.description, base.model, base.cluster, base.parallel, base.run, source,
-                    tuple(overrides), tuple(variants))
+    return replace(base, variants=tuple(variants))
 
 
 def _toml(value: Any) -> str:

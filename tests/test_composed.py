@@ -133,7 +133,7 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
     included) gives a larger norm, a smaller clip coefficient and other weights."""
     from simcluster.parallel.dp_wrap import DPWrap
 
-    monkeypatch.setattr(DPWrap, "_counted", lambda self, elsewhere: None)
+    monkeypatch.setattr(DPWrap, "_owned", lambda self, elsewhere: None)
     data = DPConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
     got, _ = run_plan(data, dp=2, tp=2, cp=2, sp=True)
     assert not report.verification("exact", reference(data), got)["bit_exact"]

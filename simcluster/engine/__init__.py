@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from simcluster.engine.faults import Faults, Hang
 from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError, SimulationError
 from simcluster.engine.fold import Fold, fold_for
 from simcluster.engine.gcpause import gc_paused
@@ -27,6 +28,7 @@ class RunResult:
     cluster: Cluster
     fold: Fold | None = None
     unfolded_because: str = ""  # why a fold that was asked for could not be used
+    hang: Hang | None = None  # a failed rank's: what the other ranks waited on (engine/faults.py)
 
     def full_trace(self, ranks: Sequence[int] | None = None) -> Trace:
         """Every rank's trace, or `ranks`' (rebuilt from the simulated ranks' when folded)."""
@@ -52,7 +54,7 @@ def default_cluster(world_size: int, name: str = "dgx-a100") -> ClusterSpec:
 
 def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
              cluster: ClusterSpec | None = None, mode: Mode | str = Mode.EXACT, cost_dtype: str = "bf16",
-             fold: tuple[str, ...] = ()) -> RunResult:
+             fold: tuple[str, ...] = (), faults: Faults | None = None) -> RunResult:
     """Run `program(ctx, *args)` on every rank of `mesh`, then time it on `cluster`.
 
     fold: the mesh axes ("dp", "tp") along which the program's ranks differ in nothing but their data;
@@ -68,6 +70,8 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
             f"cluster has {spec.world_size} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); they must be equal")
     topo = Cluster(spec, tp=mesh.sizes["tp"])
     why = ""
+    if fold and faults:
+        fold, why = (), "faults break the symmetry between ranks (engine/faults.py)"
     if fold:
         if Mode(mode) is not Mode.META:
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
@@ -84,17 +88,18 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
                 return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, plan), unfolded_because=why)
             except FoldError as exc:
                 why = str(exc)
-    result = _simulate(program, args, mesh, topo, mode, cost_dtype, None)
+    result = _simulate(program, args, mesh, topo, mode, cost_dtype, None, faults)
     return replace(result, unfolded_because=why) if why else result
 
 
 def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMesh, topo: Cluster,
-              mode: Mode | str, cost_dtype: str, fold: Fold | None) -> RunResult:
+              mode: Mode | str, cost_dtype: str, fold: Fold | None, faults: Faults | None = None) -> RunResult:
     with gc_paused():  # (one pause over both passes: the collector then walks their objects once)
         interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold)
         results = interp.run(program, *args)
-        trace = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold).run()
-    return RunResult(results, trace, mesh, topo, fold)
+        replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults)
+        trace = replay.run()
+    return RunResult(results, trace, mesh, topo, fold, hang=replay.hang)
 
 
 __all__ = ["CollectiveMismatchError", "DeadlockError", "ProgramError", "RunResult", "SimulationError",

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import simpy
 
 from simcluster.engine.errors import DeadlockError
+from simcluster.engine.faults import Faults, Hang, Stuck
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Call
@@ -27,7 +28,7 @@ from simcluster.engine.streams import COMM, KERNEL, MEMORY, WAIT, RankState, Str
 from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE
-from simcluster.topology.cluster import Cluster
+from simcluster.topology.cluster import NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
 
@@ -35,14 +36,21 @@ class Replay:
     """Replays `ranks`' streams; with a fold (engine/fold.py), the representatives', standing for all."""
 
     def __init__(self, ranks: list[RankState], calls: list[Call], cluster: Cluster, cost_dtype: str,
-                 fold: Fold | None = None) -> None:
+                 fold: Fold | None = None, faults: Faults | None = None) -> None:
         self.ranks = ranks
         self.fold = fold
         self.calls = calls
         self.cluster = cluster
         self.cost_dtype = cost_dtype
         self.env = simpy.Environment()
-        self.network = Network(self.env, cluster.capacity)
+        self.faults = faults or Faults()
+        capacity = list(cluster.capacity)
+        if self.faults.degraded:
+            rank, port, factor = self.faults.degraded
+            for p in ((NIC_OUT, NIC_IN) if port == "nic" else (NVLINK_OUT, NVLINK_IN)):
+                capacity[rank * 4 + p] *= factor
+        self.network = Network(self.env, capacity)
+        self.hang: Hang | None = None
         self.finished = 0
         self.runnable: deque[Iterator[Any]] = deque()
         self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
@@ -71,7 +79,9 @@ class Replay:
                 self._drain()
             self.env.run()
             if self.finished != len(streams):
-                self._report_stuck(streams)
+                if not self.faults.failed:
+                    self._report_stuck(streams)
+                self.hang = self._watchdog(streams, lists)
             # A replay runs once: let its input go now, by reference counting, rather than have
             # the collector walk it when the pause ends and free it later.
             for s in streams:
@@ -110,14 +120,24 @@ class Replay:
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
+        f = self.faults
+        slow = f.straggler[1:] if f.straggler and f.straggler[0] == rank else None  # (factor, from ns)
+        dies = f.failed[1] if f.failed and f.failed[0] == rank else None
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
+            if dies is not None and t >= dies:
+                yield []  # failed: never runs again
             if tag == KERNEL:
                 _, op, kind, flops, nb = item
                 d = durations.get((flops, nb))
                 if d is None:
                     d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
+                if slow is not None and t >= slow[1]:
+                    d = math.ceil(d * slow[0])
+                if dies is not None and t + d > dies:
+                    append(new(event, (rank, name, kind, op, t, dies, 0, "")))
+                    yield []
                 append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
                 t += d
             elif tag == WAIT:
@@ -256,6 +276,40 @@ class Replay:
         waiting, call.done = call.done, None
         self.runnable.extend(waiting)
         self._drain()
+
+    def _watchdog(self, streams: list[Stream], lists: list[list[TraceEvent]]) -> Hang:
+        """After a rank failed: each call some members joined and never finished, as the waiting ranks'
+        watchdogs report it, and the stall drawn on their lanes until the timeout."""
+        failed, at = self.faults.failed
+        timeout = self.faults.watchdog_ns
+        waiting: dict[int, list[tuple[Stream, list, Call, int]]] = {}  # call id -> its stuck members
+        calls: dict[int, Call] = {}
+        for s, events in zip(streams, lists):
+            done = next((i for i, e in enumerate(s.end_times) if e is None), len(s.items))
+            if s.rank == failed or done == len(s.items) or s.items[done][0] != COMM:
+                continue
+            _, call, kind, label, position, dep, j, where = s.items[done]
+            if dep is not None and dep.end_times[j] is None:
+                continue  # never joined: its input waits on work stuck elsewhere
+            began = max(s.end_times[done - 1] if done else 0, 0 if dep is None else dep.end_times[j])
+            waiting.setdefault(id(call), []).append((s, events, call, began))
+            calls[id(call)] = call
+        first: dict[int, Stuck] = {}
+        for key, members in waiting.items():
+            call = calls[key]
+            joined = tuple(sorted({s.rank for s, _, _, _ in members}))
+            missing = tuple(r for r in call.members if r not in joined)
+            op = call.ops[call.channel.position[joined[0]]]
+            what = op.describe() if op is not None else call.kind.value
+            group = f" on group ({', '.join(map(str, call.members))})" if not call.is_message else ""
+            for s, events, _, began in members:
+                item = s.items[next(i for i, e in enumerate(s.end_times) if e is None)]
+                events.append(TraceEvent(s.rank, s.name, item[2], f"{item[3] or item[2]} (hung: watchdog)", began,
+                                         began + timeout, 0, item[7]))
+                stuck = Stuck(s.rank, what + group, call.seq + 1, joined, missing, began, timeout)
+                if s.rank not in first or began < first[s.rank].began_ns:
+                    first[s.rank] = stuck
+        return Hang(failed, at, tuple(first[r] for r in sorted(first)))
 
     def _report_stuck(self, streams: list[Stream]) -> None:
         lines = ["deadlock in the timed replay (streams wait on each other in a cycle):"]

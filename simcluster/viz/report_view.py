@@ -14,7 +14,7 @@ from simcluster.viz.timeline import format_ns
 
 def format_bytes(n: float) -> str:
     """1234567 -> '1.23 MB' (decimal units, as the paper tables)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
@@ -125,8 +125,49 @@ class ReportView:
                                       f"{format_bytes(c['bytes'])} (manifest.json, docs/checkpoint.md)"))
         return t
 
+    def _faults(self) -> Table | None:
+        f = self.report.get("faults")
+        if not f:
+            return None
+        t = Table(title="faults", show_header=False, title_justify="left")
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        for line in f["injected"]:
+            t.add_row("injected", escape(line))
+        h = f["hang"]
+        if h:
+            t.add_row("[bold red]HUNG[/]", f"rank {h['failed_rank']} failed at {format_ns(h['failed_at_ns'])}; "
+                      f"{h['ranks_waiting']} ranks' watchdogs fired, the last at {format_ns(h['ends_ns'])}")
+            for w in h["watchdog"][:4]:
+                t.add_row(f"rank {w['rank']}", escape(f"{w['call']}, SeqNum {w['seq']}: waited from "
+                                                      f"{format_ns(w['began_ns'])}; never joined: {w['missing']}"))
+            if len(h["watchdog"]) > 4:
+                t.add_row("", f"... and {len(h['watchdog']) - 4} more ranks (--json lists them)")
+        return t
+
+    def _goodput(self) -> Table | None:
+        g = self.report.get("goodput")
+        if not g:
+            return None
+        t = Table(title="goodput (the fraction of wall time that trains)", show_header=False, title_justify="left")
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        t.add_row("interruptions", f"{g['interruptions_per_gpu_hour']:.3g} per GPU-hour x {g['gpus']:,} GPUs: one every "
+                  f"{g['mtbf_s'] / 3600:.3g} h")
+        t.add_row("checkpoint", f"{format_bytes(g['checkpoint_bytes'])} in {g['checkpoint_s']:.3g} s; restart "
+                  f"{g['restart_s']:.3g} s; step {g['step_s']:.3g} s")
+        if g["goodput"] is None:
+            t.add_row("goodput", g["why"])
+            return t
+        t.add_row("goodput", f"{100 * g['goodput']:.1f} % checkpointing every {g['checkpoint_every_steps']:,} steps")
+        t.add_row("best interval", f"every {g['best_every_steps']:,} steps ({g['best_interval_s']:.0f} s of training): "
+                  f"{100 * g['best_goodput']:.1f} %; Young sqrt(2CM) = {g['young_interval_s']:.0f} s, Daly "
+                  f"{g['daly_interval_s']:.0f} s")
+        return t
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint()]
+        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint(),
+                 self._faults(), self._goodput()]
         yield Group(*[p for p in parts if p is not None])
 
 

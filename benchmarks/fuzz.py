@@ -1,0 +1,55 @@
+"""The long fuzz run (issue 14): N generated command lines (tests/fuzzing.py), each run in this process
+with a time limit; prints what the tool did with them and every problem found (a traceback, an unknown
+exit status, a refusal over one line, a run over the limit).
+
+    python benchmarks/fuzz.py [--cases 10000] [--seed 0] [--limit-s 20]
+
+Deterministic: the same seed draws the same cases. Exit status 1 if any problem was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fuzzing import attempt, generate  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-s", type=int, default=20, help="seconds a case may take (default 20)")
+    args = p.parse_args()
+    statuses: collections.Counter[str] = collections.Counter()
+    problems = []
+    began = time.monotonic()  # (progress only: nothing printed depends on it but the elapsed column)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.cases):
+            folder = Path(tmp) / f"case{i}"
+            folder.mkdir()
+            case = generate(random.Random(args.seed * 1_000_003 + i), folder)
+            outcome = attempt(case, args.limit_s)
+            statuses[str(outcome.status) if outcome.status is not None else "none"] += 1
+            if outcome.problem:
+                problems.append((i, outcome.problem, case.argv, case.note))
+            if (i + 1) % 250 == 0:
+                print(f"{i + 1:>6} cases, {len(problems)} problems, {time.monotonic() - began:.0f} s",
+                      file=sys.stderr, flush=True)
+    print("| cases | exit 0 | exit 1 | exit 2 | exit 3 | exit 4 | problems |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.cases} | " + " | ".join(str(statuses.get(k, 0)) for k in "01234") + f" | {len(problems)} |")
+    for i, problem, argv, note in problems[:50]:
+        print(f"\ncase {i}: {problem}\n  argv: {argv!r}" + (f"\n  file:\n{note}" if note else ""))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

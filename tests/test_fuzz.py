@@ -1,0 +1,44 @@
+"""The fuzzer (tests/fuzzing.py) in the default suite: generated command lines never end in a traceback,
+an unknown exit status, a refusal over one line or a hang. The long run is benchmarks/fuzz.py."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import simcluster.cli
+from fuzzing import Case, attempt, generate
+
+
+@settings(max_examples=300)
+@given(st.randoms(use_true_random=False))
+def test_generated_command_lines_never_crash_or_hang(tmp_path_factory, rnd):
+    folder = tmp_path_factory.mktemp("fuzz")
+    case = generate(rnd, folder)
+    outcome = attempt(case, limit_s=60)
+    assert not outcome.problem, (outcome.problem, case.argv, case.note)
+
+
+def test_the_fuzzer_sees_a_traceback_a_bad_status_and_a_hang(monkeypatch, tmp_path):
+    """The detector itself: an exception out of main, an exit status the tool never uses, a refusal in
+    two lines, a run over its limit."""
+    case = generate(random.Random(0), tmp_path)
+
+    def boom(argv):
+        raise KeyError("x")
+    monkeypatch.setattr(simcluster.cli, "_main", boom)
+    assert attempt(Case(case.argv, ""), 5).problem.startswith("traceback: KeyError")
+    monkeypatch.setattr(simcluster.cli, "_main", lambda argv: 7)
+    assert attempt(case, 5).problem == "exit status 7"
+
+    def two_lines(argv):
+        print("error: one\nerror: two", file=__import__("sys").stderr)
+        return 2
+    monkeypatch.setattr(simcluster.cli, "_main", two_lines)
+    assert "2 error lines" in attempt(case, 5).problem
+
+    def forever(argv):
+        while True:
+            pass
+    monkeypatch.setattr(simcluster.cli, "_main", forever)
+    assert attempt(case, 1).problem == "did not finish in 1 s"
