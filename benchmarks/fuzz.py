@@ -22,6 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fuzzing import attempt, generate  # noqa: E402
 
 
+def short(argv: list[str]) -> str:
+    """The command line as a list, each argument cut to 100 characters."""
+    return repr([a if len(a) <= 100 else a[:60] + f"...({len(a)} chars)" for a in argv])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=int, default=10_000)
@@ -40,6 +45,7 @@ def main() -> int:
             statuses[str(outcome.status) if outcome.status is not None else "none"] += 1
             if outcome.problem:
                 problems.append((i, outcome.problem, case.argv, case.note))
+                print(f"case {i}: {outcome.problem}: {short(case.argv)}", file=sys.stderr, flush=True)
             if (i + 1) % 250 == 0:
                 print(f"{i + 1:>6} cases, {len(problems)} problems, {time.monotonic() - began:.0f} s",
                       file=sys.stderr, flush=True)
@@ -47,7 +53,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.cases} | " + " | ".join(str(statuses.get(k, 0)) for k in "01234") + f" | {len(problems)} |")
     for i, problem, argv, note in problems[:50]:
-        print(f"\ncase {i}: {problem}\n  argv: {argv!r}" + (f"\n  file:\n{note}" if note else ""))
+        print(f"\ncase {i}: {problem}\n  argv: {short(argv)}" + (f"\n  file:\n{note[:2000]}" if note else ""))
     return 1 if problems else 0
 
 

@@ -47,12 +47,20 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} bytes"
 
 
+MAX_RANKS = 2**18  # 262,144 GPUs: above the largest clusters built (about 10^5 GPUs in 2024-25)
+
+
 def check(sc: Scenario) -> None:
     """Refuse `sc` if even its lower-bound cost is more than this machine can do (before anything of
     its size is built: a GPT's parameter count and FLOPs are affine in its layers, so they come from
     two small copies of it)."""
     from simcluster.runner import job_of  # (the runner checks through here)
 
+    if sc.world_size > MAX_RANKS:
+        p = sc.parallel
+        raise ScenarioError(f"the mesh dp={p['dp']:,} x pp={p['pp']:,} x cp={p['cp']:,} x tp={p['tp']:,} has "
+                            f"{sc.world_size:,} ranks; simcluster simulates at most {MAX_RANKS:,} (the largest "
+                            f"clusters have about 10^5 GPUs)")
     memory = physical_memory()
     m = sc.model
     if sc.run["numerics"] == "meta":

@@ -30,7 +30,10 @@ def segment_goodput(tau: float, checkpoint_s: float, restart_s: float, mtbf_s: f
     """The fraction of wall time that trains, checkpointing after every τ seconds of training."""
     if tau <= 0:
         return 0.0
-    expected = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau + checkpoint_s) / mtbf_s)
+    try:
+        expected = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau + checkpoint_s) / mtbf_s)
+    except OverflowError:  # interruptions far more often than a segment lasts: nothing trains
+        return 0.0
     return tau / expected
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from simcluster.scenario import ScenarioError
 
 MIN_WIDTH, MAX_WIDTH = 20, 10_000
+MAX_US = 1e12  # a window's ends: 11.6 days of simulated time
 
 
 def ints(text: str | None, what: str) -> list[int] | None:
@@ -48,8 +49,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise ScenarioError(f"--width must be between {MIN_WIDTH} and {MAX_WIDTH} columns, got {width}")
     start, end = getattr(args, "start_us", None), getattr(args, "end_us", None)
     for name, v in (("--start-us", start), ("--end-us", end)):
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise ScenarioError(f"{name} must be a finite, non-negative number of microseconds, got {v}")
+        if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_US):
+            raise ScenarioError(f"{name} must be a number of microseconds from 0 to {MAX_US:g}, got {v}")
     if start is not None and end is not None and end <= start:
         raise ScenarioError(f"--end-us ({end:g}) must be after --start-us ({start:g})")
     for option, what in (("svg", "--svg"), ("output", "-o/--output")):

@@ -343,15 +343,19 @@ def library() -> list[Path]:
 def resolve(name_or_path: str) -> Path:
     """A scenario file from a path, or from a library name ("zero_memory")."""
     p = Path(name_or_path)
-    if p.is_file():
-        return p
-    named = LIBRARY / f"{name_or_path}.toml"
-    if named.is_file():
-        return named
+    shown = name_or_path if len(name_or_path) <= 80 else name_or_path[:60] + f"... ({len(name_or_path)} characters)"
+    try:
+        if p.is_file():
+            return p
+        named = LIBRARY / f"{name_or_path}.toml"
+        if named.is_file():
+            return named
+    except OSError as exc:  # a name too long, a folder without permission
+        raise ScenarioError(f"scenario file {shown!r}: {exc.strerror or exc}") from None
     known = [f.stem for f in library()]
     close = difflib.get_close_matches(name_or_path, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else (f"; library scenarios: {', '.join(known)}" if known else "")
-    raise ScenarioError(f"scenario file {name_or_path!r} not found{hint}")
+    raise ScenarioError(f"scenario file {shown!r} not found{hint}")
 
 
 def load(path: str | Path | None, overrides: Sequence[str] = (), *, at_scale: bool = False) -> Scenario:
@@ -366,6 +370,8 @@ def load(path: str | Path | None, overrides: Sequence[str] = (), *, at_scale: bo
         doc = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{p}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ScenarioError(f"{p}: {exc.strerror or exc}") from None
     doc.setdefault("name", p.stem)
     scale = doc.pop("at_scale", {})
     if not isinstance(scale, dict):

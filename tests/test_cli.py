@@ -86,7 +86,12 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["run", "--set", "cluster.peak_tflops=nan"], "cluster.peak_tflops must be a finite number, got nan"),
     (["run", "--set", "run.lr=inf"], "run.lr must be a finite number, got inf"),
     (["timeline", "--width", "5"], "--width must be between 20 and 10000 columns, got 5"),
-    (["timeline", "--start-us", "nan"], "--start-us must be a finite, non-negative number"),
+    (["timeline", "--start-us", "nan"], "--start-us must be a number of microseconds from 0 to 1e+12, got nan"),
+    # found by the fuzzer (benchmarks/fuzz.py): each was a traceback
+    (["timeline", "--start-us", "1e308"], "--start-us must be a number of microseconds from 0 to 1e+12"),
+    (["run", "x" * 5000], "File name too long"),
+    (["run", "--set", "run.numerics=meta", "--set", "parallel.dp=1000000000000"],
+     "has 1,000,000,000,000 ranks; simcluster simulates at most 262,144"),
     (["timeline", "--start-us", "5", "--end-us", "2"], "--end-us (2) must be after --start-us (5)"),
     (["timeline", "--ranks", "99"], "--ranks 99: ranks are 0 to 7 in this scenario"),
     (["timeline", "--streams", "nope"], "--streams nope: no such stream here; the streams are comm:dp"),

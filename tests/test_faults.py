@@ -165,3 +165,10 @@ def test_the_report_gives_goodput_and_its_best_interval():
     fixed = run("goodput.interruptions_per_gpu_hour=0.5", "goodput.storage_gbyte_per_s=0.001", "goodput.restart_s=1",
                 f"goodput.checkpoint_every_steps={2 * k}")
     assert fixed.report["goodput"]["goodput"] < g["best_goodput"]
+
+
+def test_interruptions_far_more_often_than_a_step_leave_no_goodput():
+    """(A fuzzer's find: exp overflowed.) A million interruptions an hour on every GPU: nothing trains."""
+    assert goodput.segment_goodput(10.0, 1.0, 600.0, 1e-6) == 0.0
+    o = run("goodput.interruptions_per_gpu_hour=1e9", "goodput.restart_s=0.1")
+    assert o.report["goodput"]["best_goodput"] == 0.0
