@@ -12,6 +12,14 @@ from rich.table import Table
 from simcluster.viz.timeline import format_ns
 
 
+def _pairs(title: str) -> Table:
+    """A table of (what, value) rows under a title."""
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    return t
+
+
 def format_bytes(n: float) -> str:
     """1234567 -> '1.23 MB' (decimal units, as the paper tables)."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -89,9 +97,7 @@ class ReportView:
 
     def _verdict(self) -> Table:
         v = self.report["verification"]
-        t = Table(title="verification", show_header=False, title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value")
+        t = _pairs("verification")
         if "status" in v:
             t.add_row("verdict", v["status"])
             return t
@@ -114,9 +120,7 @@ class ReportView:
         c = self.report.get("checkpoint")
         if not c:
             return None
-        t = Table(title="checkpoint", show_header=False, title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value")
+        t = _pairs("checkpoint")
         if "resumed" in c:
             t.add_row("resumed from", escape(f"{c['resumed']['from']} at step {c['resumed']['step']} (the steps "
                                              f"before it are not rerun, nor verified)"))
@@ -129,9 +133,7 @@ class ReportView:
         f = self.report.get("faults")
         if not f:
             return None
-        t = Table(title="faults", show_header=False, title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value")
+        t = _pairs("faults")
         for line in f["injected"]:
             t.add_row("injected", escape(line))
         h = f["hang"]
@@ -149,9 +151,7 @@ class ReportView:
         g = self.report.get("goodput")
         if not g:
             return None
-        t = Table(title="goodput (the fraction of wall time that trains)", show_header=False, title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value")
+        t = _pairs("goodput (the fraction of wall time that trains)")
         t.add_row("interruptions", f"{g['interruptions_per_gpu_hour']:.3g} per GPU-hour x {g['gpus']:,} GPUs: one every "
                   f"{g['mtbf_s'] / 3600:.3g} h")
         t.add_row("checkpoint", f"{format_bytes(g['checkpoint_bytes'])} in {g['checkpoint_s']:.3g} s; restart "
