@@ -220,3 +220,16 @@ def test_fast_mode_resumes_byte_identical_under_the_same_layout(tmp_path):
     resumed, rest = outputs(scenario("zero1 dp4", "run.numerics=fast", f"run.resume={folder!r}"))
     assert same_bytes(rest, full) == set(rest) and "loss[2]" in rest
     assert resumed.report["verification"]["passed"]
+
+
+def test_llama_with_replicated_key_value_heads_resumes_elsewhere(tmp_path):
+    """Llama with grouped-query attention: tp 4 over 2 kv heads holds each kv head on two ranks (one
+    writes it); resumed on dp 2 x pp 2 and on cp 2 with ring attention, bit-exact."""
+    llama = [*MODEL, "model.arch=llama", "model.kv_heads=2", "model.ffn_hidden=48"]
+    folder = str(tmp_path / "ck")
+    run_scenario(scenario("tp4 sp", f"run.save_checkpoint={folder!r}", "model.dropout=0.1", steps=1, model=llama))
+    held = sum(n for p in read_manifest(folder)["pieces"] for n in p["runs"][1::2])
+    for layout in ("pp2 1f1b", "cp2 ring zero-over-dp"):
+        resumed, rest = outputs(scenario(layout, f"run.resume={folder!r}", "model.dropout=0.1", steps=2, model=llama))
+        assert resumed.report["verification"]["bit_exact"], (layout, resumed.report["verification"]["mismatches"])
+        assert held == resumed.report["parameters"] and "loss[1]" in rest
