@@ -21,7 +21,7 @@ import numpy as np
 from gpu_backend.runner import preflight as check
 from simcluster.report import relative_error
 from simcluster import checkpoint
-from simcluster.runner import Job, Outcome, checkpoints, job_of, run_scenario
+from simcluster.runner import Job, Outcome, checkpoints, faults_of, job_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 
 
@@ -36,6 +36,9 @@ def prepare(sc: Scenario, nproc: int | None = None) -> Job:
     if sc.run["numerics"] == "meta":
         raise ScenarioError("the torch backend computes numbers: set run.numerics to exact or fast (meta mode "
                             "carries shapes only)")
+    if faults_of(sc) is not None:
+        raise ScenarioError("[faults] are injected into the emulator's timed run; the torch backend runs real "
+                            "processes and cannot fail them on cue: run it without --backend torch")
     checkpoint.check_scenario(sc)
     job = job_of(sc, fold=False)
     world = job.mesh.world_size

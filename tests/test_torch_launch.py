@@ -112,3 +112,13 @@ def test_nccl_without_cuda_fails_at_once_from_the_command_line():
     assert "backend 'nccl' needs CUDA, and this machine has none" in done.stderr
     assert "Traceback" not in done.stderr
     assert time.monotonic() - t < 30
+
+
+def test_faults_are_refused_on_the_torch_backend(capsys):
+    """[faults] change the emulator's timeline only; a real run cannot fail a rank on cue: one line."""
+    from simcluster.cli import main
+
+    assert main(["run", "--backend", "torch", "--set", "parallel.dp=2", "--set", "cluster.gpus_per_node=2",
+                 "--set", "faults.failed_rank=1"]) == 2
+    err = capsys.readouterr().err
+    assert "[faults] are injected into the emulator's timed run" in err and "Traceback" not in err
