@@ -18,10 +18,14 @@ import os
 from dataclasses import replace
 
 from simcluster.scenario import Scenario, ScenarioError
+from simcluster.steady import SIMULATED
 
 LIMIT_S = 24 * 3600
 RATE = {"exact": 1e9, "fast": 2e10}  # model FLOP/s, optimistic
-KERNELS_PER_S, BYTES_PER_KERNEL = 1e6, 100
+# Meta mode, per kernel of the estimate below (20 a block, each micro-batch): measured here, Llama 3
+# 405B on 256 ranks unfolded, 645 k estimated kernels: 19 k a second and 8.5 kB each (trace events,
+# streams and the data pass); folded on 16,384 GPUs, 40 k: 10 kB each. The bounds are 5-10x below.
+KERNELS_PER_S, BYTES_PER_KERNEL = 1e5, 1000
 KERNELS_PER_BLOCK = 20
 BYTES_PER_PARAMETER = 32
 
@@ -50,10 +54,10 @@ def _bytes(n: float) -> str:
 MAX_RANKS = 2**18  # 262,144 GPUs: above the largest clusters built (about 10^5 GPUs in 2024-25)
 
 
-def check(sc: Scenario) -> None:
+def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     """Refuse `sc` if even its lower-bound cost is more than this machine can do (before anything of
     its size is built: a GPT's parameter count and FLOPs are affine in its layers, so they come from
-    two small copies of it)."""
+    two small copies of it). `repeat`: a meta-mode run may simulate its identical steps once (steady.py)."""
     from simcluster.runner import job_of  # (the runner checks through here)
 
     if sc.world_size > MAX_RANKS:
@@ -68,13 +72,23 @@ def check(sc: Scenario) -> None:
             return
         share = max(1, m["global_batch"] // sc.parallel["dp"])  # sequences a step, a data-parallel rank
         micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
-        kernels = float(sc.run["steps"]) * micro * m["layers"] * KERNELS_PER_BLOCK
+        # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
+        p = sc.parallel
+        faulty = any(sc.faults[k] is not None for k in ("straggler_rank", "degraded_rank", "failed_rank"))
+        copies = p["cp"] * (1 if fold and not faulty else p["dp"] * p["tp"])
+        steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
+        kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
         seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
         if seconds > LIMIT_S or nbytes > memory:
+            why = "" if copies == p["cp"] else (
+                f" x {copies:,} copies: every dp and tp rank runs, " + ("[faults] turn folding off" if faulty
+                                                                         else "--no-fold"))
             raise ScenarioError(
-                f"meta mode would replay at least {kernels:.1e} kernels ({run_steps(sc)} x {micro} micro-batches x "
-                f"{m['layers']:,} layers): at least {_duration(seconds)} and {_bytes(nbytes)} here (this machine has "
-                f"{_bytes(memory)}); lower run.steps, model.layers or the micro-batch count")
+                f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "
+                f"{micro} micro-batches x "
+                f"{m['layers']:,} layers{why}): at least {_duration(seconds)} and {_bytes(nbytes)} here (this machine "
+                f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
+                (", or the mesh" if copies > p["cp"] else ""))
         return
     unit = sc.parallel["pp"] * (sc.parallel["virtual_stages"] if sc.parallel["schedule"] == "interleaved" else 1)
     layers = m["layers"]

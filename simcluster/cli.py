@@ -198,6 +198,17 @@ def _with_progress(err: Console, scenario: Any, fold: bool = True) -> Outcome:
     return outcome
 
 
+def repeated(outcome: Outcome) -> str:
+    """'; steps 4-N repeat step 3 ...' for a run whose identical steps were simulated once (steady.py)."""
+    r = outcome.result.repeated
+    if not r:
+        return ""
+    more, period = r
+    shown = outcome.scenario.run["steps"] - more
+    return (f"; steps {shown + 1}-{shown + more} repeat step {shown} every {format_ns(period)}: drawn are the first "
+            f"{shown}, the report counts all {shown + more}")
+
+
 def render(outcome: Outcome, console: Console, width: int = 100) -> None:
     """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
     if outcome.variants:
@@ -206,8 +217,8 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
     console.print(ReportView(outcome.report))
     console.print()
     fold = outcome.result.fold
-    console.print("[bold]timeline[/] (one lane per rank and stream" + (f"; {fold.describe()}" if fold else "") + ")",
-                  markup=True)
+    console.print("[bold]timeline[/] (one lane per rank and stream" + (f"; {fold.describe()}" if fold else "")
+                  + escape(repeated(outcome)) + ")", markup=True)
     console.print(Timeline(outcome.result.trace, width=width))
     if outcome.result.trace.memory:
         console.print()
@@ -384,10 +395,12 @@ def _main(argv: Sequence[str] | None) -> int:
         Path(args.output).write_text(dumps(trace, title=scenario.name))
         out.print(f"wrote {len(trace)} events to {args.output}" + ("" if whole else
                   f" (the simulated ranks: every rank would be {len(result.trace) * result.fold.copies:,} events; "
-                  f"{result.fold.describe()})"))
+                  f"{result.fold.describe()})") + repeated(outcome), markup=False)
         return 0
     if args.command == "timeline":
         result = outcome.result
+        if result.repeated:
+            out.print(f"({repeated(outcome).lstrip('; ')})", markup=False)
         if result.fold is not None and ranks is None:  # the representatives, each standing for its peers
             out.print(f"(folded: {result.fold.describe()}; --ranks draws any rank)", markup=False)
             trace = result.trace

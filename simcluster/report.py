@@ -11,23 +11,14 @@ import numpy as np
 
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
-from simcluster.engine.trace import Trace
 from simcluster.scenario import Scenario
+from simcluster.steady import Totals
 
 
-def communication(trace: Trace) -> list[dict[str, Any]]:
+def communication(totals: Totals) -> list[dict[str, Any]]:
     """Per (group axis, collective): calls, bytes sent and time, per rank (the busiest rank)."""
-    per: dict[tuple[str, str], dict[int, list[int]]] = {}
-    for e in trace:
-        if not e.group:
-            continue
-        group = e.group.split("[", 1)[0]
-        acc = per.setdefault((group, e.kind), {}).setdefault(e.rank, [0, 0, 0])
-        acc[0] += 1
-        acc[1] += e.bytes
-        acc[2] += e.end - e.start
     rows = []
-    for (group, kind), ranks in sorted(per.items()):
+    for (group, kind), ranks in sorted(totals.comm.items()):
         rows.append({"group": group, "collective": kind,
                      "calls_per_rank": max(v[0] for v in ranks.values()),
                      "bytes_per_rank": max(v[1] for v in ranks.values()),
@@ -35,26 +26,19 @@ def communication(trace: Trace) -> list[dict[str, Any]]:
     return rows
 
 
-def idle_fraction(trace: Trace, fold: Fold | None = None) -> float:
+def idle_fraction(totals: Totals, fold: Fold | None = None) -> float:
     """Mean over ranks of the compute stream's idle share of the run: the bubbles, whatever made them."""
-    end = trace.end
+    end = totals.end
     if not end:
         return 0.0
-    ranks = sorted({r for r, _ in trace.lanes})
-    busy_compute = {r: 0 for r in ranks}
-    for e in trace:
-        if e.stream == "compute":
-            busy_compute[e.rank] += e.end - e.start
+    busy_compute = dict(totals.compute)
     if fold is not None:
         busy_compute = fold.by_rank(busy_compute)
     return sum(1 - ns / end for ns in busy_compute.values()) / len(busy_compute)
 
 
-def busy(trace: Trace, fold: Fold | None = None) -> dict[str, dict[str, int]]:
-    per: dict[int, dict[str, int]] = {}
-    for e in trace:  # (ranks in order, streams in order of first event)
-        streams = per.setdefault(e.rank, {})
-        streams[e.stream] = streams.get(e.stream, 0) + e.end - e.start
+def busy(totals: Totals, fold: Fold | None = None) -> dict[str, dict[str, int]]:
+    per = {r: dict(streams) for r, streams in totals.busy.items()}  # (ranks in order, streams by first event)
     if fold is not None:
         per = fold.by_rank(per, rename=True)
     return {str(rank): streams for rank, streams in per.items()}
@@ -128,13 +112,15 @@ def verification(mode: str, expected: dict[str, Any], got: dict[str, Any],
 
 
 def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
-          verdict: dict[str, Any], steps: int | None = None) -> dict[str, Any]:
+          verdict: dict[str, Any], steps: int | None = None, totals: Totals | None = None) -> dict[str, Any]:
     """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step;
-    `steps`: the steps run, when not run.steps (a resumed run)."""
+    `steps`: the steps run, when not run.steps (a resumed run); `totals`: the trace's sums, when not
+    the trace's own (a run whose identical steps were simulated once: steady.py)."""
     spec = result.cluster.spec
     if steps is None:
         steps = scenario.run["steps"] if scenario.run["program"] in ("mlp", "gpt") else 1
-    makespan, fold, world = result.trace.end, result.fold, result.mesh.world_size
+    totals = totals or Totals.of(result.trace)
+    makespan, fold, world = totals.end, result.fold, result.mesh.world_size
     peak = (spec.peak_tflops if scenario.model["dtype"] in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
     seconds = makespan * 1e-9
     peaks = result.trace.memory_peaks()
@@ -157,12 +143,12 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "mfu": round(flops[0] / (seconds * world * peak), 6) if makespan else 0.0,
         "hfu": round(flops[1] / (seconds * world * peak), 6) if makespan else 0.0,
         "tflops_per_gpu": round(flops[1] / (seconds * world) / 1e12, 3) if makespan else 0.0,
-        "compute_idle_fraction": round(idle_fraction(result.trace, fold), 6),
-        "busy_ns": busy(result.trace, fold),
-        "communication": communication(result.trace),
+        "compute_idle_fraction": round(idle_fraction(totals, fold), 6),
+        "busy_ns": busy(totals, fold),
+        "communication": communication(totals),
         "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},
         "memory": {"capacity_bytes": capacity, "peak_bytes": highest, "fits": highest <= capacity,
                    "ranks_over": sum(1 for v in peaks.values() if v["total"] > capacity)},
-        "trace_events": len(result.trace) * (fold.copies if fold else 1),
+        "trace_events": totals.events * (fold.copies if fold else 1),
         "verification": verdict,
     }

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
-from simcluster import budget, checkpoint, goodput
+from simcluster import budget, checkpoint, goodput, steady
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
@@ -43,7 +43,7 @@ def run_all(sc: Scenario, on_variant: Any = None, *, fold: bool = True) -> Outco
     if not sc.variants:
         return run_scenario(sc, fold=fold)
     for _, v in sc.variants:  # (before the first runs: a comparison that cannot finish is refused whole)
-        budget.check(v)
+        budget.check(v, fold)
     outcomes = []
     for i, (label, v) in enumerate(sc.variants):
         if on_variant is not None:
@@ -226,22 +226,50 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
     (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
     fraction of the cost."""
-    budget.check(sc)
+    budget.check(sc, fold)
     checkpoint.check_scenario(sc)
     faults = faults_of(sc)
     job = job_of(sc, fold=fold)
-    result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                      cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults)
+    result, totals = _steady(sc, fold) if _repeats(sc, faults) else (None, None)
+    if result is None:
+        budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
+        result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
+                          cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults)
     verdict = job.check(result.results) if result.hang is None else {
         "mode": job.mode, "status": f"not applicable: the run hung (rank {result.hang.rank} failed)"}
     rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,
-                        verdict=verdict, steps=job.steps)
+                        verdict=verdict, steps=job.steps, totals=totals)
     if faults is not None:
         rep["faults"] = {"injected": faults.describe(), "hang": None if result.hang is None else result.hang.as_dict()}
     if sc.goodput["interruptions_per_gpu_hour"] is not None:
         rep["goodput"] = goodput.account(sc.goodput, step_s=rep["step_time_ns"] * 1e-9, gpus=sc.world_size,
                                          parameters=job.parameters, dtype=sc.model["dtype"])
     return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
+
+
+def _repeats(sc: Scenario, faults: Faults | None) -> bool:
+    """Whether a run may simulate its identical steps once (steady.py): meta mode, more steps than
+    that costs, no fault (a fault from a time breaks the repetition)."""
+    return (sc.run["numerics"] == "meta" and sc.run["program"] == "gpt" and faults is None
+            and sc.run["steps"] > steady.SIMULATED + 2)
+
+
+def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, steady.Totals | None]:
+    """Steps 1-2 and 1-3 simulated; when the third repeats the second, the run's totals over all its
+    steps, and the 3-step result (whose trace is what views draw). (None, None) when it does not."""
+    runs = []
+    for steps in (steady.SIMULATED - 1, steady.SIMULATED):
+        short = replace(sc, run=dict(sc.run, steps=steps))
+        job = job_of(short, fold=fold)
+        runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
+                             cost_dtype=sc.model["dtype"], fold=job.fold))
+    two, three = runs
+    p = steady.period(two.trace, three.trace)
+    if p is None:
+        return None, None
+    more = sc.run["steps"] - steady.SIMULATED
+    totals = steady.Totals.of(three.trace).extended(steady.Totals.of(two.trace), more)
+    return replace(three, repeated=(more, p)), totals
 
 
 def checkpoints(sc: Scenario, job: Job, results: list[Any]) -> dict[str, Any]:

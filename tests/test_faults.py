@@ -172,3 +172,13 @@ def test_interruptions_far_more_often_than_a_step_leave_no_goodput():
     assert goodput.segment_goodput(10.0, 1.0, 600.0, 1e-6) == 0.0
     o = run("goodput.interruptions_per_gpu_hour=1e9", "goodput.restart_s=0.1")
     assert o.report["goodput"]["best_goodput"] == 0.0
+
+
+def test_faults_at_scale_are_refused_when_every_rank_would_run(capsys):
+    """Faults turn folding off: a 16,384-GPU scenario would simulate every rank (tens of GB here), so
+    it is refused up front with its estimate, as --no-fold is; folded, the same scenario runs."""
+    assert main(["run", "goodput_16k", "--set", "faults.straggler_rank=3", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "1,024 copies" in err and "[faults] turn folding off" in err and len(err.strip().splitlines()) == 1
+    assert main(["run", "goodput_16k", "--no-fold", "--json"]) == 2
+    assert "--no-fold" in capsys.readouterr().err

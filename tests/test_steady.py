@@ -1,0 +1,95 @@
+"""Meta mode at any step count (simcluster/steady.py): identical steps simulated once give the report of
+simulating every step, byte for byte; a run's cost does not grow with its steps."""
+
+import json
+from unittest import mock
+
+import pytest
+
+from simcluster import runner, steady
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
+from simcluster.scenario import ScenarioError, build
+
+PIPE = ["model.tied_head=false", "model.micro_batch=1", "model.layers=4"]
+LAYOUTS = [
+    [],
+    ["parallel.zero=0"],
+    ["parallel.zero=1", "parallel.overlap_grad_reduce=false"],
+    ["parallel.zero=2", "model.micro_batch=1"],
+    ["parallel.dp=4", "parallel.tp=2", "parallel.sp=true", "model.dropout=0.1"],
+    ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", *PIPE],
+    ["parallel.dp=4", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", *PIPE],
+    ["parallel.dp=2", "parallel.pp=4", "parallel.schedule=zb-h1", *PIPE],
+    ["parallel.dp=2", "parallel.pp=4", "parallel.schedule=gpipe", "parallel.recompute=full", *PIPE],
+    ["parallel.dp=2", "parallel.cp=2", "parallel.tp=2", "parallel.attention=ring"],
+    ["parallel.dp=4", "parallel.cp=2", "parallel.attention=ulysses", "parallel.zero_over=dp"],
+    ["model.arch=llama", "model.kv_heads=2", "parallel.dp=2", "parallel.tp=4", "parallel.cp=1",
+     "parallel.recompute=selective"],
+    ["cluster.nodes=2", "cluster.gpus_per_node=4", "parallel.dp=4", "parallel.tp=2"],
+]
+
+
+def report(sets, *, every_step=False):
+    sc = build({}, ["run.numerics=meta", *sets])
+    if every_step:
+        with mock.patch.object(runner, "_repeats", lambda sc, faults: False):
+            return runner.run_scenario(sc)
+    return runner.run_scenario(sc)
+
+
+@pytest.mark.parametrize("steps", [6, 7, 10])
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_repeated_steps_give_the_report_of_simulating_every_step(layout, steps):
+    """Every layout family, three step counts: the same report JSON as simulating every step."""
+    sets = [*LAYOUTS[layout], f"run.steps={steps}"]
+    once, every = report(sets), report(sets, every_step=True)
+    assert once.result.repeated == (steps - steady.SIMULATED, once.result.repeated[1])
+    assert every.result.repeated is None and len(every.result.trace) > len(once.result.trace)
+    assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
+
+
+def test_a_billion_steps_cost_five(monkeypatch):
+    """Only a 2-step and a 3-step run are simulated, whatever run.steps says; the report counts them all."""
+    simulated = []
+    real = runner.simulate
+
+    def counting(program, plan, **kwargs):
+        simulated.append(plan.data.steps)
+        return real(program, plan, **kwargs)
+    monkeypatch.setattr(runner, "simulate", counting)
+    seven, billion = report(["run.steps=7"]), report(["run.steps=1000000000"])
+    assert simulated == [2, 3, 2, 3]
+    assert billion.report["steps"] == 10**9
+    period = billion.result.repeated[1]
+    assert billion.report["total_time_ns"] == seven.report["total_time_ns"] + (10**9 - 7) * period
+    assert billion.report["memory_peak_bytes"] == seven.report["memory_peak_bytes"]
+
+
+def test_steps_that_do_not_repeat_are_all_simulated(monkeypatch):
+    """When the third step is not the second again, every step runs -- and a count too large to run is
+    refused then, with its estimate."""
+    monkeypatch.setattr(steady, "period", lambda two, three: None)
+    o = report(["run.steps=7"])
+    assert o.result.repeated is None and o.report["steps"] == 7
+    with pytest.raises(ScenarioError, match="meta mode would replay at least"):
+        report(["run.steps=1000000000"])
+
+
+def ev(start, end, name="k"):
+    return TraceEvent(0, "compute", "forward", name, start, end)
+
+
+def trace(events, memory=()):
+    t = Trace(events, [(0, "compute")])
+    t.memory = tuple(memory)
+    return t
+
+
+def test_the_period_is_found_only_when_the_last_step_repeats():
+    two = trace([ev(0, 5), ev(10, 15, "O0"), ev(20, 25, "O1")])
+    assert steady.period(two, trace([*two, ev(30, 35, "O2")])) == 10  # (labels may name the step)
+    assert steady.period(two, trace([*two, ev(30, 36)])) is None  # the step took longer
+    assert steady.period(two, trace([ev(0, 5), ev(11, 16), ev(20, 25), ev(30, 35)])) is None  # step 2 moved
+    held = [MemoryEvent(0, 20, "activations", "a", 8)]
+    grows = trace([*two, ev(30, 35)], [*held, MemoryEvent(0, 30, "activations", "a", 8)])
+    assert steady.period(trace(list(two), held), grows) is None  # memory that is never released
