@@ -27,6 +27,9 @@ RATE = {"exact": 1e9, "fast": 2e10}  # model FLOP/s, optimistic
 # streams and the data pass); folded on 16,384 GPUs, 40 k: 10 kB each. The bounds are 5-10x below.
 KERNELS_PER_S, BYTES_PER_KERNEL = 1e5, 1000
 KERNELS_PER_BLOCK = 20
+# A transfer in the network model: measured here, the collectives program on 2,048 ranks, 6.7e7
+# transfers in 52 s and 24 GB (1.3e6 a second, 355 bytes each); the bounds are 8x and 3.5x below.
+FLOWS_PER_S, BYTES_PER_FLOW = 1e7, 100
 BYTES_PER_PARAMETER = 32
 
 
@@ -67,6 +70,8 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                             f"clusters have about 10^5 GPUs)")
     memory = physical_memory()
     m = sc.model
+    if sc.run["program"] != "gpt":
+        _transfers(sc, memory)
     if sc.run["numerics"] == "meta":
         if sc.run["program"] != "gpt":
             return
@@ -111,6 +116,24 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
             f"{_bytes(memory)}) and at least {_duration(seconds)} here for {parameters:,} parameters over "
             f"{run_steps(sc)}; use run.numerics = meta (timing and memory, without the numbers), or a smaller "
             f"model or fewer steps")
+
+
+def _transfers(sc: Scenario, memory: int) -> None:
+    """The demonstration programs run unfolded; a collective over g ranks routes at least g (g - 1)
+    transfers (a ring: g - 1 phases of g), each an object in the network model: refuse a world where
+    that alone is too much. Per program, its calls' groups (collectives_demo.py, allreduce_decomposed.py,
+    tp_dp_mlp.py)."""
+    p, w = sc.parallel, sc.world_size
+    dp = p["dp"]
+    calls = {"collectives": [(6, w), (3, dp)], "allreduce": [(3, w)],
+             "mlp": [(3 * sc.run["steps"] * p["tp"], dp)]}[sc.run["program"]]
+    flows = float(sum(n * g * (g - 1) for n, g in calls))
+    seconds, nbytes = flows / FLOWS_PER_S, flows * BYTES_PER_FLOW
+    if seconds > LIMIT_S or nbytes > memory:
+        raise ScenarioError(f"run.program = {sc.run['program']!r} on {w:,} ranks would route at least {flows:.1e} "
+                            f"transfers (a collective over g ranks moves data between them in g - 1 phases): at "
+                            f"least {_duration(seconds)} and {_bytes(nbytes)} here (this machine has "
+                            f"{_bytes(memory)}); use fewer ranks")
 
 
 def run_steps(sc: Scenario) -> str:

@@ -28,6 +28,7 @@ from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import Outcome, plan_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import PRESETS
+from simcluster.valid import divisors
 
 MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
 MICRO_BATCHES = (1, 2, 4)
@@ -90,7 +91,7 @@ class Search:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return divisors(n)
 
 
 FIELDS = {f.name: int if f.type == "int" else str for f in fields(Layout)}  # what --fix may name, and its type

@@ -90,6 +90,10 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     # found by the fuzzer (benchmarks/fuzz.py): each was a traceback
     (["timeline", "--start-us", "1e308"], "--start-us must be a number of microseconds from 0 to 1e+12"),
     (["run", "x" * 5000], "File name too long"),
+    (["run", "--set", "parallel.cp=3", "--set", "model.seq=1000000000000"],  # (listing its divisors took hours)
+     "valid degrees: 1, 2, 4, 5, 8, 10, 16, 20, ... (153 more), 50000000000"),
+    (["run", "collectives", "--set", "run.numerics=meta", "--set", "parallel.dp=2048", "--set", "parallel.tp=8",
+      "--set", "cluster.nodes=2048"], "run.program = 'collectives' on 16,384 ranks would route at least 1.6e+09"),
     (["run", "--set", "run.numerics=meta", "--set", "parallel.dp=1000000000000"],
      "has 1,000,000,000,000 ranks; simcluster simulates at most 262,144"),
     (["timeline", "--start-us", "5", "--end-us", "2"], "--end-us (2) must be after --start-us (5)"),

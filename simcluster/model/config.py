@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.numerics.ops import Ops
+from simcluster.valid import divisors, listed
 
 ARCHS = ("gpt", "llama")
 
@@ -55,14 +56,12 @@ class GPTConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
         if self.hidden % self.heads:
-            valid = [a for a in range(1, self.hidden + 1) if self.hidden % a == 0]
-            raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}; valid: {', '.join(map(str, valid))}")
+            raise ValueError(f"heads={self.heads} must divide hidden={self.hidden}; valid: {listed(divisors(self.hidden))}")
         if self.arch not in ARCHS:
             raise ValueError(f"model.arch {self.arch!r} is not valid; valid: {', '.join(ARCHS)}")
         kv = self.kv_heads if self.kv_heads is not None else self.heads
         if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.heads % kv:
-            valid = [k for k in range(1, self.heads + 1) if self.heads % k == 0]
-            raise ValueError(f"kv_heads={kv!r} must divide heads={self.heads}; valid: {', '.join(map(str, valid))}")
+            raise ValueError(f"kv_heads={kv!r} must divide heads={self.heads}; valid: {listed(divisors(self.heads))}")
         if self.arch == "gpt" and kv != self.heads:
             raise ValueError(f"grouped-query attention (kv_heads={kv}) is part of the llama architecture; "
                              f"set model.arch = \"llama\" or kv_heads = heads")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.model.gpt import PRECISIONS, GPTConfig, Slice, batch, unit_names
+from simcluster.valid import divisors, listed
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class DPConfig:
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.micro_batches):
-            valid = [n for n in range(1, self.global_batch + 1) if self.global_batch % (n * self.micro_batches) == 0]
+            valid = divisors(self.global_batch, lambda n: self.global_batch % (n * self.micro_batches) == 0)
             raise ValueError(f"global batch {self.global_batch} must be divisible by dp={dp} x micro-batches="
-                             f"{self.micro_batches}; dp degrees that divide it: {', '.join(map(str, valid))}")
+                             f"{self.micro_batches}; dp degrees that divide it: {listed(valid)}")
 
     def micro_batch(self, step: int, rank: int, dp: int, j: int) -> tuple[Slice, np.ndarray, np.ndarray]:
         """(where, ids, targets) of rank `rank`'s micro-batch j at `step`."""

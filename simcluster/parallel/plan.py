@@ -25,6 +25,7 @@ from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
+from simcluster.valid import divisors, listed
 
 ATTENTIONS = ("ulysses", "ring", "allgather")
 ZERO_OVER = ("dp_cp", "dp")
@@ -74,22 +75,22 @@ class Plan:
         if m.kv_heads % tp and tp % m.kv_heads:
             raise ValueError(f"tensor-parallel degree {tp} must divide kv_heads={m.kv_heads} (each rank its kv heads) "
                              f"or be a multiple of it (each kv head replicated on tp/kv_heads ranks); valid "
-                             f"degrees: {', '.join(str(d) for d in range(1, m.heads + 1) if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0))}")
+                             f"degrees: {listed(divisors(m.heads, lambda d: m.kv_heads % d == 0 or d % m.kv_heads == 0))}")
         zig = self.zigzag(cp)
         if zig and m.seq % (2 * cp):
-            valid = [d for d in range(1, m.seq + 1) if m.seq % (2 * d) == 0]
+            valid = divisors(m.seq // 2) if m.seq % 2 == 0 else []
             raise ValueError(f"causal {self.attention} attention uses the zigzag layout: seq={m.seq} must be "
-                             f"divisible by 2 x cp = {2 * cp}; valid degrees: {', '.join(map(str, valid))}")
+                             f"divisible by 2 x cp = {2 * cp}; valid degrees: {listed(valid)}")
         _divides(f"context-parallel degree {cp}", cp, "seq", m.seq)
         if cp > 1 and self.attention == "ulysses":
             _divides(f"ulysses degree {cp}", cp, "heads" if tp == 1 else "heads/tp", m.heads // tp)
         if self.sp and tp > 1:
             local = m.seq // cp
             if local % tp:
-                valid = [d for d in range(1, local + 1) if local % d == 0]
+                valid = divisors(local)
                 where = f"seq={m.seq}" if cp == 1 else f"a context-parallel rank's {local} tokens (seq/cp)"
                 raise ValueError(f"sequence parallelism: tp={tp} must divide {where}; valid degrees: "
-                                 f"{', '.join(map(str, valid))}")
+                                 f"{listed(valid)}")
         check_schedule(self.schedule, self.shape(pp), m.layers)
         if m.tied_head and pp > 1:
             raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
@@ -98,8 +99,8 @@ class Plan:
 
 def _divides(who: str, degree: int, what: str, size: int) -> None:
     if size % degree:
-        valid = [d for d in range(1, size + 1) if size % d == 0]
-        raise ValueError(f"{who} must divide {what}={size}; valid degrees: {', '.join(map(str, valid))}")
+        valid = divisors(size)
+        raise ValueError(f"{who} must divide {what}={size}; valid degrees: {listed(valid)}")
 
 
 # -- how each parameter is split over tp -----------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.program.context import Context
+from simcluster.valid import divisors, listed
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class MLPConfig:
     def check_mesh(self, dp: int, tp: int) -> None:
         if self.ffn_hidden % tp:
             raise ValueError(f"tp={tp} must divide ffn_hidden={self.ffn_hidden}; valid tp: "
-                             f"{', '.join(str(d) for d in range(1, self.ffn_hidden + 1) if self.ffn_hidden % d == 0)}")
+                             f"{listed(divisors(self.ffn_hidden))}")
         if self.tokens % dp:
             raise ValueError(f"dp={dp} must divide the {self.tokens} tokens of a step (global_batch x seq)")
 
