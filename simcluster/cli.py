@@ -18,7 +18,7 @@ from simcluster.options import check_options, checkpoint_overrides, ints
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.memory_chart import MemoryChart
-from simcluster.viz.report_view import ReportView, format_bytes
+from simcluster.viz.report_view import ReportView, format_bytes, hours, target_curve
 from simcluster.viz.timeline import Timeline, format_ns
 
 
@@ -165,7 +165,9 @@ EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the s
 def _comparison(outcome: Outcome) -> Table:
     t = Table(title=f"scenario {escape(repr(outcome.scenario.name))}: {len(outcome.variants)} variants",
               title_justify="left")
-    for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict"):
+    aims = any("target" in o.report for _, o in outcome.variants)
+    for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict") + (
+            ("to target", "GPU-hours") if aims else ()):
         t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
     for label, o in outcome.variants:
         r = o.report
@@ -175,8 +177,10 @@ def _comparison(outcome: Outcome) -> Table:
         status = v.get("status", "")
         verdict = ("HUNG" if "hung" in status else "n/a (meta)" if "meta" in status else "n/a" if status else
                    "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
+        target = r.get("target")
         t.add_row(escape(label), format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
-                  format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict)
+                  format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict,
+                  *((hours(target["wall_s"]), f"{target['gpu_hours']:,.0f}") if target else ("", ""))[:2 if aims else 0])
     return t
 
 
@@ -213,6 +217,10 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
     """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
     if outcome.variants:
         console.print(_comparison(outcome))
+        rows = [(label, o.report["target"]) for label, o in outcome.variants if "target" in o.report]
+        if rows:
+            console.print()
+            console.print(target_curve(rows, min(width, console.width)))
         return
     console.print(ReportView(outcome.report))
     console.print()

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
-from simcluster import budget, checkpoint, goodput, steady
+from simcluster import batch, budget, checkpoint, goodput, steady
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
@@ -229,6 +229,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     budget.check(sc, fold)
     checkpoint.check_scenario(sc)
     faults = faults_of(sc)
+    aims = _aims(sc)
     job = job_of(sc, fold=fold)
     result, totals = _steady(sc, fold) if _repeats(sc, faults) else (None, None)
     if result is None:
@@ -244,7 +245,21 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     if sc.goodput["interruptions_per_gpu_hour"] is not None:
         rep["goodput"] = goodput.account(sc.goodput, step_s=rep["step_time_ns"] * 1e-9, gpus=sc.world_size,
                                          parameters=job.parameters, dtype=sc.model["dtype"])
+    if aims:
+        rep["target"] = batch.account(sc.target, step_s=rep["step_time_ns"] * 1e-9, tokens_per_step=job.tokens,
+                                      gpus=sc.world_size)
     return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
+
+
+def _aims(sc: Scenario) -> bool:
+    """Whether the scenario has a [target] (batch.py), checked."""
+    t = sc.target
+    if t["b_noise_tokens"] is None and t["e_min_tokens"] is None:
+        return False
+    if not (t["b_noise_tokens"] and t["e_min_tokens"]) or sc.run["program"] != "gpt":
+        raise ScenarioError("[target] needs both target.b_noise_tokens and target.e_min_tokens above 0, and "
+                            "run.program = 'gpt'")
+    return True
 
 
 def _repeats(sc: Scenario, faults: Faults | None) -> bool:

@@ -142,6 +142,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "step_time_s": Key(float, None, "the step time to account with, e.g. a measured one (default: the "
                            "simulated step)", minimum=0),
     },
+    "target": {
+        "b_noise_tokens": Key(float, None, "the gradient noise scale B_noise in tokens (McCandlish et al. 2018; Kaplan "
+                              "et al. 2020: about 2e8 / L^4.8 at a loss of L nats); with e_min_tokens, the report "
+                              "adds the steps, wall time and GPU-hours to that loss", minimum=0),
+        "e_min_tokens": Key(float, None, "the fewest tokens that reach the target loss (with a tiny batch)",
+                            minimum=0),
+    },
 }
 TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}
 LIBRARY = Path(__file__).resolve().parent.parent / "scenarios"  # the scenarios/ folder of the checkout
@@ -183,6 +190,7 @@ class Scenario:
     run: dict[str, Any]
     faults: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["faults"].items()})
     goodput: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["goodput"].items()})
+    target: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["target"].items()})
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
     variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
@@ -258,7 +266,7 @@ class Scenario:
         out = {"name": self.name, "description": self.description, "model": dict(self.model),
                "cluster": {k: v for k, v in self.cluster.items() if v is not None},
                "parallel": dict(self.parallel), "run": dict(self.run)}
-        for section in ("faults", "goodput"):  # (only when used: they are off by default)
+        for section in ("faults", "goodput", "target"):  # (only when used: they are off by default)
             values = getattr(self, section)
             if any(v != SCHEMA[section][k].default for k, v in values.items()):
                 out[section] = dict(values)
@@ -303,7 +311,7 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
     for text in overrides:
         put(*parse_override(text))
     base = Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
-                    values["run"], values["faults"], values["goodput"], source, tuple(overrides))
+                    values["run"], values["faults"], values["goodput"], values["target"], source, tuple(overrides))
     if compare is None:
         return base
     return _with_variants(base, doc, compare, overrides, source)

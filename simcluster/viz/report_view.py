@@ -20,6 +20,10 @@ def _pairs(title: str) -> Table:
     return t
 
 
+def hours(seconds: float) -> str:
+    return f"{seconds / 86400:.3g} days" if seconds >= 2 * 86400 else f"{seconds / 3600:.3g} h"
+
+
 def format_bytes(n: float) -> str:
     """1234567 -> '1.23 MB' (decimal units, as the paper tables)."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -165,9 +169,21 @@ class ReportView:
                   f"{g['daly_interval_s']:.0f} s")
         return t
 
+    def _target(self) -> Table | None:
+        g = self.report.get("target")
+        if not g:
+            return None
+        t = _pairs("time to the target loss (McCandlish et al. 2018)")
+        t.add_row("batch", f"{g['batch_tokens']:,} tokens; B_noise {g['b_noise_tokens']:.3g} tokens")
+        t.add_row("steps", f"{g['steps']:,.0f} (fewest possible {g['s_min']:,.0f}: {100 * g['time_efficiency']:.0f} %)")
+        t.add_row("tokens", f"{g['tokens']:.3g} (fewest possible {g['e_min_tokens']:.3g}: "
+                  f"{100 * g['data_efficiency']:.0f} %)")
+        t.add_row("wall time", f"{hours(g['wall_s'])} at {g['step_s']:.3g} s a step; {g['gpu_hours']:,.0f} GPU-hours")
+        return t
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint(),
-                 self._faults(), self._goodput()]
+                 self._faults(), self._goodput(), self._target()]
         yield Group(*[p for p in parts if p is not None])
 
 
@@ -176,3 +192,20 @@ def plain(renderable: Any, width: int = 120) -> str:
     buf = io.StringIO()
     Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False).print(renderable)
     return buf.getvalue()
+
+
+def target_curve(rows: list[tuple[str, dict[str, Any]]], width: int = 100) -> Table:
+    """Wall time to the target loss per variant, as bars (the curve against GPUs), with what each
+    variant buys over the one before it."""
+    t = Table(title="wall time to the target loss", title_justify="left", box=None)
+    for col in ("GPUs", "batch (tokens)", "", "wall time", "vs the row above"):
+        t.add_column(col, justify="left" if col == "" else "right")
+    longest = max(r["wall_s"] for _, r in rows) or 1.0
+    bar = max(8, min(50, width - 56))
+    before, gpus = None, 0
+    for _, r in rows:
+        gain = "" if before is None else f"{before / r['wall_s']:.2f}x for {r['gpus'] / gpus:g}x GPUs"
+        t.add_row(f"{r['gpus']:,}", f"{r['batch_tokens']:,}", "█" * max(1, round(bar * r["wall_s"] / longest)),
+                  hours(r["wall_s"]), gain)
+        before, gpus = r["wall_s"], r["gpus"]
+    return t
