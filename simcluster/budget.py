@@ -80,14 +80,16 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
         p = sc.parallel
         faulty = any(sc.faults[k] is not None for k in ("straggler_rank", "degraded_rank", "failed_rank"))
-        copies = p["cp"] * (1 if fold and not faulty else p["dp"] * p["tp"])
+        spine = (sc.cluster["oversubscription"] or 1) > 1 and sc.cluster["nodes"] > 1  # (no folding: cluster.py)
+        copies = p["cp"] * (1 if fold and not faulty and not spine else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
         seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
         if seconds > LIMIT_S or nbytes > memory:
             why = "" if copies == p["cp"] else (
-                f" x {copies:,} copies: every dp and tp rank runs, " + ("[faults] turn folding off" if faulty
-                                                                         else "--no-fold"))
+                f" x {copies:,} copies: every dp and tp rank runs, " + (
+                    "[faults] turn folding off" if faulty else "an oversubscribed spine turns folding off" if spine
+                    else "--no-fold"))
             raise ScenarioError(
                 f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "
                 f"{micro} micro-batches x "

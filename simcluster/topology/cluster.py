@@ -25,8 +25,12 @@ class Cluster:
         self.world_size = spec.world_size
         self.gpus_per_node = spec.gpus_per_node
         nvlink, nic = spec.nvlink_bytes_per_ns, spec.nic_bytes_per_ns
-        # capacity in bytes per ns, by link id
+        # capacity in bytes per ns, by link id; with an oversubscribed spine, each rail's uplink and
+        # downlink after the ports (link world * 4 + 2 rail, + 1)
         self.capacity: list[float] = [nvlink, nvlink, nic, nic] * self.world_size
+        self.spine = spec.oversubscription > 1 and spec.nodes > 1
+        if self.spine:
+            self.capacity += [spec.nodes * nic / spec.oversubscription] * (2 * self.gpus_per_node)
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
         self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
@@ -44,6 +48,10 @@ class Cluster:
         """(link ids, per-step latency in ns) of a transfer from src to dst."""
         if self.same_node(src, dst):
             return (src * 4 + NVLINK_OUT, dst * 4 + NVLINK_IN), self.spec.nvlink_latency_ns
+        a, b = src % self.gpus_per_node, dst % self.gpus_per_node
+        if self.spine and a != b:  # across rails: up from rail a's leaf, down to rail b's
+            spine = self.world_size * 4
+            return (src * 4 + NIC_OUT, spine + 2 * a, spine + 2 * b + 1, dst * 4 + NIC_IN), self.spec.nic_latency_ns
         return (src * 4 + NIC_OUT, dst * 4 + NIC_IN), self.spec.nic_latency_ns
 
     def ring_order(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -58,6 +66,9 @@ class Cluster:
         return tuple(sorted(ranks, key=lambda r: (r // self.gpus_per_node, r % t, r)))
 
     def link_name(self, link: int) -> str:
+        if link >= self.world_size * 4:
+            rail, down = divmod(link - self.world_size * 4, 2)
+            return f"spine:rail{rail}-{'down' if down else 'up'}"
         return f"rank{link // 4}:{PORT_NAMES[link % 4]}"
 
     def kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:

@@ -31,6 +31,12 @@ class ClusterSpec:
     # 100 GB/s over four HDR NICs, nccl-tests issue #119)
     nvlink_efficiency: float = 0.8
     nic_efficiency: float = 0.96
+    # Between nodes, rail-optimised: NIC i of every node hangs off rail (leaf) switch i, so a transfer
+    # between GPUs of the same local index stays on its rail; one between different indices crosses
+    # the spine, whose uplinks carry nodes x NIC bandwidth / oversubscription per rail (1: non-blocking,
+    # what a single leaf tier gives). NCCL's PXN, which would hop over NVLink to the right rail first,
+    # is not modelled.
+    oversubscription: float = 1.0
     nvlink_latency_ns: int = 1000  # per ring step; assumption
     nic_latency_ns: int = 3000  # per ring step; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
@@ -65,6 +71,8 @@ class ClusterSpec:
                 raise ValueError(f"cluster.{f.name} must be a non-negative integer (ns), got {v!r}")
             if f.name.endswith("efficiency") and not 0 < v <= 1:
                 raise ValueError(f"cluster.{f.name} must be in (0, 1], got {v!r}")
+            if f.name == "oversubscription" and v < 1:
+                raise ValueError(f"cluster.oversubscription must be at least 1 (1: a non-blocking fabric), got {v!r}")
             if not f.name.endswith("_ns") and v <= 0:
                 raise ValueError(f"cluster.{f.name} must be positive, got {v!r}")
 
