@@ -3,9 +3,9 @@ scenario files and library names, `--set` overrides and options, good values and
 
 `generate(rnd, folder)` draws one case from a random.Random (the hypothesis test gets one from
 hypothesis, benchmarks/fuzz.py from a seed); `attempt(case)` runs it in this process with a time
-limit and says what happened. The tool must never raise out of `main`, never exit with an
-unexpected status, say each refusal in one line, and never hang. Every path it writes is inside
-`folder`.
+limit, in `folder`, and says what happened. The tool must never raise out of `main`, never exit with
+an unexpected status, say each refusal in one line, and never hang. Every path it writes, relative
+or absolute, is inside `folder`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ COMMANDS = ["run"] * 8 + ["verify", "timeline", "timeline", "export", "list", "p
 class Case:
     argv: list[str]
     note: str  # what was generated, for a failure's report
+    folder: Path = Path(".")  # where it runs: every path it writes, relative or not, lies inside
 
 
 def _toml_value(v: Any) -> str:
@@ -113,7 +115,7 @@ def generate(rnd: Any, folder: Path) -> Case:
     argv = [command]
     note = ""
     if command == "list":
-        return Case(argv, "list")
+        return Case(argv, "list", folder)
     roll = rnd.random()
     if roll < 0.45:
         path = folder / f"s{rnd.randrange(10**6)}.toml"
@@ -143,7 +145,7 @@ def generate(rnd: Any, folder: Path) -> Case:
         argv += ["--simulate", rnd.choice(["1", "0", "2"])]
     for option in rnd.sample(options, rnd.randrange(0, min(3, len(options)) + 1)):
         argv += _option(rnd, option, folder)
-    return Case(argv, note)
+    return Case(argv, note, folder)
 
 
 def _option(rnd: Any, option: str, folder: Path) -> list[str]:
@@ -183,8 +185,10 @@ def attempt(case: Case, limit_s: int = 20) -> Outcome:
 
     previous = signal.signal(signal.SIGALRM, alarm)
     out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
     signal.alarm(limit_s)
-    try:
+    try:  # (in the case's folder: a relative path it names, "x" or "[/x]", is written there)
+        os.chdir(case.folder)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = main(case.argv)
     except _Timeout:
@@ -196,6 +200,7 @@ def attempt(case: Case, limit_s: int = 20) -> Outcome:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        os.chdir(here)
     if status not in STATUSES:
         return Outcome(status, f"exit status {status!r}", limit_s)
     errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]

@@ -1,6 +1,7 @@
 """The fuzzer (tests/fuzzing.py) in the default suite: generated command lines never end in a traceback,
 an unknown exit status, a refusal over one line or a hang. The long run is benchmarks/fuzz.py."""
 
+import os
 import random
 
 from hypothesis import given, settings
@@ -15,8 +16,10 @@ from fuzzing import Case, attempt, generate
 def test_generated_command_lines_never_crash_or_hang(tmp_path_factory, rnd):
     folder = tmp_path_factory.mktemp("fuzz")
     case = generate(rnd, folder)
+    here = sorted(os.listdir("."))
     outcome = attempt(case, limit_s=60)
     assert not outcome.problem, (outcome.problem, case.argv, case.note)
+    assert sorted(os.listdir(".")) == here  # (it wrote nothing where the suite runs)
 
 
 def test_the_fuzzer_sees_a_traceback_a_bad_status_and_a_hang(monkeypatch, tmp_path):
@@ -27,7 +30,7 @@ def test_the_fuzzer_sees_a_traceback_a_bad_status_and_a_hang(monkeypatch, tmp_pa
     def boom(argv):
         raise KeyError("x")
     monkeypatch.setattr(simcluster.cli, "_main", boom)
-    assert attempt(Case(case.argv, ""), 5).problem.startswith("traceback: KeyError")
+    assert attempt(Case(case.argv, "", tmp_path), 5).problem.startswith("traceback: KeyError")
     monkeypatch.setattr(simcluster.cli, "_main", lambda argv: 7)
     assert attempt(case, 5).problem == "exit status 7"
 
