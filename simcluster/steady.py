@@ -1,12 +1,13 @@
 """Meta mode at any step count: identical steps are simulated once.
 
-A meta-mode run of N > 3 steps simulates 2 steps and 3 steps. When the third step repeats the second
-exactly, one period P later -- every lane's new events are the 2-step run's last ones shifted by P,
-the first two steps are untouched by the third, and the memory events likewise, netting to zero -- the
-state that starts step 4 is the state that started step 3, shifted, and the simulation is
-deterministic: steps 4..N repeat step 3. The report of N steps then follows from the two runs:
-makespan E3 + (N - 3) P; every per-rank sum (busy time per stream, calls, bytes and time per
-collective, events) extended by (N - 3) times its step-3 increment; memory peaks those of 3 steps.
+A meta-mode run of N > 5 steps (where this is cheaper) simulates 2 steps and 3 steps. When the third
+step repeats the second exactly, one period P later -- every lane's new events are the 2-step run's
+last ones shifted by P (labels aside: they name the step), the first two steps are untouched by the
+third, and the memory events likewise, netting to zero -- the state that starts step 4 is the state
+that started step 3, shifted, and the simulation is deterministic: steps 4..N repeat step 3. The
+report of N steps then follows from the two runs: makespan E3 + (N - 3) P; every per-rank sum (busy
+time per stream, calls, bytes and time per collective, events) extended by (N - 3) times its step-3
+increment; memory peaks those of 3 steps.
 Byte for byte the report of simulating N steps (tests/test_steady.py), at the cost of 5 steps.
 Where a step does not repeat (a fault from a time, a schedule that carries work across steps), the N
 steps are simulated.
