@@ -39,7 +39,6 @@ from simcluster.scenario import Scenario, ScenarioError
 
 FORMAT, VERSION = "simcluster-checkpoint", 1
 MANIFEST = "manifest.json"
-STATES = ("master", "adam_m", "adam_v", "working")
 
 
 class CheckpointError(ScenarioError):
