@@ -21,7 +21,8 @@ from typing import Sequence
 
 from rich.console import Console
 
-from simcluster.cli import render_torch, say_error, say_warnings, scenario_arguments, torch_arguments, without_torch
+from simcluster.cli import say_error, say_warnings, scenario_arguments, torch_arguments, without_torch
+from simcluster.viz.outcome_view import render_torch
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.runner import Job, Outcome

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from rich.console import Console
 
-from simcluster.cli import main, render
+from simcluster.cli import main
+from simcluster.viz.outcome_view import render
 from simcluster.runner import run_all
 from simcluster.scenario import library, load
 

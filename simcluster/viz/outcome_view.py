@@ -1,0 +1,108 @@
+"""What `simcluster run` prints for an outcome: a comparison's table (and its curve to a target loss),
+or one run's report, timeline and memory chart; for a torch.distributed run, the measured figures
+beside the prediction."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from simcluster.runner import Outcome
+from simcluster.viz.memory_chart import MemoryChart
+from simcluster.viz.report_view import ReportView, format_bytes, hours, target_curve
+from simcluster.viz.timeline import Timeline, format_ns
+
+
+def comparison(outcome: Outcome) -> Table:
+    t = Table(title=f"scenario {escape(repr(outcome.scenario.name))}: {len(outcome.variants)} variants",
+              title_justify="left")
+    aims = any("target" in o.report for _, o in outcome.variants)
+    for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict") + (
+            ("to target", "GPU-hours") if aims else ()):
+        t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
+    for label, o in outcome.variants:
+        r = o.report
+        memory = r["memory"]
+        sent = sum(c["bytes_per_rank"] for c in r["communication"])
+        v = r["verification"]
+        status = v.get("status", "")
+        verdict = ("HUNG" if "hung" in status else "n/a (meta)" if "meta" in status else "n/a" if status else
+                   "bit-exact" if v.get("bit_exact") else ("ok" if v.get("passed") else "MISMATCH"))
+        target = r.get("target")
+        t.add_row(escape(label), format_ns(r["step_time_ns"]), f"{100 * r['compute_idle_fraction']:.0f} %",
+                  format_bytes(memory["peak_bytes"]) + ("" if memory["fits"] else " OOM"), format_bytes(sent), verdict,
+                  *((hours(target["wall_s"]), f"{target['gpu_hours']:,.0f}") if target else ("", ""))[:2 if aims else 0])
+    return t
+
+
+def repeated(outcome: Outcome) -> str:
+    """'; steps 4-N repeat step 3 ...' for a run whose identical steps were simulated once (steady.py)."""
+    r = outcome.result.repeated
+    if not r:
+        return ""
+    more, period = r
+    shown = outcome.scenario.run["steps"] - more
+    return (f"; steps {shown + 1}-{shown + more} repeat step {shown} every {format_ns(period)}: drawn are the first "
+            f"{shown}, the report counts all {shown + more}")
+
+
+def render(outcome: Outcome, console: Console, width: int = 100) -> None:
+    """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
+    if outcome.variants:
+        console.print(comparison(outcome))
+        rows = [(label, o.report["target"]) for label, o in outcome.variants if "target" in o.report]
+        if rows:
+            console.print()
+            console.print(target_curve(rows, min(width, console.width)))
+        return
+    console.print(ReportView(outcome.report))
+    console.print()
+    fold = outcome.result.fold
+    console.print("[bold]timeline[/] (one lane per rank and stream" + (f"; {fold.describe()}" if fold else "")
+                  + escape(repeated(outcome)) + ")", markup=True)
+    console.print(Timeline(outcome.result.trace, width=width))
+    if outcome.result.trace.memory:
+        console.print()
+        console.print("[bold]memory over time[/] (the rank with the highest peak)", markup=True)
+        console.print(MemoryChart(outcome.result.trace, width=width))
+
+
+def measured_table(report: dict[str, Any]) -> Table:
+    """A torch.distributed run's figures per rank beside the emulator's prediction."""
+    section = report["torch"]
+    t = Table(title=escape(f"measured: torch.distributed, {section['backend']} on {section['device']}"),
+              title_justify="left", caption=escape(f"measured peak memory: {section['memory_measure']}"),
+              caption_justify="left")
+    for col in ("rank", "step time", "predicted", "peak memory", "predicted"):
+        t.add_column(col, justify="right")
+    predicted = format_ns(section["predicted_step_time_s"] * 1e9)
+    for rank, seconds in section["step_time_s"].items():
+        t.add_row(rank, format_ns(seconds * 1e9), predicted, format_bytes(section["peak_memory_bytes"][rank]),
+                  format_bytes(report["memory_peak_bytes"][rank]["total"]))
+    return t
+
+
+def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: int = 100) -> int:
+    """What a torch.distributed run prints: the emulator's report and timeline (the prediction), the
+    measured figures, and how the real outputs compare; the exit status (0 when they agree)."""
+    section = outcome.report["torch"]
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
+    else:
+        render(outcome, out, width)
+        out.print()
+        out.print(measured_table(outcome.report))
+        a, v = section["against_emulator"], section["verification"]
+        same = f"{a['identical']} of {a['compared']} outputs byte-identical to the emulator's" + (
+            f", {a['within_tolerance']} within their bound (relative norm error)" if a["within_tolerance"] else "") + (
+            f" ({a['not_compared']} not compared: weights and moments after Adam)" if a["not_compared"] else "")
+        out.print(f"torch.distributed against the emulator: {same}" + (
+            "" if a["passed"] else f"; [bold red]{a['differing']} DIFFER[/]: {', '.join(a['differ'])}"), markup=True)
+        verdict = v.get("status") or ("bit-exact" if v.get("bit_exact") else "passed" if v.get("passed") else "MISMATCH")
+        out.print(f"torch.distributed against one device: {verdict}", markup=False)
+    return 0 if section["passed"] else 1
