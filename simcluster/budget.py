@@ -61,7 +61,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     """Refuse `sc` if even its lower-bound cost is more than this machine can do (before anything of
     its size is built: a GPT's parameter count and FLOPs are affine in its layers, so they come from
     two small copies of it). `repeat`: a meta-mode run may simulate its identical steps once (steady.py)."""
-    from simcluster.runner import job_of  # (the runner checks through here)
+    from simcluster.runner import faults_of, job_of  # (the runner checks through here)
 
     if sc.world_size > MAX_RANKS:
         p = sc.parallel
@@ -79,8 +79,8 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
         # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
         p = sc.parallel
-        faulty = any(sc.faults[k] is not None for k in ("straggler_rank", "degraded_rank", "failed_rank"))
-        spine = (sc.cluster["oversubscription"] or 1) > 1 and sc.cluster["nodes"] > 1  # (no folding: cluster.py)
+        faulty = faults_of(sc) is not None
+        spine = sc.cluster_spec().spine  # (no folding: engine/__init__.py)
         copies = p["cp"] * (1 if fold and not faulty and not spine else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies

@@ -28,7 +28,7 @@ class Cluster:
         # capacity in bytes per ns, by link id; with an oversubscribed spine, each rail's uplink and
         # downlink after the ports (link world * 4 + 2 rail, + 1)
         self.capacity: list[float] = [nvlink, nvlink, nic, nic] * self.world_size
-        self.spine = spec.oversubscription > 1 and spec.nodes > 1
+        self.spine = spec.spine
         if self.spine:
             self.capacity += [spec.nodes * nic / spec.oversubscription] * (2 * self.gpus_per_node)
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns

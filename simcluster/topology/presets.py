@@ -90,6 +90,11 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def spine(self) -> bool:
+        """Whether transfers across rails share an oversubscribed spine (cluster.py routes them)."""
+        return self.oversubscription > 1 and self.nodes > 1
+
     def with_overrides(self, **kw: Any) -> "ClusterSpec":
         valid = {f.name for f in fields(self)} - {"preset"}
         for k in kw:
