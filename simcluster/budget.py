@@ -97,7 +97,8 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
                 (", or the mesh" if copies > p["cp"] else ""))
         return
-    unit = sc.parallel["pp"] * (sc.parallel["virtual_stages"] if sc.parallel["schedule"] == "interleaved" else 1)
+    per_stage = {"interleaved": sc.parallel["virtual_stages"], "zb-v": 2}.get(sc.parallel["schedule"], 1)
+    unit = sc.parallel["pp"] * per_stage  # pipeline chunks (DualPipe: p pieces, each twice)
     layers = m["layers"]
     if sc.run["program"] != "gpt" or layers <= 2 * unit:
         job = job_of(sc, fold=False)

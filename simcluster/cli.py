@@ -337,7 +337,7 @@ def _main(argv: Sequence[str] | None) -> int:
             from simcluster.viz.pipeline_picture import picture
 
             chosen = ranks if ranks is not None else sorted({r for r, _ in trace.lanes})
-            out.print(picture(trace, chosen, width=min(args.width, out.width)), highlight=False, markup=False)
+            out.print(picture(trace, chosen, width=args.width), highlight=False, markup=False, soft_wrap=True)
         else:
             out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
         if args.svg:

@@ -77,7 +77,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tp": Key(int, 1, "tensor-parallel degree", minimum=1),
         "sp": Key(bool, False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)"),
         "attention": Key(str, "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring "
-                         "(keys and values around a ring), allgather (Llama 3)", choices=("ulysses", "ring", "allgather")),
+                         "(keys and values around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: "
+                         "keys around the ring for whole score rows, then values)",
+                         choices=("ulysses", "ring", "allgather", "rsa")),
         "zero": Key(int, 3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP), around whatever a rank holds",
                     choices=(0, 1, 2, 3)),
         "zero_over": Key(str, "dp_cp", "what ZeRO shards over when cp > 1: dp_cp (the flattened dp x cp group, as "
@@ -89,7 +91,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                    "--overlap-grad-reduce); false: all of them after the backward, as Megatron-LM "
                                    "did in 2021"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
-        "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1")),
+        "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe")),
         "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),
     },
     "run": {

@@ -30,6 +30,8 @@ LAYOUTS = {
     "pp4 zb-h1": ["parallel.dp=1", "parallel.pp=4", "parallel.schedule=zb-h1", "model.micro_batch=2"],
     "pp2 interleaved": ["parallel.dp=1", "parallel.pp=2", "parallel.schedule=interleaved",
                         "parallel.virtual_stages=2", "model.micro_batch=2"],
+    "pp2 dualpipe dp2": ["parallel.dp=2", "parallel.pp=2", "parallel.schedule=dualpipe", "model.micro_batch=1",
+                         "parallel.zero=1"],  # two copies of each layer: each element saved once
     "cp2 ulysses": ["parallel.dp=2", "parallel.cp=2"],
     "cp2 ring zero-over-dp": ["parallel.dp=2", "parallel.cp=2", "parallel.attention=ring", "parallel.zero_over=dp"],
     "4d": ["parallel.dp=2", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.zero=1",

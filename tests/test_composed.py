@@ -20,8 +20,8 @@ from plans import run_plan
 
 OPTIONS = {
     "dp": [1, 2, 3], "pp": [1, 2, 3], "cp": [1, 2, 3], "tp": [1, 2, 3],
-    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1"], "sp": [False, True],
-    "attention": ["ulysses", "ring", "allgather"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
+    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"], "sp": [False, True],
+    "attention": ["ulysses", "ring", "allgather", "rsa"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
     "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
     "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05], "arch": ["gpt", "llama"], "kv_group": [1, 2],
@@ -30,8 +30,10 @@ OPTIONS = {
 
 def valid(row):
     """At most 16 ranks; a tied head needs the embedding and the head on one stage; llama's head is
-    untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not."""
+    untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not;
+    DualPipe needs an even number of stages."""
     return (row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
+            and not (row["schedule"] == "dualpipe" and row["pp"] % 2)
             and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
 
 
@@ -62,9 +64,10 @@ def test_the_rows_cover_every_feasible_pair():
 def test_bit_exact_against_one_device(row, seed, extra_layers):
     dp, pp, cp, tp = row["dp"], row["pp"], row["cp"], row["tp"]
     virtual = 2 if row["schedule"] == "interleaved" else 1
-    m = pp * row["micro_batches"]  # interleaving needs a multiple of pp
+    chunks = 2 if row["schedule"] in ("interleaved", "zb-v") else 1  # chunks per stage, each needs a layer
+    m = pp * row["micro_batches"] * (2 if row["schedule"] == "dualpipe" else 1)  # interleaved: k pp; dualpipe: 2k pp
     heads = tp * cp * row["kv_group"]  # ulysses splits a tp rank's heads over cp; tp splits the kv heads
-    model = GPTConfig(layers=pp * virtual + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
+    model = GPTConfig(layers=pp * chunks + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
                       dropout=row["dropout"], recompute=row["recompute"], seed=seed, arch=row["arch"],
                       kv_heads=heads // row["kv_group"])

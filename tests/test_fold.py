@@ -21,7 +21,7 @@ from simcluster.topology.presets import preset
 FOLDING = [
     ("zero_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # DDP, ZeRO-1/2/3 over dp 8
     ("fsdp_prefetch", []),  # ZeRO-3 with and without prefetch, dp 16 on two nodes
-    ("pipeline_schedules", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=8"]),  # GPipe .. ZB-H1
+    ("pipeline_schedules", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=16"]),  # GPipe .. DualPipe
     ("megatron_3d", []),  # TP x PP x DP with SP, 1F1B and interleaved
     ("llama3_4d", []),  # TP x CP x PP x DP, GQA, all-gather CP, ZeRO-3 over dp x cp
     ("llama3_4d", ["cluster.gpus_per_node=2", "cluster.nodes=8"]),  # the same, one tp group a node

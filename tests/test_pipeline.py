@@ -23,8 +23,9 @@ from plans import run_plan
        seed=st.integers(0, 50))
 def test_bit_exact_against_one_device(schedule, p, groups, v, extra_layers, dp, precision, recompute, dropout, seed):
     v = v if schedule is Schedule.INTERLEAVED else 1
-    m = p * groups if schedule is Schedule.INTERLEAVED else groups + p - 1  # interleaving needs m % p == 0
-    layers = p * v + extra_layers  # p need not divide the layer count
+    p = p + p % 2 if schedule is Schedule.DUALPIPE else p  # DualPipe: an even number of stages
+    m = {Schedule.INTERLEAVED: p * groups, Schedule.DUALPIPE: 2 * p * groups}.get(schedule, groups + p - 1)
+    layers = p * (2 if schedule is Schedule.ZB_V else v) + extra_layers  # p need not divide the layer count
     model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False,
                       dropout=dropout, recompute=recompute, seed=seed)
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=3, precision=precision)
@@ -77,6 +78,47 @@ def test_zb_h1_bubble_against_1f1b(p, m, t_f, t_b, t_w):
     assert base == [(p - 1) * (t_f + t_b + t_w)] * p
 
 
+def in_flight(trace, p):
+    """Per stage: the most activation memory held at once, in micro-batches of a whole stage's layers."""
+    from simcluster.parallel.pipeline import ACTIVATION
+
+    peaks = trace.memory_peaks()
+    return [peaks[s]["activations"] / ACTIVATION for s in range(p)]
+
+
+@pytest.mark.parametrize("t_f,t_b,t_w", TIMES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16)])
+def test_zb_v_against_1f1b_and_zb_h1(p, m, t_f, t_b, t_w):
+    """Qi et al. 2024, section 6: two chunks per stage in a V. Its bubble: at T_F = T_B = T_W exactly
+    the last stage's wait for the first micro-batch's forward through p-1 half-stage chunks,
+    (p-1) T_F/2 (the least any schedule on this placement can have: the paper's 'zero bubble' up to
+    that ramp), and below ZB-H1's (p-1)(T_F + T_B - T_W) for the other times; its memory: p
+    micro-batches in flight on every stage, the most 1F1B holds on its first (1x 1F1B, balanced)."""
+    zb_v = uniform(Schedule.ZB_V, p, m, t_f=t_f, t_b=t_b, t_w=t_w)
+    h1 = bubbles(uniform(Schedule.ZB_H1, p, m, t_f=t_f, t_b=t_b, t_w=t_w), p)
+    one = uniform(Schedule.ONE_F_ONE_B, p, m, t_f=t_f, t_b=t_b, t_w=t_w)
+    if t_f == t_b == t_w:
+        assert bubbles(zb_v, p) == [(p - 1) * t_f // 2] * p
+    assert all(v < h for v, h in zip(bubbles(zb_v, p), h1))
+    assert in_flight(zb_v, p) == [p] * p == [max(in_flight(one, p))] * p
+
+
+@pytest.mark.parametrize("t_f,t_b,t_w", TIMES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 24)])
+def test_dualpipe_against_the_deepseek_v3_table(p, m, t_f, t_b, t_w):
+    """DeepSeek-V3 report, Table 2: DualPipe's bubble (p/2-1)(F&B + B - 3W), with B the whole backward
+    (t_b + t_w) and F&B a forward and a backward of two micro-batches, which DualPipe overlaps and we
+    run back to back (F + B): an upper bound here, and at T_F = T_B = T_W exactly (p/2-1) T_F; its activations p+1 micro-batches on every stage (1F1B: p on the first), its
+    parameters twice (two copies: tests/test_composed.py runs it bit-exact)."""
+    run = uniform(Schedule.DUALPIPE, p, m, t_f=t_f, t_b=t_b, t_w=t_w)
+    b = t_b + t_w
+    bound = (p // 2 - 1) * ((t_f + b) + b - 3 * t_w)
+    assert all(x <= bound for x in bubbles(run, p))
+    if t_f == t_b == t_w:
+        assert bubbles(run, p) == [(p // 2 - 1) * t_f] * p
+    assert in_flight(run, p) == [p + 1] * p
+
+
 def test_the_pictures():
     """Drawn by hand from the schedules' rules (unit passes, no communication time)."""
     assert picture(uniform(Schedule.GPIPE, 3, 2, t_w=0), [0, 1, 2]) == (
@@ -96,6 +138,15 @@ def test_schedules_are_printable_data():
     assert describe("gpipe", PipelineShape(2, 2)) == "stage 0: F0 F1 B1 B0\nstage 1: F0 F1 B1 B0"
     assert describe("interleaved", PipelineShape(2, 2, 2)).splitlines()[0] == (
         "stage 0: F0.0 F1.0 F0.2 F1.2 B0.2 B1.2 B0.0 B1.0")
+    # by hand from the rules in the builders' docstrings. ZB-V: stage 0 holds chunks 0 and 3 of 4,
+    # stage 1 chunks 1 and 2 (the V); built for max(m, 2p - 1) = 3 micro-batches, micro-batch 2 left out
+    assert describe("zb-v", PipelineShape(2, 2)) == (
+        "stage 0: F0.0 F1.0 F0.3 B0.3 W0.3 F1.3 B1.3 W1.3 B0.0 W0.0 B1.0 W1.0\n"
+        "stage 1: F0.1 F0.2 F1.1 F1.2 B0.2 W0.2 B0.1 W0.1 B1.2 W1.2 B1.1 W1.1")
+    # DualPipe: micro-batches 0, 1 enter at stage 0 (chunks 0, 1), 2, 3 at stage 1 (chunks 2, 3)
+    assert describe("dualpipe", PipelineShape(2, 4)) == (
+        "stage 0: F0.0 F2.3 F1.0 B2.3 F3.3 B0.0 B3.3 B1.0 W1.0\n"
+        "stage 1: F2.2 F0.1 F3.2 B0.1 F1.1 B2.2 B1.1 B3.2 W3.2")
 
 
 def activation_peaks(schedule, p, m):
@@ -141,6 +192,10 @@ def test_broken_schedules_are_caught():
     ("1f1b", 5, 4, 1, 4, "5 pipeline stages for 4 layers: every stage needs at least one layer"),
     ("interleaved", 2, 4, 3, 5, "p x v = 2 x 3 = 6 model chunks for 5 layers"),
     ("1f1b", 2, 4, 2, 4, "virtual stages v=2 need the interleaved schedule, not 1f1b"),
+    ("zb-v", 3, 4, 1, 5, "ZB-V cuts the layers into 2 x p = 6 chunks: 5 layers are too few"),
+    ("dualpipe", 3, 6, 1, 4, "DualPipe needs an even number of stages \\(p=3\\)"),
+    ("dualpipe", 2, 3, 1, 4, "an even micro-batch count of at least 2p = 4 \\(m=3\\)"),
+    ("dualpipe", 4, 6, 1, 4, "at least 2p = 8 \\(m=6\\)"),
 ])
 def test_invalid_configurations(schedule, p, m, v, layers, message):
     model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False)

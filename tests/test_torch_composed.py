@@ -73,7 +73,7 @@ def test_tensor_parallel_from_the_command_line(sp):
                                        "model.tied_head=true", "model.global_batch=4", "model.micro_batch=1"))
 
 
-@pytest.mark.parametrize("attention", ["ulysses", "ring", pytest.param("allgather", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("attention", ["ulysses", "ring", pytest.param("allgather", marks=pytest.mark.slow), "rsa"])
 def test_context_parallel_from_the_command_line(attention):
     byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.cp=2", f"parallel.attention={attention}",
                                        "cluster.gpus_per_node=4", "model.layers=2", "model.hidden=8", "model.heads=4",
@@ -82,13 +82,14 @@ def test_context_parallel_from_the_command_line(attention):
 
 @pytest.mark.parametrize("schedule,p,v,dp", [pytest.param("gpipe", 2, 1, 2, marks=pytest.mark.slow),
                                              pytest.param("1f1b", 4, 1, 1, marks=pytest.mark.slow),
-                                             ("interleaved", 2, 2, 1), ("zb-h1", 3, 1, 1)])
+                                             ("interleaved", 2, 2, 1), ("zb-h1", 3, 1, 1), ("zb-v", 2, 1, 1),
+                                             ("dualpipe", 2, 1, 2)])
 def test_pipeline_from_the_command_line(schedule, p, v, dp):
-    m = 2 * p
+    m = 2 * p  # DualPipe: half enter at each end; its copies' gradients summed over the pp-mirror group
     byte_identical_everywhere(on_torch(
         *SMALL, f"parallel.dp={dp}", f"parallel.pp={p}", f"parallel.schedule={schedule}",
         f"parallel.virtual_stages={v}", "parallel.zero=0", f"cluster.gpus_per_node={dp * p}",
-        f"model.layers={p * v + 1}", "model.hidden=4", "model.heads=2", "model.ffn_hidden=6", "model.seq=3",
+        f"model.layers={p * (2 if schedule == 'zb-v' else v) + 1}", "model.hidden=4", "model.heads=2", "model.ffn_hidden=6", "model.seq=3",
         "model.vocab=7", "model.tied_head=false", f"model.global_batch={dp * m}", "model.micro_batch=1"))
 
 

@@ -19,6 +19,8 @@ Per step, on every rank:
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, Generator
 
@@ -33,15 +35,15 @@ from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
-from simcluster.parallel.pipeline_schedules import passes as stage_passes, splits_weight_gradient
+from simcluster.parallel.pipeline_schedules import Pass, deferred, passes as stage_passes, placement
 from simcluster.parallel.plan import Plan, replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.program.context import Context
 
 
-def chunk_units(layers: int, chunks: int) -> list[list[str]]:
-    """The units of each pipeline chunk, in forward order (chunk 0 embeds, the last one has the head)."""
-    out = [[f"block{i}" for i in r] for r in partition(layers, chunks)]
+def chunk_units(layers: int, pieces: int) -> list[list[str]]:
+    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head)."""
+    out = [[f"block{i}" for i in r] for r in partition(layers, pieces)]
     out[0].insert(0, "embed")
     out[-1].append("head")
     return out
@@ -51,11 +53,16 @@ class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
     def __init__(self, ctx: Context, plan: Plan, model: GPTShard, dp: DPWrap, units: list[list[str]],
-                 step: int, tapes: Tapes | None = None) -> None:
+                 step: int, passes: list[Pass], tapes: Tapes | None = None) -> None:
         self.ctx, self.ops, self.plan, self.model, self.dp = ctx, ctx.ops, plan, model, dp
-        self.units, self.step, self.tapes = units, step, tapes
+        self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
         self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
-        self.split_w = splits_weight_gradient(plan.schedule)
+        self.split = deferred(passes)  # (micro-batch, chunk) whose weight gradients wait for a W pass
+        # micro-batches through each unit here (all of them, but half for each of DualPipe's copies)
+        self.through: dict[str, int] = {}
+        for kind, _, g in passes:
+            for u in units[g] if kind == "B" else ():
+                self.through[u] = self.through.get(u, 0) + 1
         data = plan.data
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
         b = data.global_batch // (self.n * data.micro_batches)
@@ -111,7 +118,7 @@ class Stage:
     def backward(self, j: int, g: int, dy: Any) -> Generator[Any, Any, Any]:
         model, dp, cache = self.model, self.dp, self.caches[(j, g)]
         where = cache["where"]
-        defer: list | None = [] if self.split_w else None
+        defer: list | None = [] if (j, g) in self.split else None
         grads = self.grads.setdefault(j, {})
         units = self.units[g][::-1]
         for index, u in enumerate(units):
@@ -144,7 +151,7 @@ class Stage:
         return (yield from self.tapes.run(key, layer, block, grads))
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]:
-        """ZB-H1's W pass: the deferred weight gradients, then the chunk's units are complete."""
+        """A W pass: the deferred weight gradients, then the chunk's units are complete."""
         grads = self.grads[j]
         for name, thunk in self.deferred.pop((j, g)):
             grads[name] = thunk()
@@ -162,7 +169,7 @@ class Stage:
             with self.ctx.annotate("backward", f"SP{j}"):
                 summed = yield [self.ctx.comm.all_reduce(grads[k], group=self.model.tp, async_op=True) for k in names]
             grads |= dict(zip(names, summed))
-        yield from self.dp.gradients(unit, grads, self.plan.data.micro_batches)
+        yield from self.dp.gradients(unit, grads, self.through[unit])
 
 
 def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
@@ -172,9 +179,15 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     plan.check(mesh.dp.size, p, mesh.cp.size, t)
     data, m = plan.data, plan.model
     shape = plan.shape(p)
+    place = placement(plan.schedule, shape)
     passes = stage_passes(plan.schedule, shape, s)
-    units = chunk_units(m.layers, shape.chunks)
-    mine = [u for g in range(shape.chunks) if g % p == s for u in units[g]]
+    neighbours = functools.lru_cache(lambda q: stage_passes(plan.schedule, shape, q))  # what they send here
+    pieces = chunk_units(m.layers, place.pieces)
+    units = [pieces[place.piece[g]] for g in range(place.chunks)]
+    mine = [u for c in sorted(place.piece[g] for g in place.on(s)) for u in pieces[c]]  # model order
+    dual = place.pieces < place.chunks  # DualPipe: each piece twice, the reverse chain's copy not counted twice
+    twin = mesh.mesh.mirror(ctx.rank) if dual else None
+    copies = {u for g in place.on(s) if g >= place.pieces for u in units[g]} if dual else set()
     names = {u: unit_names(m, u) for u in mine}
     ck = plan.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
@@ -183,8 +196,9 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     init = {k: shard(full[k], kinds[k], t, r) for k in kinds}
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
+    elsewhere |= {k for u in copies for k in names[u]}
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
-                zero_over=plan.zero_over, counted_elsewhere=elsewhere)
+                zero_over=plan.zero_over, counted_elsewhere=elsewhere, twin=twin)
     if loaded:
         dp.restore({state: {k: shard(v[k], kinds[k], t, r) for k in kinds} for state, v in loaded.items()}, start)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
@@ -205,13 +219,15 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
         if ck and ck.save and ck.at == step:
             written = save(step)
         dp.begin_step()
-        work = Stage(ctx, plan, model, dp, units, step, tapes)
-        yield from execute(ctx, passes, work, shape.chunks, mesh.pp)
+        work = Stage(ctx, plan, model, dp, units, step, passes, tapes)
+        yield from execute(ctx, passes, work, place, mesh.pp, neighbours)
         grads = yield from dp.step(step)
         first = first or grads
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):
                 total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)
+                if twin is not None:  # DualPipe: the other end's micro-batches
+                    total = yield ctx.comm.all_reduce(total, group=twin)
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
     if ck and ck.save and ck.at == data.steps:
         written = save(data.steps)
@@ -224,10 +240,9 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: 
     tensor on every tp rank) must agree: one that differs is reported as its own output."""
     m = plan.model
     t = max(c["tp"] for c in coords) + 1
-    last = max(c["pp"] for c in coords)
     out: dict[str, Any] = {}
     for rank, (res, c) in enumerate(zip(results, coords)):
-        if c["pp"] == last:
+        if res["loss"]:  # the stages with a head (the last; ZB-V's first; DualPipe's both ends)
             _agree(out, {f"loss[{res['first_step'] + i}]": v for i, v in enumerate(res["loss"])}, rank)
     shapes = m.parameter_shapes()
     for kind in KINDS:

@@ -15,7 +15,8 @@ Over a step:
      reduce-scatter them at once; DDP all-reduces, and stage 1 reduce-scatters, the sum after the
      unit's last micro-batch (a bucket per unit, overlapped with the rest of the backward pass; with
      `overlap_grad_reduce` off, all of them when the backward is done, as Megatron-LM did in 2021).
-  3. `step()`: wait for the reductions, round each gradient once; with clipping, the global norm from
+  3. `step()`: wait for the reductions (DualPipe: and sum over the unit's two copies), round each
+     gradient once; with clipping, the global norm from
      one exact sum of squares over the world (each gradient element counted by one rank: the owner of
      its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
      the new weights (stage 3 gathers them when they are next used).
@@ -37,12 +38,13 @@ from simcluster.program.context import Context
 class DPWrap:
     def __init__(self, ctx: Context, data: DPConfig, names: dict[str, list[str]],
                  shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp",
-                 counted_elsewhere: frozenset[str] = frozenset()) -> None:
+                 counted_elsewhere: frozenset[str] = frozenset(), twin: Any = None) -> None:
         ops, mesh = ctx.ops, ctx.mesh
         self.ctx, self.ops, self.data, self.stage = ctx, ops, data, data.zero
         self.units, self.names, self.shapes = list(names), names, shapes
         both = mesh.group("dp", "cp") if mesh.cp.size > 1 else mesh.dp
         self.sum_group = both  # every rank with the same weights and other tokens
+        self.twin = twin  # DualPipe: the group of the two copies of these units, each with its own micro-batches
         self.group = (mesh.dp if zero_over == "dp" else both) if self.stage else both
         self.cp_first = mesh.cp if self.stage and zero_over == "dp" and mesh.cp.size > 1 else None
         self.n = self.group.size if self.stage else 1
@@ -160,6 +162,9 @@ class DPWrap:
         for (unit, _), part in zip(self.pending, reduced):
             total[unit] = part if unit not in total else ops.add_partial(total[unit], part)
         self.pending, self.seen = [], {}
+        if self.twin is not None:  # both copies sum both halves' gradients, and stay equal
+            summed = yield [self.ctx.comm.all_reduce(total[u], group=self.twin, async_op=True) for u in self.units]
+            total = dict(zip(self.units, summed))
         with self.ctx.annotate("optimizer", f"O{step}"):
             grads = {u: ops.finalize(total[u]) for u in self.units}
             unscaled = unscale(ops, grads, data.precision)

@@ -36,6 +36,7 @@ ATTENTION = {
     "ulysses": ulysses,
     "ring": ring_attention,
     "allgather": SimpleNamespace(forward=ring_attention.allgather_forward, backward=ring_attention.allgather_backward),
+    "rsa": SimpleNamespace(forward=ring_attention.rsa_forward, backward=ring_attention.rsa_backward),
 }
 
 
@@ -225,10 +226,11 @@ class GPTShard:
 
     def held(self, x: Any) -> int:
         """Bytes a block keeps on this rank (model/activations.py): TP (and SP) shrink what they
-        split, and cp splits everything (every rank keeps its tokens' share, scores included)."""
+        split, and cp splits everything (every rank keeps its tokens' share, scores included; RSA
+        keeps its rows of the scores whatever the model's attention kernel)."""
+        kernel = "unfused" if self.P > 1 and self.attention is ATTENTION["rsa"] else self.m.attention_kernel
         return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
-                           recompute=self.m.recompute.value, dtype=self.m.dtype,
-                           attention_kernel=self.m.attention_kernel) // self.P
+                           recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel) // self.P
 
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
         """The model's normalisation (layer norm) over the last dim: y and what its backward needs."""

@@ -1,14 +1,15 @@
-"""Pipeline parallelism: the model's layers cut into p*v chunks, run by a schedule (pipeline_schedules.py).
+"""Pipeline parallelism: the model's layers cut into chunks, run by a schedule (pipeline_schedules.py).
 
-Narayanan et al. 2021 (1F1B, interleaved), Huang et al. 2019 (GPipe), Qi et al. 2024 (ZB-H1).
-Chunk g holds a contiguous run of blocks (chunk 0 also the embeddings, the last chunk the final norm,
-the head and the loss) and lives on stage g mod p. Each stage runs its list of passes in order:
+Narayanan et al. 2021 (1F1B, interleaved), Huang et al. 2019 (GPipe), Qi et al. 2024 (ZB-H1, ZB-V),
+DeepSeek-AI 2024 (DualPipe). Chunk g holds a contiguous run of blocks (the first chunk of a chain
+also the embeddings, the last the final norm, the head and the loss) on the stage the schedule's
+placement says (stage g mod p, but for ZB-V and DualPipe). Each stage runs its passes in order:
 
-  F(j, g): receive the activation of micro-batch j from chunk g-1 (chunk 0: embed the tokens),
-           run the chunk's blocks, send the result to chunk g+1 (the last chunk: the loss);
-  B(j, g): receive the gradient from chunk g+1 (the last chunk: from its loss), run the chunk's
-           backward, send the input gradient to chunk g-1;
-  W(j, g): ZB-H1 only: the chunk's weight gradients, deferred from B(j, g).
+  F(j, g): receive the activation of micro-batch j from the chunk before g (the first: embed the
+           tokens), run the chunk's blocks, send the result to the chunk after (the last: the loss);
+  B(j, g): receive the gradient from the chunk after g (the last: from its loss), run the chunk's
+           backward, send the input gradient to the chunk before;
+  W(j, g): the chunk's weight gradients, deferred from B(j, g) (zero-bubble schedules, DualPipe).
 
 Sends are asynchronous and the receive that the next pass needs is posted one pass ahead, so
 transfers run on the point-to-point streams while the stage computes. Every message has its own tag
@@ -20,11 +21,12 @@ schedules' closed forms).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Protocol
+from collections import deque
+from typing import Any, Callable, Generator, Protocol
 
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Schedule, check, passes as stage_passes
-from simcluster.parallel.pipeline_schedules import splits_weight_gradient
+from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Placement, Schedule, check, deferred
+from simcluster.parallel.pipeline_schedules import passes as stage_passes, placement
 from simcluster.program.context import Context
 
 
@@ -44,30 +46,49 @@ class StageWork(Protocol):
 
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]: ...  # the activation (None: last chunk)
 
-    def backward(self, j: int, g: int, dy: Any) -> Generator[Any, Any, Any]: ...  # the input gradient (None: chunk 0)
+    def backward(self, j: int, g: int, dy: Any) -> Generator[Any, Any, Any]: ...  # the input gradient (None: first)
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]: ...
 
     def message(self) -> Any: ...  # what an activation or gradient message looks like (for recv)
 
 
-def execute(ctx: Context, passes: list[Pass], work: StageWork, chunks: int, stages: Any) -> Generator[Any, Any, None]:
-    """Run one stage's passes: the pipeline's communication around the stage's work."""
-    rank_of = lambda g: stages.ranks[g % stages.size]  # noqa: E731
+def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement, stages: Any,
+            passes_of: Callable[[int], list[Pass]]) -> Generator[Any, Any, None]:
+    """Run one stage's passes: the pipeline's communication around the stage's work. `passes_of(q)`
+    gives stage q's passes: receives from q are posted in the order q sends (NCCL matches a pair's
+    messages in order, not by tag), each at the latest one pass before it is needed."""
+    chunks, here = place.chunks, stages.rank_of(ctx.rank)
+    rank_of = lambda g: stages.ranks[place.stage[g]]  # noqa: E731
     act_tag = lambda j, g: 2 * (j * chunks + g)  # noqa: E731  activation of chunk g, micro-batch j
     grad_tag = lambda j, g: 2 * (j * chunks + g) + 1  # noqa: E731  gradient into chunk g
+    prev, after = place.prev, place.next
     posted: dict[tuple[str, int, int], Any] = {}
-    local: dict[tuple[str, int, int], Any] = {}  # neighbouring chunks on this same stage (p = 1)
+    local: dict[tuple[str, int, int], Any] = {}  # neighbouring chunks on this same stage
     sends: list[Any] = []
+    queues: dict[int, deque[tuple[str, int, int]]] = {}  # by stage: what it sends here, in its order
+
+    def sent_here(q: int) -> deque[tuple[str, int, int]]:
+        if q not in queues:
+            queues[q] = deque()
+            for kind, j, g in passes_of(q):
+                to = after(g) if kind == "F" else prev(g) if kind == "B" else None
+                if to is not None and place.stage[to] == here:
+                    queues[q].append((kind, j, to))
+        return queues[q]
 
     def post(op: Pass) -> None:
         kind, j, g = op
-        if kind == "F" and g > 0 and rank_of(g - 1) != ctx.rank:
-            posted[("F", j, g)] = ctx.comm.recv(src=rank_of(g - 1), like=work.message(), tag=act_tag(j, g - 1),
-                                                async_op=True)
-        elif kind == "B" and g < chunks - 1 and rank_of(g + 1) != ctx.rank:
-            posted[("B", j, g)] = ctx.comm.recv(src=rank_of(g + 1), like=work.message(), tag=grad_tag(j, g),
-                                                async_op=True)
+        src = prev(g) if kind == "F" else after(g) if kind == "B" else None
+        if src is None or place.stage[src] == here:
+            return
+        queue = sent_here(place.stage[src])
+        while (kind, j, g) not in posted:
+            # (a message its sender never sends is posted all the same: the run reports the deadlock)
+            k, i, c = queue.popleft() if queue else (kind, j, g)
+            source = prev(c) if k == "F" else after(c)
+            posted[(k, i, c)] = ctx.comm.recv(src=rank_of(source), like=work.message(), async_op=True,
+                                              tag=act_tag(i, source) if k == "F" else grad_tag(i, c))
 
     def receive(key: tuple[str, int, int]) -> Generator[Any, Any, Any]:
         if key in local:
@@ -85,18 +106,19 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, chunks: int, stag
     for i, (kind, j, g) in enumerate(passes):
         if i + 1 < len(passes):
             post(passes[i + 1])  # the next pass's input arrives while this one computes
+        before, then = prev(g), after(g)
         if kind == "F":
-            x = (yield from receive(("F", j, g))) if g > 0 else None
+            x = (yield from receive(("F", j, g))) if before is not None else None
             with ctx.annotate("forward", f"F{j}"):
                 y = yield from work.forward(j, g, x)
-            if g < chunks - 1:
-                deliver(y, ("F", j, g + 1), rank_of(g + 1), act_tag(j, g))
+            if then is not None:
+                deliver(y, ("F", j, then), rank_of(then), act_tag(j, g))
         elif kind == "B":
-            dy = (yield from receive(("B", j, g))) if g < chunks - 1 else None
+            dy = (yield from receive(("B", j, g))) if then is not None else None
             with ctx.annotate("backward", f"B{j}"):
                 dx = yield from work.backward(j, g, dy)
-            if g > 0:
-                deliver(dx, ("B", j, g - 1), rank_of(g - 1), grad_tag(j, g - 1))
+            if before is not None:
+                deliver(dx, ("B", j, before), rank_of(before), grad_tag(j, before))
         else:
             with ctx.annotate("weight_grad", f"W{j}"):
                 yield from work.weight(j, g)
@@ -108,8 +130,10 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, chunks: int, stag
 class UniformPipeline:
     """A pipeline of identical stages, for the schedules' closed forms and pictures: every stage's
     forward takes t_f ns per micro-batch, its input-gradient backward t_b, its weight gradient t_w
-    (split into a W pass by ZB-H1, part of B otherwise); with v chunks per stage each takes 1/v of
-    that. Messages carry no bytes, so communication costs only what the cluster's latency says."""
+    (a W pass of its own where the schedule defers it, part of B otherwise); a chunk takes its share
+    of a stage's layers of that (1/v interleaved, 1/2 ZB-V, all of it for each of DualPipe's copies).
+    A micro-batch's activations on a chunk are ACTIVATION bytes times that share, held from its F pass
+    to the end of its backward (B, or W where deferred), so memory peaks count micro-batches in flight. Messages carry no bytes, so communication costs only what the cluster's latency says."""
 
     micro_batches: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -122,30 +146,37 @@ class UniformPipeline:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
 
 
+ACTIVATION = 2520  # bytes per micro-batch per stage's layers: whole bytes for a chunk of 1/2 .. 1/10 of them
+
+
 class UniformStage:
-    def __init__(self, ctx: Context, cfg: UniformPipeline, chunks: int, split_w: bool) -> None:
-        self.ops, self.cfg, self.split_w = ctx.ops, cfg, split_w
-        self.chunks = chunks
-        self.rate = 1.0  # FLOP per ns: the run's cluster is set to 1 TFLOP/s at full efficiency
+    def __init__(self, ctx: Context, cfg: UniformPipeline, place: Placement, split: set[tuple[int, int]]) -> None:
+        self.ops, self.cfg, self.place, self.split = ctx.ops, cfg, place, split
+        self.share = ctx.mesh.pp.size / place.pieces  # of a stage's layers, in each chunk
+        self.memory = ctx.memory
 
     def _kernel(self, name: str, ns: int) -> None:
-        self.ops.kernel(name, flops=ns / self.cfg.virtual * 1e3, nbytes=0)
+        self.ops.kernel(name, flops=ns * self.share * 1e3, nbytes=0)  # the cluster runs 1 FLOP per ps
 
     def message(self) -> Any:
         return MetaTensor((0,), "bf16")
 
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
         self._kernel("F", self.cfg.t_f)
-        return None if g == self.chunks - 1 else self.message()
+        self.memory.hold("activations", f"mb{j}.{g}", round(ACTIVATION * self.share))
+        return None if self.place.next(g) is None else self.message()
         yield  # a generator, like every stage's work
 
     def backward(self, j: int, g: int, dy: Any) -> Generator[Any, Any, Any]:
-        self._kernel("B", self.cfg.t_b if self.split_w else self.cfg.t_b + self.cfg.t_w)
-        return None if g == 0 else self.message()
+        self._kernel("B", self.cfg.t_b if (j, g) in self.split else self.cfg.t_b + self.cfg.t_w)
+        if (j, g) not in self.split:
+            self.memory.release("activations", f"mb{j}.{g}")
+        return None if self.place.prev(g) is None else self.message()
         yield
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]:
         self._kernel("W", self.cfg.t_w)
+        self.memory.release("activations", f"mb{j}.{g}")
         return
         yield
 
@@ -161,7 +192,8 @@ def uniform_cluster(stages: int, **overrides: Any) -> Any:
 def pipeline_uniform(ctx: Context, cfg: UniformPipeline) -> Generator[Any, Any, None]:
     pp = ctx.mesh.pp
     shape = PipelineShape(pp.size, cfg.micro_batches, cfg.virtual)
-    check(cfg.schedule, shape, layers=shape.chunks)
+    place = placement(cfg.schedule, shape)
+    check(cfg.schedule, shape, layers=place.pieces)
     passes = stage_passes(cfg.schedule, shape, ctx.mesh.coord("pp"))
-    work = UniformStage(ctx, cfg, shape.chunks, splits_weight_gradient(cfg.schedule))
-    yield from execute(ctx, passes, work, shape.chunks, pp)
+    work = UniformStage(ctx, cfg, place, deferred(passes))
+    yield from execute(ctx, passes, work, place, pp, lambda q: stage_passes(cfg.schedule, shape, q))

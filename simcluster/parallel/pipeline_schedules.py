@@ -1,13 +1,23 @@
 """Pipeline schedules as data: for each stage, the ordered list of the passes it runs.
 
 A pass is (kind, micro-batch, chunk): kind "F" (forward), "B" (backward; with the weight gradient
-unless the schedule splits it off), or "W" (weight gradient, ZB-H1 only). `chunk` is the global
-model chunk: with v virtual stages, stage s holds chunks s, s + p, ..., s + (v-1)p of the p*v chunks
-that the layers are cut into. Print a schedule with `describe`, draw a run of it with the timeline.
+unless the stage also has a "W" pass for the same micro-batch and chunk), or "W" (that weight
+gradient, deferred: the zero-bubble schedules and DualPipe). `chunk` is the global model chunk; where
+each chunk lives, which layers it runs and which chunk feeds it is the schedule's `Placement`:
+  - one chunk per stage (GPipe, 1F1B, ZB-H1): chunk s on stage s;
+  - interleaved, v chunks per stage: stage s holds chunks s, s + p, ..., s + (v-1)p of p*v;
+  - ZB-V: two chunks per stage in a V: chunk s and chunk 2p-1-s, so stage 0 holds the first chunk
+    and the last (the loss);
+  - DualPipe: two copies of the model, one per direction: chunks 0..p-1 run the layers forwards from
+    stage 0 (chunk g on stage g), chunks p..2p-1 run the same p pieces of layers from stage p-1
+    backwards (chunk p+c, piece c, on stage p-1-c); the first half of the micro-batches takes the
+    first chain, the second half the other. Every stage holds two pieces, 2x the parameters.
+Print a schedule with `describe`, draw a run of it with the timeline.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -19,6 +29,8 @@ class Schedule(Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+    DUALPIPE = "dualpipe"
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,51 @@ class PipelineShape:
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a schedule's chunks live: chunk g runs piece `piece[g]` of the `pieces` contiguous runs of
+    layers, on stage `stage[g]`; a micro-batch goes through each chain's chunks in order (the first
+    embeds, the last has the head and the loss)."""
+
+    pieces: int
+    stage: tuple[int, ...]
+    piece: tuple[int, ...]
+    chains: tuple[tuple[int, ...], ...]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.stage)
+
+    def prev(self, g: int) -> int | None:
+        chain = self._chain(g)
+        i = chain.index(g)
+        return chain[i - 1] if i else None
+
+    def next(self, g: int) -> int | None:
+        chain = self._chain(g)
+        i = chain.index(g)
+        return chain[i + 1] if i + 1 < len(chain) else None
+
+    def _chain(self, g: int) -> tuple[int, ...]:
+        return next(c for c in self.chains if g in c)
+
+    def on(self, stage: int) -> list[int]:
+        """The chunks a stage holds, in chunk order."""
+        return [g for g in range(self.chunks) if self.stage[g] == stage]
+
+
+def placement(schedule: Schedule | str, shape: PipelineShape) -> Placement:
+    schedule, p = Schedule(schedule), shape.stages
+    if schedule is Schedule.ZB_V:
+        stage = tuple(g if g < p else 2 * p - 1 - g for g in range(2 * p))
+        return Placement(2 * p, stage, tuple(range(2 * p)), (tuple(range(2 * p)),))
+    if schedule is Schedule.DUALPIPE:
+        stage = tuple(range(p)) + tuple(p - 1 - c for c in range(p))
+        return Placement(p, stage, tuple(range(p)) * 2, (tuple(range(p)), tuple(range(p, 2 * p))))
+    n = shape.chunks
+    return Placement(n, tuple(g % p for g in range(n)), tuple(range(n)), (tuple(range(n)),))
 
 
 def check(schedule: Schedule, shape: PipelineShape, layers: int) -> None:
@@ -47,6 +104,12 @@ def check(schedule: Schedule, shape: PipelineShape, layers: int) -> None:
                          f"valid v for p={p}: {', '.join(str(x) for x in range(1, layers // p + 1))}")
     if schedule is Schedule.INTERLEAVED and m % p:
         raise ValueError(f"the interleaved schedule needs the micro-batch count m={m} to be a multiple of p={p}")
+    if schedule is Schedule.ZB_V and 2 * p > layers:
+        raise ValueError(f"ZB-V cuts the layers into 2 x p = {2 * p} chunks: {layers} layers are too few; "
+                         f"valid p: {', '.join(str(x) for x in range(1, layers // 2 + 1))}")
+    if schedule is Schedule.DUALPIPE and (p % 2 or m % 2 or m < 2 * p):
+        raise ValueError(f"DualPipe needs an even number of stages (p={p}) and an even micro-batch count of at "
+                         f"least 2p = {2 * p} (m={m}): half of them enter at each end")
 
 
 def gpipe(shape: PipelineShape, stage: int) -> list[Pass]:
@@ -119,8 +182,114 @@ def zb_h1(shape: PipelineShape, stage: int) -> list[Pass]:
     return ops
 
 
+def zb_v(shape: PipelineShape, stage: int) -> list[Pass]:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per stage in a V (chunk s, then chunk 2p-1-s on the
+    way back), backward split into B and W. As torch.distributed.pipelining builds it (for T_F = T_B =
+    T_W its bubble is zero): 1. warm-up: 2(p-s)-1 forwards of the first chunk; 2. s pairs of forwards,
+    second chunk then first; 3. p-s rounds of F, B, W on the second chunk; 4. steady state: F, B, W on
+    the first chunk then on the second; 5. cool-down: B passes, then the remaining W passes. The
+    counts are those of max(m, 2p-1) micro-batches, the passes of micro-batches past m left out."""
+    p, m = shape.stages, shape.micro_batches
+    n = max(m, 2 * p - 1)
+    first, second = stage, 2 * p - 1 - stage
+    ops: list[Pass] = []
+    count = {("F", first): 0, ("F", second): 0, ("B", first): 0, ("B", second): 0, ("W", first): 0,
+             ("W", second): 0}
+
+    def put(kind: str, g: int) -> None:
+        ops.append((kind, count[(kind, g)], g))
+        count[(kind, g)] += 1
+
+    for _ in range(2 * (p - stage) - 1):
+        put("F", first)
+    for _ in range(stage):
+        put("F", second)
+        put("F", first)
+    for _ in range(p - stage):
+        put("F", second)
+        put("B", second)
+        put("W", second)
+    while count[("F", second)] < count[("F", first)] or count[("F", first)] < n:
+        if count[("F", first)] < n:
+            put("F", first)
+        put("B", first)
+        put("W", first)
+        put("F", second)
+        put("B", second)
+        put("W", second)
+    for _ in range(stage):
+        put("B", first)
+        put("B", second)
+    for _ in range(p - stage):
+        put("B", first)
+        put("W", first)
+    while count[("W", second)] < count[("B", second)]:
+        put("W", second)
+    while count[("W", first)] < count[("B", first)]:
+        put("W", first)
+    return [op for op in ops if op[1] < m]
+
+
+def dualpipe(shape: PipelineShape, stage: int) -> list[Pass]:
+    """DualPipe (DeepSeek-V3 report, section 3.2.1; deepseek-ai/DualPipe): micro-batches enter at
+    both ends, half at each. Phase 0 is the direction that starts on this stage's half of the
+    pipeline, phase 1 the other; h = min(s, p-1-s). 1. 2(p/2-h-1) forwards of phase 0; 2. h+1 pairs
+    F0 F1; 3. p/2-h-1 rounds B1 (W deferred), W, F1; 4. the main step, m/2-p+h+1 times: F0 B1 F1 B0
+    (DualPipe overlaps each F with the B beside it; here they run one after the other); 5. p/2-h-1
+    rounds B1 F1 B0; 6. h+1 pairs B1 B0, deferring W from the middle one on; 7. p/2-h-1 rounds W B0
+    (W deferred); 8. the h+1 deferred W passes left. Deferred W passes run oldest first."""
+    p, m = shape.stages, shape.micro_batches
+    h, half, second = min(stage, p - 1 - stage), m // 2, int(stage >= p // 2)
+    chunk = (stage, 2 * p - 1 - stage)  # by direction: the forward chain's chunk here, the reverse one's
+    done = {"F": [0, 0], "B": [0, 0]}
+    waiting: deque[tuple[int, int]] = deque()
+    ops: list[Pass] = []
+
+    def put(kind: str, phase: int, defer: bool = False) -> None:
+        d = phase ^ second
+        j = d * half + done[kind][d]
+        done[kind][d] += 1
+        ops.append((kind, j, chunk[d]))
+        if defer:
+            waiting.append((j, chunk[d]))
+
+    def weight() -> None:
+        ops.append(("W", *waiting.popleft()))
+
+    for _ in range(2 * (p // 2 - h - 1)):
+        put("F", 0)
+    for _ in range(h + 1):
+        put("F", 0)
+        put("F", 1)
+    for _ in range(p // 2 - h - 1):
+        put("B", 1, defer=True)
+        weight()
+        put("F", 1)
+    for _ in range(half - p + h + 1):
+        put("F", 0)
+        put("B", 1)
+        put("F", 1)
+        put("B", 0)
+    for _ in range(p // 2 - h - 1):
+        put("B", 1)
+        put("F", 1)
+        put("B", 0)
+    defer = False
+    for i in range(h + 1):
+        defer = defer or (i == (h + 1) // 2 and h % 2 == 1)
+        put("B", 1, defer)
+        defer = defer or (i == (h + 1) // 2 and h % 2 == 0)
+        put("B", 0, defer)
+    for _ in range(p // 2 - h - 1):
+        weight()
+        put("B", 0, defer=True)
+    while waiting:
+        weight()
+    return ops
+
+
 BUILDERS = {Schedule.GPIPE: gpipe, Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.INTERLEAVED: interleaved,
-            Schedule.ZB_H1: zb_h1}
+            Schedule.ZB_H1: zb_h1, Schedule.ZB_V: zb_v, Schedule.DUALPIPE: dualpipe}
 
 
 def build(schedule: Schedule | str, shape: PipelineShape) -> list[list[Pass]]:
@@ -133,14 +302,16 @@ def passes(schedule: Schedule | str, shape: PipelineShape, stage: int) -> list[P
     return BUILDERS[Schedule(schedule)](shape, stage)
 
 
-def splits_weight_gradient(schedule: Schedule | str) -> bool:
-    return Schedule(schedule) is Schedule.ZB_H1
+def deferred(passes: list[Pass]) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) pairs whose weight gradient is a W pass of its own."""
+    return {(j, g) for kind, j, g in passes if kind == "W"}
 
 
 def describe(schedule: Schedule | str, shape: PipelineShape) -> str:
     """The order of passes on each stage, one line per stage (chunks shown when v > 1)."""
     lines = []
     for s, ops in enumerate(build(schedule, shape)):
-        cells = [f"{k}{j}" + (f".{c}" if shape.virtual > 1 else "") for k, j, c in ops]
+        several = placement(schedule, shape).chunks > shape.stages
+        cells = [f"{k}{j}" + (f".{c}" if several else "") for k, j, c in ops]
         lines.append(f"stage {s}: " + " ".join(cells))
     return "\n".join(lines)

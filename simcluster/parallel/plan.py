@@ -5,7 +5,7 @@ A plan names, for every mesh axis, what it splits (the torchtitan and Megatron-L
       rows (Shoeybi et al. 2019), the embedding and LM head by vocabulary rows; with `sp`, the
       activations between those regions by sequence (Korthikanti et al. 2022);
   cp  the sequence: every rank holds s/cp tokens, attention exchanges keys and values
-      (`attention`: ulysses, ring or allgather; ring and allgather use the zigzag layout when causal);
+      (`attention`: ulysses, ring, allgather or rsa; ring and allgather use the zigzag layout when causal);
   pp  the blocks: p*v contiguous chunks, run by `schedule` (pipeline_schedules.py);
   dp  the batch, with DDP or ZeRO-1/2/3 around whatever parameters the rank holds (dp_wrap.py), over
       dp, or over dp x cp (`zero_over`), which is what Megatron's distributed optimizer and
@@ -27,7 +27,7 @@ from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
 from simcluster.valid import divisors, listed
 
-ATTENTIONS = ("ulysses", "ring", "allgather")
+ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
 ZERO_OVER = ("dp_cp", "dp")
 
 
@@ -53,8 +53,9 @@ class Plan:
         return self.data.model
 
     def zigzag(self, cp: int) -> bool:
-        """Ring and all-gather attention balance causal work with the zigzag layout."""
-        return cp > 1 and self.attention != "ulysses" and self.model.causal
+        """Ring and all-gather attention balance causal work with the zigzag layout (ColossalAI's RSA
+        computes whole score rows on contiguous chunks: nothing to balance)."""
+        return cp > 1 and self.attention in ("ring", "allgather") and self.model.causal
 
     def alike(self, tp: int) -> tuple[str, ...]:
         """The mesh axes along which ranks run the same kernels on the same shapes, differing only

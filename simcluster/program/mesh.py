@@ -103,13 +103,24 @@ class DeviceMesh:
             seen.setdefault(g.ranks, g)
         return [seen[k] for k in sorted(seen)]
 
+    def mirror(self, rank: int) -> ProcessGroup:
+        """`rank` and the rank at the mirrored pipeline stage (p-1-s; every other coordinate the same):
+        DualPipe's two copies of the same layers."""
+        c = self.coords(rank)
+        other = dict(c, pp=self.sizes["pp"] - 1 - c["pp"])
+        pair = sorted({rank, int(self.ranks[tuple(other[a] for a in AXES)])})
+        g = ProcessGroup("pp-mirror", tuple(pair))
+        return self._interned.setdefault(g, g)
+
     def all_groups(self) -> list[ProcessGroup]:
-        """Every group along every non-empty combination of axes, in a fixed order."""
+        """Every group along every non-empty combination of axes, then the mirror pairs of the
+        pipeline stages, in a fixed order."""
         out: list[ProcessGroup] = []
         for n in range(1, len(AXES) + 1):
             for axes in combinations(AXES, n):
                 out.extend(self.groups(*axes))
-        return out
+        pairs = {self.mirror(r).ranks: self.mirror(r) for r in range(self.world_size)}
+        return out + [pairs[k] for k in sorted(pairs) if len(k) == 2]
 
     def view(self, rank: int) -> "MeshView":
         return MeshView(self, rank)

@@ -46,11 +46,15 @@ def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None, width: i
         unit = max(unit, math.ceil(end / max(1, (width - 10) // cell)))
     cols = math.ceil(end / unit)
     width = max(len(label) for ps in by_rank.values() for label, _, _ in ps)
-    lines = []
+    lines, hidden = [], 0
     for s, r in enumerate(ranks):
-        cells = ["." * width] * cols
-        for label, start, stop in by_rank[r]:
+        owner: list[int | None] = [None] * cols  # the pass drawn in each cell: the last to reach it
+        for i, (_, start, stop) in enumerate(by_rank[r]):
             for c in range(start // unit, math.ceil(stop / unit)):
-                cells[c] = label.ljust(width)
+                owner[c] = i
+        hidden += len(by_rank[r]) - len({i for i in owner if i is not None})
+        cells = ["." * width if i is None else by_rank[r][i][0].ljust(width) for i in owner]
         lines.append(f"stage {s}: " + " ".join(cells))
+    if hidden:  # a picture that drops passes says so
+        lines.append(f"({hidden} passes shorter than a column are hidden at this width; a wider --width shows more)")
     return "\n".join(lines)
