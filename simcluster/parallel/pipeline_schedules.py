@@ -184,49 +184,40 @@ def zb_h1(shape: PipelineShape, stage: int) -> list[Pass]:
 
 def zb_v(shape: PipelineShape, stage: int) -> list[Pass]:
     """ZB-V (Qi et al. 2024, section 6): two chunks per stage in a V (chunk s, then chunk 2p-1-s on the
-    way back), backward split into B and W. As torch.distributed.pipelining builds it (for T_F = T_B =
-    T_W its bubble is zero): 1. warm-up: 2(p-s)-1 forwards of the first chunk; 2. s pairs of forwards,
+    way back), backward split into B and W. As torch.distributed.pipelining builds it (at T_F = T_B =
+    T_W its bubble is only the last stage's wait for the first forward, (p-1) T_F/2: the paper's
+    "zero bubble"): 1. warm-up: 2(p-s)-1 forwards of the first chunk; 2. s pairs of forwards,
     second chunk then first; 3. p-s rounds of F, B, W on the second chunk; 4. steady state: F, B, W on
     the first chunk then on the second; 5. cool-down: B passes, then the remaining W passes. The
     counts are those of max(m, 2p-1) micro-batches, the passes of micro-batches past m left out."""
     p, m = shape.stages, shape.micro_batches
     n = max(m, 2 * p - 1)
     first, second = stage, 2 * p - 1 - stage
+    F1, B1, W1, F2, B2, W2 = (("F", first), ("B", first), ("W", first), ("F", second), ("B", second), ("W", second))
     ops: list[Pass] = []
-    count = {("F", first): 0, ("F", second): 0, ("B", first): 0, ("B", second): 0, ("W", first): 0,
-             ("W", second): 0}
+    count = dict.fromkeys((F1, B1, W1, F2, B2, W2), 0)  # passes so far, by kind and chunk
 
-    def put(kind: str, g: int) -> None:
-        ops.append((kind, count[(kind, g)], g))
-        count[(kind, g)] += 1
+    def put(*steps: tuple[str, int]) -> None:
+        for kind, g in steps:
+            ops.append((kind, count[(kind, g)], g))
+            count[(kind, g)] += 1
 
     for _ in range(2 * (p - stage) - 1):
-        put("F", first)
+        put(F1)
     for _ in range(stage):
-        put("F", second)
-        put("F", first)
+        put(F2, F1)
     for _ in range(p - stage):
-        put("F", second)
-        put("B", second)
-        put("W", second)
-    while count[("F", second)] < count[("F", first)] or count[("F", first)] < n:
-        if count[("F", first)] < n:
-            put("F", first)
-        put("B", first)
-        put("W", first)
-        put("F", second)
-        put("B", second)
-        put("W", second)
+        put(F2, B2, W2)
+    while count[F2] < count[F1] or count[F1] < n:
+        put(*([F1] if count[F1] < n else []), B1, W1, F2, B2, W2)
     for _ in range(stage):
-        put("B", first)
-        put("B", second)
+        put(B1, B2)
     for _ in range(p - stage):
-        put("B", first)
-        put("W", first)
-    while count[("W", second)] < count[("B", second)]:
-        put("W", second)
-    while count[("W", first)] < count[("B", first)]:
-        put("W", first)
+        put(B1, W1)
+    while count[W2] < count[B2]:
+        put(W2)
+    while count[W1] < count[B1]:
+        put(W1)
     return [op for op in ops if op[1] < m]
 
 
