@@ -118,6 +118,14 @@ def test_random_scenario_documents_never_give_a_traceback(tmp_path_factory, pair
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
 
 
+def test_a_piped_comparison_keeps_every_value_compared(capsys):
+    """Piped output is 80 columns wide; the [compare] table takes the width it needs, each variant on a line."""
+    assert main(["run", "pipeline_schedules", "--set", "run.numerics=meta"]) == 0
+    out = capsys.readouterr().out
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipe", 1)]:
+        assert f"schedule={schedule}, virtual_stages={v} " in out
+
+
 def test_timeline_passes_draws_the_pipeline_grid(capsys):
     assert main(["timeline", "pipeline_schedules", "--set", "parallel.schedule=1f1b", "--set",
                  "parallel.virtual_stages=1", "--passes", "--ranks", "0,1,2,3", "--width", "400"]) == 0

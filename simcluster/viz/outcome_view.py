@@ -24,7 +24,8 @@ def comparison(outcome: Outcome) -> Table:
     aims = any("target" in o.report for _, o in outcome.variants)
     for col in ("variant", "step time", "compute idle", "peak memory", "sent per rank", "verdict") + (
             ("to target", "GPU-hours") if aims else ()):
-        t.add_column(col, justify="left" if col in ("variant", "verdict") else "right")
+        t.add_column(col, justify="left" if col in ("variant", "verdict") else "right",
+                     overflow="fold" if col == "variant" else "ellipsis")  # the values compared, never cut
     for label, o in outcome.variants:
         r = o.report
         memory = r["memory"]
@@ -54,7 +55,14 @@ def repeated(outcome: Outcome) -> str:
 def render(outcome: Outcome, console: Console, width: int = 100) -> None:
     """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
     if outcome.variants:
-        console.print(comparison(outcome))
+        table = comparison(outcome)
+        if console.is_terminal:
+            console.print(table)
+        else:  # piped, the console is 80 columns: the table gets the width it needs instead
+            wide = console.measure(table, options=console.options.update(max_width=10_000)).maximum
+            narrow, console.width = console.width, max(console.width, wide)
+            console.print(table)
+            console.width = narrow
         rows = [(label, o.report["target"]) for label, o in outcome.variants if "target" in o.report]
         if rows:
             console.print()
