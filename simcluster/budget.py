@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from simcluster.parallel.pipeline_schedules import PipelineShape, placement
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.steady import SIMULATED
 
@@ -97,8 +98,9 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
                 (", or the mesh" if copies > p["cp"] else ""))
         return
-    per_stage = {"interleaved": sc.parallel["virtual_stages"], "zb-v": 2}.get(sc.parallel["schedule"], 1)
-    unit = sc.parallel["pp"] * per_stage  # pipeline chunks (DualPipe: p pieces, each twice)
+    p = sc.parallel
+    v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1
+    unit = placement(p["schedule"], PipelineShape(p["pp"], 1, v)).pieces  # runs of layers the pipeline cuts
     layers = m["layers"]
     if sc.run["program"] != "gpt" or layers <= 2 * unit:
         job = job_of(sc, fold=False)

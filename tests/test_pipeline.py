@@ -208,3 +208,21 @@ def test_tied_head_with_pipeline_is_a_clear_error():
     model = GPTConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
     with pytest.raises(Exception, match="set model.tied_head = false for pipeline parallelism"):
         run_plan(DPConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
+
+
+def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
+    """Each copy of a layer saw half the micro-batches: stepping on its own half diverges from one device."""
+    from simcluster.parallel.dp_wrap import DPWrap
+
+    init = DPWrap.__init__
+
+    def alone(self, *args, **kw):
+        init(self, *args, **kw | {"twin": None})
+
+    model = GPTConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False, seed=1)
+    data = DPConfig(model=model, global_batch=4, micro_batches=4, steps=2, precision="bf16")
+    got, _ = run_plan(data, pp=2, schedule="dualpipe")
+    assert report.verification("exact", reference(data), got)["bit_exact"]
+    monkeypatch.setattr(DPWrap, "__init__", alone)
+    got, _ = run_plan(data, pp=2, schedule="dualpipe")
+    assert not report.verification("exact", reference(data), got)["bit_exact"]

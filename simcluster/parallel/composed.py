@@ -20,7 +20,6 @@ Per step, on every rank:
 from __future__ import annotations
 
 import functools
-
 import math
 from typing import Any, Generator
 

@@ -92,6 +92,7 @@ class GPTShard:
         n = len(self.positions) // self.t if self.sp else len(self.positions)
         self.tokens = self.positions[self.tr * n:(self.tr + 1) * n] if self.sp else self.positions
         self.attention = ATTENTION[plan.attention]
+        self.keeps_scores = plan.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
 
@@ -228,7 +229,7 @@ class GPTShard:
         """Bytes a block keeps on this rank (model/activations.py): TP (and SP) shrink what they
         split, and cp splits everything (every rank keeps its tokens' share, scores included; RSA
         keeps its rows of the scores whatever the model's attention kernel)."""
-        kernel = "unfused" if self.P > 1 and self.attention is ATTENTION["rsa"] else self.m.attention_kernel
+        kernel = "unfused" if self.keeps_scores else self.m.attention_kernel
         return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
                            recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel) // self.P
 

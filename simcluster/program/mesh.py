@@ -119,8 +119,8 @@ class DeviceMesh:
         for n in range(1, len(AXES) + 1):
             for axes in combinations(AXES, n):
                 out.extend(self.groups(*axes))
-        pairs = {self.mirror(r).ranks: self.mirror(r) for r in range(self.world_size)}
-        return out + [pairs[k] for k in sorted(pairs) if len(k) == 2]
+        pairs = {g.ranks: g for g in map(self.mirror, range(self.world_size)) if g.size == 2}
+        return out + [pairs[k] for k in sorted(pairs)]
 
     def view(self, rank: int) -> "MeshView":
         return MeshView(self, rank)
