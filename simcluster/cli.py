@@ -27,7 +27,8 @@ def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: 
                    help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
                         + ("; default: the built-in default scenario" if optional else ""))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable). Keys: " + ", ".join(all_keys()))
+                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable); `simcluster keys` explains each. "
+                        "Keys: " + ", ".join(all_keys()))
     p.add_argument("--at-scale", action="store_true",
                    help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
     if not fold:
@@ -35,6 +36,35 @@ def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: 
     p.add_argument("--no-fold", dest="fold", action="store_false",
                    help="in meta mode, simulate every rank instead of letting one stand for its identical peers "
                         "(data-parallel replicas, tensor-parallel peers): the same results, slower")
+
+
+def variant_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variant", metavar="N|LABEL",
+                   help="for a scenario with a [compare] table: which variant, by number from 1, by label or by "
+                        "a part of one label (default: the first)")
+
+
+def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:
+    """One variant of a comparison (timeline and export draw one run), named on stderr."""
+    if not scenario.variants:
+        if wanted is not None:
+            raise ScenarioError(f"--variant {wanted}: scenario {scenario.name!r} has no [compare] table")
+        return scenario
+    labels = [label for label, _ in scenario.variants]
+    if wanted is None:
+        i = 0
+    elif wanted.isdigit() and 1 <= int(wanted) <= len(labels):
+        i = int(wanted) - 1
+    elif wanted in labels:
+        i = labels.index(wanted)
+    elif len(having := [n for n, label in enumerate(labels) if wanted in label]) == 1:
+        i = having[0]
+    else:
+        raise ScenarioError(f"--variant {wanted}: the variants are 1 to {len(labels)}: " +
+                            "; ".join(f"{n} {label!r}" for n, label in enumerate(labels, 1)))
+    err.print(f"variant {i + 1} of {len(labels)}: {labels[i]}" +
+              ("" if wanted is not None else " (--variant N picks another)"), markup=False, highlight=False)
+    return scenario.variants[i][1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,9 +100,15 @@ def _parser() -> argparse.ArgumentParser:
     scenario_arguments(verify)
     sub.add_parser("list", help="the scenarios in scenarios/, with what each shows",
                    description="List the library's scenarios with a one-line description.")
+    keys = sub.add_parser("keys", help="every scenario key: its meaning, default and valid values",
+                          description="Print the keys a scenario file or --set takes, by section, with what each "
+                                      "means, its default and the values it accepts.")
+    keys.add_argument("which", nargs="?", metavar="SECTION|KEY",
+                      help="one section (parallel) or one key (parallel.schedule); default: all")
     timeline = sub.add_parser("timeline", help="draw a scenario's timeline",
                               description="Simulate SCENARIO and draw its timeline: one lane per rank and stream.")
     scenario_arguments(timeline)
+    variant_argument(timeline)
     timeline.add_argument("--ranks", help="ranks to draw, e.g. 0,1,4 (default: all)")
     timeline.add_argument("--streams", help="streams to draw, e.g. compute,comm:dp (default: all)")
     timeline.add_argument("--start-us", type=float, help="start of the window, in microseconds")
@@ -81,10 +117,18 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("--svg", metavar="FILE", help="also save the picture as SVG")
     timeline.add_argument("--passes", action="store_true",
                           help="the pipeline picture instead: one row per rank, numbered F/B/W passes")
-    export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing",
-                            description="Simulate SCENARIO and write its trace in the Chrome trace event format.")
+    export = sub.add_parser("export", help="write a scenario's trace for Perfetto / chrome://tracing, or for HTA",
+                            description="Simulate SCENARIO and write its trace: in the Chrome trace event format "
+                                        "(Perfetto, chrome://tracing: one process per rank, arrows between the ranks "
+                                        "of a collective and from each send to its receive, memory counters), or as "
+                                        "PyTorch profiler traces, one file per rank, for Holistic Trace Analysis.")
     scenario_arguments(export)
-    export.add_argument("-o", "--output", required=True, help="where to write the trace (JSON)")
+    variant_argument(export)
+    export.add_argument("-o", "--output", required=True,
+                        help="where to write the trace: a JSON file (chrome), a directory (hta)")
+    export.add_argument("--format", choices=("chrome", "hta"), default="chrome",
+                        help="chrome (default): one JSON file; hta: rank-N.json per rank in the layout HTA's "
+                             "TraceAnalysis(trace_dir=...) reads")
     plan = sub.add_parser("plan", help="search the parallel layouts of a scenario's model on its cluster, best first",
                           description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B or "
                                       "interleaved), CP, DP, ZeRO stage, micro-batch size and recomputation. Every "
@@ -142,7 +186,10 @@ def say_error(err: Console, text: str) -> None:
 
 
 def say_warnings(err: Console, scenario: Any) -> None:
-    """A yellow 'warning:' line for each setting that does nothing in the scenario's layout."""
+    """A 'note:' line for what the command line did to the [compare] table; a yellow 'warning:' line for
+    each setting that does nothing in the scenario's layout."""
+    for line in scenario.notes:
+        err.print("[bold]note:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
     for line in scenario.warnings():
         err.print("[bold yellow]warning:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
 
@@ -178,6 +225,25 @@ def _with_progress(err: Console, scenario: Any, fold: bool = True) -> Outcome:
         outcome = run_all(scenario, on_variant, fold=fold)
         progress.update(task, completed=len(scenario.variants))
     return outcome
+
+
+def _export(trace: Any, args: argparse.Namespace, outcome: Outcome) -> str:
+    """Write the trace in args.format; say where."""
+    r = outcome.report
+    about = {"scenario": outcome.scenario.name, "mesh": r["mesh"], "world_size": r["world_size"], "cluster": r["cluster"]}
+    if args.format == "hta":
+        from simcluster.viz import hta
+
+        c = r["cluster"]
+        docs = hta.rank_traces(trace, gpus_per_node=c["gpus_per_node"], device=c["device"],
+                               memory_bytes=r["memory"]["capacity_bytes"], dtype=r["scenario"]["model"]["dtype"],
+                               metadata=about)
+        paths = hta.write(Path(args.output), docs)
+        return f"{args.output} ({len(paths)} files, rank-N.json)"
+    from simcluster.viz.chrome import dumps
+
+    Path(args.output).write_text(dumps(trace, title=outcome.scenario.name, metadata=about))
+    return args.output
 
 
 def _passed(outcome: Outcome) -> bool:
@@ -286,6 +352,11 @@ def _main(argv: Sequence[str] | None) -> int:
                 t.add_row(escape(f.stem), escape(load(str(f)).description))
             out.print(t)
             return 0
+        if args.command == "keys":
+            from simcluster.viz.keys_view import describe
+
+            out.print(describe(args.which, width=max(60, min(out.width, 100))), markup=False, highlight=False)
+            return 0
         if args.command == "calibrate":
             return _calibrate(args, out, err)
         if args.command == "run" and args.backend == "torch":
@@ -299,19 +370,23 @@ def _main(argv: Sequence[str] | None) -> int:
             raise ScenarioError(f"--ranks {args.ranks}: ranks are 0 to {scenario.world_size - 1} in this scenario")
         if args.command == "plan":
             return _plan(scenario, args, out, err)
+        if args.command in ("timeline", "export"):
+            scenario = pick_variant(scenario, args.variant, err)
         say_warnings(err, scenario)
         outcome = _with_progress(err, scenario, getattr(args, "fold", True))
     except (ScenarioError, SimulationError, ProgramError) as exc:
         say_error(err, str(exc))
         return 2
     if args.command == "export":
-        from simcluster.viz.chrome import dumps
-
         result = outcome.result
         whole = result.fold is None or len(result.trace) * result.fold.copies <= EXPORT_EVENTS
         trace = result.full_trace() if whole else result.trace
-        Path(args.output).write_text(dumps(trace, title=scenario.name))
-        out.print(f"wrote {len(trace)} events to {args.output}" + ("" if whole else
+        try:
+            where = _export(trace, args, outcome)
+        except OSError as exc:
+            say_error(err, f"-o {args.output}: {exc.strerror or exc}")
+            return 2
+        out.print(f"wrote {len(trace)} events to {where}" + ("" if whole else
                   f" (the simulated ranks: every rank would be {len(result.trace) * result.fold.copies:,} events; "
                   f"{result.fold.describe()})") + repeated(outcome), markup=False)
         return 0

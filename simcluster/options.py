@@ -42,6 +42,18 @@ def writable(path: str, what: str) -> None:
         raise ScenarioError(f"{what} {path!r}: {exc.strerror or exc}") from None
 
 
+def writable_folder(path: str, what: str) -> None:
+    """Refuse, before any work, a folder that cannot be made or written: a file, no permission."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ScenarioError(f"{what} {path!r} is a file; this format writes a folder of files")
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise ScenarioError(f"{what} {path!r}: no permission to write there")
+
+
 def check_options(args: argparse.Namespace) -> None:
     """The command line's own values, before any work (the scenario's are checked by scenario.py)."""
     width = getattr(args, "width", None)
@@ -55,7 +67,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise ScenarioError(f"--end-us ({end:g}) must be after --start-us ({start:g})")
     for option, what in (("svg", "--svg"), ("output", "-o/--output")):
         if getattr(args, option, None):
-            writable(getattr(args, option), what)
+            (writable_folder if getattr(args, "format", None) == "hta" else writable)(getattr(args, option), what)
 
 
 def checkpoint_overrides(args: argparse.Namespace) -> list[str]:

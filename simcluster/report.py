@@ -37,6 +37,15 @@ def idle_fraction(totals: Totals, fold: Fold | None = None) -> float:
     return sum(1 - ns / end for ns in busy_compute.values()) / len(busy_compute)
 
 
+def overlap(totals: Totals, fold: Fold | None = None) -> dict[str, Any]:
+    """Per rank, the time some communication runs and how much of it runs under computation (HTA's
+    comm/comp overlap is hidden / communication); `hidden_fraction`: the same summed over ranks."""
+    per = totals.overlap if fold is None else fold.by_rank(totals.overlap)
+    comm, hidden = sum(v[0] for v in per.values()), sum(v[1] for v in per.values())
+    return {"hidden_fraction": round(hidden / comm, 6) if comm else 0.0,
+            "per_rank": {str(r): {"communication_ns": v[0], "hidden_ns": v[1]} for r, v in sorted(per.items())}}
+
+
 def busy(totals: Totals, fold: Fold | None = None) -> dict[str, dict[str, int]]:
     per = {r: dict(streams) for r, streams in totals.busy.items()}  # (ranks in order, streams by first event)
     if fold is not None:
@@ -145,6 +154,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "tflops_per_gpu": round(flops[1] / (seconds * world) / 1e12, 3) if makespan else 0.0,
         "compute_idle_fraction": round(idle_fraction(totals, fold), 6),
         "busy_ns": busy(totals, fold),
+        "communication_overlap": overlap(totals, fold),
         "communication": communication(totals),
         "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},
         "memory": {"capacity_bytes": capacity, "peak_bytes": highest, "fits": highest <= capacity,

@@ -196,6 +196,7 @@ class Scenario:
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
     variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
+    notes: tuple[str, ...] = field(default=())  # what the command line did to the [compare] table
 
     @property
     def world_size(self) -> int:
@@ -321,20 +322,32 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
 
 def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides: Sequence[str], source: str) -> Scenario:
     """[compare]: section.key = [values]; several keys are zipped. Each variant is the scenario with
-    those values set (command-line overrides still win)."""
+    those values set. A `--set` of a key the comparison varies narrows it to the variants with that
+    value; when none has it, the scenario runs once with the given value, without its comparison."""
     if not isinstance(compare, dict) or not compare:
         raise ScenarioError("[compare] must map keys to lists of values, e.g. \"parallel.zero\" = [0, 1, 2, 3]")
     lengths = {len(v) if isinstance(v, list) else -1 for v in compare.values()}
     if -1 in lengths or len(lengths) != 1 or 0 in lengths:
         raise ScenarioError("[compare] values must be non-empty lists of the same length (one per variant)")
-    given = {parse_override(o)[0] for o in overrides}
+    given = dict(parse_override(o) for o in overrides)
+    count = lengths.pop()
+    varied = [k for k in compare if k in given]
+    kept = [i for i in range(count) if all(compare[k][i] == given[k] for k in varied)]
+    asked = ", ".join(f"{k}={_toml(given[k])}" for k in varied)
+    if not kept:
+        return replace(base, notes=(f"--set {asked}: [compare] runs none with that value; running the scenario once "
+                                    f"with it, without its comparison",))
     variants = []
-    for i in range(lengths.pop()):
+    notes = (f"--set {asked}: the comparison narrowed to the {len(kept)} of its {count} variants with that value"
+             if len(kept) > 1 else f"--set {asked}: running the one variant of [compare] with that value",)
+    for i in kept:
         picks = {k: v[i] for k, v in compare.items() if k not in given}
-        label = ", ".join(f"{k.split('.', 1)[-1]}={_toml(v).strip(chr(34))}" for k, v in picks.items()) or f"variant {i}"
+        label = ", ".join(f"{k.split('.', 1)[-1]}={_toml(v[i]).strip(chr(34))}" for k, v in compare.items())
         texts = [f"{k}={_toml(v)}" for k, v in picks.items()] + list(overrides)
         variants.append((label, build(dict(doc), texts, source=source)))
-    return replace(base, variants=tuple(variants))
+    if varied and len(variants) == 1:  # (one left: the scenario is that run, with its whole report)
+        return replace(variants[0][1], notes=notes)
+    return replace(base, variants=tuple(variants), notes=notes if varied else ())
 
 
 def _toml(value: Any) -> str:

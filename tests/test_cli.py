@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from simcluster.cli import main
+from simcluster.scenario import all_keys, load
 
 
 def test_default_run_prints_report_timeline_and_passes(capsys):
@@ -111,6 +112,10 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["verify", "--set", "model.hidden=8192", "--set", "model.ffn_hidden=32768", "--set", "model.layers=48",
       "--set", "model.heads=64"], "use run.numerics = meta"),
     (["run", "--set", "run.numerics=fast", "--set", "model.layers=1000000000"], "at least 1.6 PB of memory"),
+    (["export", "--format", "hta", "-o", "README.md"], "-o/--output 'README.md' is a file; this format writes a folder"),
+    (["timeline", "collectives", "--variant", "2"], "--variant 2: scenario 'collectives' has no [compare] table"),
+    (["timeline", "pipeline_schedules", "--variant", "7"], "--variant 7: the variants are 1 to 6: 1 'schedule=gpipe"),
+    (["keys", "paralel"], "no section or key 'paralel'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     """(A test of its own also shows Ctrl-C is one line: test_interrupted_is_one_line.)"""
@@ -190,3 +195,34 @@ def test_a_setting_that_does_nothing_is_warned_about(setting, layout, message, c
     assert f"warning: {message}" in err and err.count("warning:") == 1
     assert main(["run", "--json"] + [a for s in base + [setting] + layout for a in ("--set", s)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_set_of_a_compared_key_narrows_the_comparison_to_that_value(capsys):
+    """pipeline_schedules compares six schedules, five of them with virtual_stages = 1."""
+    sc = load("pipeline_schedules", ["parallel.virtual_stages=1"])
+    assert [v.parallel["schedule"] for _, v in sc.variants] == ["gpipe", "1f1b", "zb-h1", "zb-v", "dualpipe"]
+    assert "5 of its 6 variants" in sc.notes[0]
+    one = load("zero_memory", ["parallel.zero=2"])  # one run left: the scenario is that run
+    assert not one.variants and one.parallel["zero"] == 2 and "one variant" in one.notes[0]
+    none = load("pipeline_schedules", ["parallel.virtual_stages=3"])  # no run has it: once, without [compare]
+    assert not none.variants and none.parallel["virtual_stages"] == 3 and "runs none" in none.notes[0]
+    assert main(["verify", "pipeline_schedules", "--set", "parallel.schedule=1f1b"]) == 0  # (was an unrelated error)
+    captured = capsys.readouterr()
+    assert "bit-exact" in captured.out and "note: --set parallel.schedule=\"1f1b\"" in captured.err
+
+
+def test_timeline_and_export_say_which_variant_they_draw(capsys, tmp_path):
+    assert main(["timeline", "pipeline_schedules", "--passes", "--variant", "dualpipe", "--width", "60"]) == 0
+    captured = capsys.readouterr()
+    assert "variant 6 of 6: schedule=dualpipe" in captured.err and "stage 3" in captured.out
+    assert main(["export", "tp_cliff", "-o", str(tmp_path / "t.json")]) == 0
+    assert "variant 1 of 3: tp=4, gpus_per_node=4, nodes=1 (--variant N picks another)" in capsys.readouterr().err
+
+
+def test_keys_prints_every_key_with_its_default_and_valid_values(capsys):
+    assert main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {k}  default " in out or f"  {k}  default" in out for k in all_keys() if "." in k)
+    assert main(["keys", "parallel.zero"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("[parallel] parallel.zero default 3; 0, 1, 2, 3 0: DDP; 1, 2, 3: ZeRO stages")

@@ -57,6 +57,11 @@ class ReportView:
             t.add_row("MFU / HFU", f"{100 * r['mfu']:.2f} % / {100 * r['hfu']:.2f} % (PaLM's model FLOPs / "
                                    f"Megatron-LM's hardware FLOPs)")
         t.add_row("compute idle", f"{100 * r['compute_idle_fraction']:.0f} % of the run (bubbles and waits, mean over ranks)")
+        o = r["communication_overlap"]
+        if o["per_rank"] and any(v["communication_ns"] for v in o["per_rank"].values()):
+            exposed = max(v["communication_ns"] - v["hidden_ns"] for v in o["per_rank"].values())
+            t.add_row("comm overlap", f"{100 * o['hidden_fraction']:.0f} % of communication time runs under compute; "
+                                      f"{format_ns(exposed // r['steps'])} a step exposed on the worst rank")
         return t
 
     def _comm(self) -> Table:
