@@ -246,6 +246,16 @@ def _export(trace: Any, args: argparse.Namespace, outcome: Outcome) -> str:
     return args.output
 
 
+def stage_rows(mesh: Any, ranks: list[int] | None) -> tuple[list[int], dict[int, str]]:
+    """The ranks a pipeline picture draws (default: one per stage, of the first replica) and each row's
+    name: "stage s" for those, "rank r (stage s)" for ranks the user picked elsewhere."""
+    first = [r for r in range(mesh.world_size) if all(v == 0 for a, v in mesh.coords(r).items() if a != "pp")]
+    chosen = sorted(first, key=lambda r: mesh.coords(r)["pp"]) if ranks is None else list(ranks)
+    plain = set(chosen) <= set(first)
+    return chosen, {r: f"stage {mesh.coords(r)['pp']}" if plain else f"rank {r} (stage {mesh.coords(r)['pp']})"
+                    for r in chosen}
+
+
 def _passed(outcome: Outcome) -> bool:
     reports = [o.report for _, o in outcome.variants] or [outcome.report]
     return all(r["verification"].get("passed", True) for r in reports)
@@ -411,8 +421,13 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.passes:
             from simcluster.viz.pipeline_picture import picture
 
-            chosen = ranks if ranks is not None else sorted({r for r, _ in trace.lanes})
-            out.print(picture(trace, chosen, width=args.width), highlight=False, markup=False, soft_wrap=True)
+            chosen, names = stage_rows(result.mesh, ranks)
+            if ranks is None and len(chosen) < result.mesh.world_size:
+                out.print("(one rank per stage, those of data-parallel replica 0" + (", tp 0, cp 0" if
+                          result.mesh.sizes["tp"] * result.mesh.sizes["cp"] > 1 else "") + "; --ranks draws others)",
+                          markup=False)
+            out.print(picture(trace, chosen, width=args.width, names=names), highlight=False, markup=False,
+                      soft_wrap=True)
         else:
             out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
         if args.svg:

@@ -226,3 +226,13 @@ def test_keys_prints_every_key_with_its_default_and_valid_values(capsys):
     assert main(["keys", "parallel.zero"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("[parallel] parallel.zero default 3; 0, 1, 2, 3 0: DDP; 1, 2, 3: ZeRO stages")
+
+
+def test_the_pipeline_picture_draws_one_rank_per_stage_and_names_other_replicas_by_rank():
+    """dp=2 x pp=4: ranks 0-3 are replica 0's stages 0-3, ranks 4-7 replica 1's (pp inside dp)."""
+    from simcluster.cli import stage_rows
+    from simcluster.program.mesh import DeviceMesh
+
+    mesh = DeviceMesh(dp=2, pp=4)
+    assert stage_rows(mesh, None) == ([0, 1, 2, 3], {r: f"stage {r}" for r in range(4)})
+    assert stage_rows(mesh, [0, 5]) == ([0, 5], {0: "rank 0 (stage 0)", 5: "rank 5 (stage 1)"})

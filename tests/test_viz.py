@@ -15,7 +15,17 @@ def test_timeline_of_a_hand_made_trace():
         "r0 comm:dp  ........ARAAAAAA....\n"
         "r1 compute  FFFF................\n"
         "            0 ns    50 ns 100 ns\n"
-        "F forward  B backward  A all_reduce  . idle")
+        "F forward  B backward  A all_reduce  . idle\n"
+        "over a block wide enough, its label: AR all_reduce")
+
+
+def test_the_legend_explains_every_label_drawn():
+    events = [TraceEvent(0, "compute", "forward", "F3/matmul", 0, 40), TraceEvent(0, "compute", "backward", "B3/mm", 40, 80),
+              TraceEvent(0, "compute", "optimizer", "O1/adam", 80, 120),
+              TraceEvent(0, "comm:dp", "reduce_scatter", "B3", 40, 80, 16, "dp[0, 1]")]
+    legend = Timeline(Trace(events, [(0, "compute"), (0, "comm:dp")]), width=30).plain().splitlines()[-1]
+    assert legend == ("over a block wide enough, its label: F3 B3: the forward and backward passes of micro-batch 3; "
+                      "O1: the optimizer of step 1; RS reduce_scatter")
 
 
 def test_labels_are_written_where_a_pass_fits():

@@ -33,8 +33,12 @@ def passes(trace: Trace, rank: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None, width: int | None = None) -> str:
-    """`width` (columns) caps the picture: the unit grows until it fits."""
+def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None, width: int | None = None,
+            names: dict[int, str] | None = None) -> str:
+    """`width` (columns) caps the picture: the unit grows until it fits. `names`: each rank's row
+    label (default: "stage i" for the i-th rank given)."""
+    names = names or {r: f"stage {s}" for s, r in enumerate(ranks)}
+    pad = max(len(names[r]) for r in ranks)
     by_rank = {r: passes(trace, r) for r in ranks}
     spans = [end - start for ps in by_rank.values() for _, start, end in ps]
     if not spans:
@@ -43,18 +47,18 @@ def picture(trace: Trace, ranks: list[int], unit_ns: int | None = None, width: i
     unit = unit_ns or min(spans)
     if width is not None:
         cell = max(len(label) for ps in by_rank.values() for label, _, _ in ps) + 1
-        unit = max(unit, math.ceil(end / max(1, (width - 10) // cell)))
+        unit = max(unit, math.ceil(end / max(1, (width - pad - 2) // cell)))
     cols = math.ceil(end / unit)
     width = max(len(label) for ps in by_rank.values() for label, _, _ in ps)
     lines, hidden = [], 0
-    for s, r in enumerate(ranks):
+    for r in ranks:
         owner: list[int | None] = [None] * cols  # the pass drawn in each cell: the last to reach it
         for i, (_, start, stop) in enumerate(by_rank[r]):
             for c in range(start // unit, math.ceil(stop / unit)):
                 owner[c] = i
         hidden += len(by_rank[r]) - len({i for i in owner if i is not None})
         cells = ["." * width if i is None else by_rank[r][i][0].ljust(width) for i in owner]
-        lines.append(f"stage {s}: " + " ".join(cells))
+        lines.append(f"{names[r] + ':':<{pad + 1}} " + " ".join(cells))
     if hidden:  # a picture that drops passes says so
         lines.append(f"({hidden} passes shorter than a column are hidden at this width; a wider --width shows more)")
     return "\n".join(lines)

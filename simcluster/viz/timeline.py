@@ -33,6 +33,24 @@ GLYPHS: dict[str, tuple[str, str]] = {
 IDLE = "."
 SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
          "reduce": "RD", "send": "SEND", "recv": "RECV", "barrier": "BAR"}
+PASSES = {"F": "forward", "B": "backward", "W": "weight-gradient", "R": "recomputed forward"}
+
+
+def label_legend(labels: set[str]) -> str:
+    """What the labels written over wide blocks mean, for those present ("" when none is)."""
+    parts = []
+    passes = sorted({lab[0] for lab in labels if lab[:1] in PASSES and lab[1:].isdigit()}, key="FBWR".index)
+    if passes:
+        n = min(int(lab[1:]) for lab in labels if lab[:1] in passes)
+        names = [PASSES[p] for p in passes]
+        names = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        parts.append(" ".join(f"{p}{n}" for p in passes) + f": the {names} pass"
+                     + ("es" if len(passes) > 1 else "") + f" of micro-batch {n}")
+    steps = sorted(int(lab[1:]) for lab in labels if lab[:1] == "O" and lab[1:].isdigit())
+    if steps:
+        parts.append(f"O{steps[0]}: the optimizer of step {steps[0]}")
+    parts += [f"{short} {kind}" for kind, short in SHORT.items() if short in labels]
+    return "over a block wide enough, its label: " + "; ".join(parts) if parts else ""
 
 
 def label_of(e: TraceEvent) -> str:
@@ -102,6 +120,7 @@ class Timeline:
         out = list(row)
         for label, c0, c1 in blocks:
             if label and c1 - c0 + 1 >= len(label) + 1:
+                self.written.add(label)
                 for i, ch in enumerate(label):
                     out[c0 + i] = ch
         return out
@@ -116,6 +135,7 @@ class Timeline:
     def rows(self, labels: bool = True) -> list[tuple[str, str]]:
         """(lane label, glyphs) for every lane; block labels written in where they fit."""
         by_lane = self._lanes()
+        self.written: set[str] = set()  # the labels written in (for the legend)
         out = []
         for lane in self.lanes:
             row = self._row(by_lane[lane])
@@ -137,14 +157,17 @@ class Timeline:
         return " " * label_width + "".join(line)
 
     def _legend(self, used: set[str]) -> str:
-        return "  ".join(f"{g} {kind}" for kind, (g, _) in GLYPHS.items() if g in used) + f"  {IDLE} idle"
+        glyphs = "  ".join(f"{g} {kind}" for kind, (g, _) in GLYPHS.items() if g in used) + f"  {IDLE} idle"
+        labels = label_legend(self.written)
+        return glyphs + ("\n" + labels if labels else "")
 
     def plain(self, labels: bool = True) -> str:
-        rows = self.rows(labels)
+        kinds = self.rows(labels=False)
+        rows = self.rows(labels) if labels else kinds
         w = max((len(label) for label, _ in rows), default=0) + 2
         lines = [label.ljust(w) + glyphs for label, glyphs in rows]
         lines.append(self._axis(w))
-        lines.append(self._legend({c for _, g in self.rows(labels=False) for c in g}))
+        lines.append(self._legend({c for _, g in kinds for c in g}))
         return "\n".join(lines)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -155,7 +178,7 @@ class Timeline:
             fitted.lanes = self.lanes
             yield from fitted.__rich_console__(console, options)
             return
-        rows, kinds = self.rows(), self.rows(labels=False)
+        kinds, rows = self.rows(labels=False), self.rows()
         for (label, glyphs), (_, plain) in zip(rows, kinds):
             text = Text(label.ljust(w), style="dim")
             for ch, kind in zip(glyphs, plain):  # coloured by what runs there, labels written over it
