@@ -42,3 +42,19 @@ def test_rich_rendering_fits_the_console_width():
     text = plain(Timeline(Trace(events, [(0, "compute")]), width=200), width=50)
     assert max(len(line) for line in text.splitlines()) <= 50
     assert "FFFF" in text
+
+
+def test_the_memory_chart_measures_the_peak_against_the_device():
+    """100 B of activations held from 0 to 50 ns of a 100 ns run, in 4 columns of 25 ns (the column
+    holding the release shows what it held before it)."""
+    from simcluster.engine.trace import MemoryEvent
+    from simcluster.viz.memory_chart import MemoryChart
+
+    trace = Trace([TraceEvent(0, "compute", "forward", "F0", 0, 100)], [(0, "compute")])
+    trace.memory = (MemoryEvent(0, 0, "activations", "x", 100), MemoryEvent(0, 50, "activations", "x", -100))
+    roomy = MemoryChart(trace, width=4, capacity=1000)  # 10 %: bars scaled to the peak
+    assert dict(roomy.rows())["total"] == "███ " and "10 % of the device's" in roomy.caption()
+    tight = MemoryChart(trace, width=4, capacity=150)  # above half: a full bar is the device, 100/150 of 8 = 5
+    assert dict(tight.rows())["total"] == "▅▅▅ " and tight.caption().endswith("(bars scaled to the capacity)")
+    over = MemoryChart(trace, width=4, capacity=90)
+    assert dict(over.rows())["total"] == "!!! " and "OUT OF MEMORY: 111 % of the device's" in over.caption()

@@ -4,7 +4,9 @@
     activations  ▁▃▅▇▅▃▁▁▁▁
     total        ▃▅▇█▇▅▃▂▂▂   peak 1.2 MB at 340 us
 
-Each column shows the largest amount held in its time slice.
+Each column shows the largest amount held in its time slice. Given the device's capacity, the caption
+says what share of it the peak is; a peak above half of it scales the bars to the capacity instead
+(a full bar is a full device), and columns above it are drawn as "!" in the total row: out of memory.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ BARS = " ▁▂▃▄▅▆▇█"
 
 
 class MemoryChart:
-    def __init__(self, trace: Trace, *, rank: int | None = None, width: int = 80) -> None:
+    def __init__(self, trace: Trace, *, rank: int | None = None, width: int = 80, capacity: int | None = None) -> None:
         peaks = trace.memory_peaks()
         if rank is None:  # the rank that holds the most at its peak
             rank = max(peaks, key=lambda r: (peaks[r]["total"], -r)) if peaks else 0
-        self.trace, self.rank, self.width = trace, rank, width
+        self.trace, self.rank, self.width, self.capacity = trace, rank, width, capacity
         self.end = max(trace.end, 1)
+
+    def scale(self, peak: int) -> int:
+        """What a full bar means: the peak, or the capacity when the peak is above half of it."""
+        if self.capacity and 2 * peak > self.capacity:
+            return max(peak, self.capacity)
+        return peak or 1
 
     def series(self) -> dict[str, list[int]]:
         """Per category (and "total"): the most held in each of `width` time slices."""
@@ -51,14 +59,22 @@ class MemoryChart:
 
     def rows(self) -> list[tuple[str, str]]:
         series = self.series()
-        top = max(series["total"], default=0) or 1
-        return [(name, "".join(BARS[min(8, round(8 * v / top))] for v in values)) for name, values in series.items()]
+        top = self.scale(max(series["total"], default=0))
+        over = self.capacity or float("inf")
+        return [(name, "".join("!" if name == "total" and v > over else BARS[min(8, round(8 * v / top))]
+                               for v in values)) for name, values in series.items()]
 
     def caption(self) -> str:
         total = self.series()["total"]
         peak = max(total, default=0)
         at = total.index(peak) * self.end / self.width if total else 0
-        return f"rank {self.rank}: peak {format_bytes(peak)} at {at / 1e3:.3g} us (bars scaled to the peak)"
+        head = f"rank {self.rank}: peak {format_bytes(peak)} at {at / 1e3:.3g} us"
+        if not self.capacity:
+            return head + " (bars scaled to the peak)"
+        share = f"{100 * peak / self.capacity:.3g} % of the device's {format_bytes(self.capacity)}"
+        if peak > self.capacity:
+            return head + f", OUT OF MEMORY: {share} (bars scaled to the peak; ! above the capacity)"
+        return head + f", {share} (bars scaled to the {'capacity' if self.scale(peak) > peak else 'peak'})"
 
     def plain(self) -> str:
         rows = self.rows()
@@ -67,11 +83,16 @@ class MemoryChart:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         if self.width + 16 > options.max_width:
-            fitted = MemoryChart(self.trace, rank=self.rank, width=max(10, options.max_width - 16))
+            fitted = MemoryChart(self.trace, rank=self.rank, width=max(10, options.max_width - 16),
+                                 capacity=self.capacity)
             yield from fitted.__rich_console__(console, options)
             return
-        yield Text(self.caption(), style="bold")
+        caption = self.caption()
+        yield Text(caption, style="bold red" if "OUT OF MEMORY" in caption else "bold")
         rows = self.rows()
         w = max((len(n) for n, _ in rows), default=0) + 2
         for name, bars in rows:
-            yield Text(name.ljust(w), style="dim") + Text(bars, style="cyan" if name != "total" else "bold cyan")
+            text = Text(name.ljust(w), style="dim")
+            for ch in bars:
+                text.append(ch, style="bold red" if ch == "!" else "cyan" if name != "total" else "bold cyan")
+            yield text

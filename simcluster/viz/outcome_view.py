@@ -77,7 +77,8 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
     if outcome.result.trace.memory:
         console.print()
         console.print("[bold]memory over time[/] (the rank with the highest peak)", markup=True)
-        console.print(MemoryChart(outcome.result.trace, width=width))
+        console.print(MemoryChart(outcome.result.trace, width=width,
+                                  capacity=outcome.report["memory"]["capacity_bytes"]))
 
 
 def measured_table(report: dict[str, Any]) -> Table:
