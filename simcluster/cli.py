@@ -1,11 +1,10 @@
-"""`simcluster COMMAND`: run, verify, list, timeline, export, plan, calibrate. Run `simcluster COMMAND --help` for each."""
+"""`simcluster COMMAND`: run, verify, list, keys, timeline, export, sweep, plan, calibrate. Run `simcluster COMMAND --help` for each."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -15,6 +14,7 @@ from rich.table import Table
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.options import check_options, checkpoint_overrides, ints
+from simcluster.commands import export, pick_variant, stage_rows, sweep_command
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.outcome_view import render, repeated
@@ -42,29 +42,6 @@ def variant_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", metavar="N|LABEL",
                    help="for a scenario with a [compare] table: which variant, by number from 1, by label or by "
                         "a part of one label (default: the first)")
-
-
-def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:
-    """One variant of a comparison (timeline and export draw one run), named on stderr."""
-    if not scenario.variants:
-        if wanted is not None:
-            raise ScenarioError(f"--variant {wanted}: scenario {scenario.name!r} has no [compare] table")
-        return scenario
-    labels = [label for label, _ in scenario.variants]
-    if wanted is None:
-        i = 0
-    elif wanted.isdigit() and 1 <= int(wanted) <= len(labels):
-        i = int(wanted) - 1
-    elif wanted in labels:
-        i = labels.index(wanted)
-    elif len(having := [n for n, label in enumerate(labels) if wanted in label]) == 1:
-        i = having[0]
-    else:
-        raise ScenarioError(f"--variant {wanted}: the variants are 1 to {len(labels)}: " +
-                            "; ".join(f"{n} {label!r}" for n, label in enumerate(labels, 1)))
-    err.print(f"variant {i + 1} of {len(labels)}: {labels[i]}" +
-              ("" if wanted is not None else " (--variant N picks another)"), markup=False, highlight=False)
-    return scenario.variants[i][1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,6 +106,16 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("chrome", "hta"), default="chrome",
                         help="chrome (default): one JSON file; hta: rank-N.json per rank in the layout HTA's "
                              "TraceAnalysis(trace_dir=...) reads")
+    sweep = sub.add_parser("sweep", help="one run per value of a key: step time and peak memory side by side",
+                           description="Run SCENARIO once per value of KEY and chart step time and peak memory "
+                                       "against it. Sweeping parallel.tp, pp or cp keeps the cluster: dp follows "
+                                       "(world / (pp x cp x tp)) unless --set gives it. A value the layout cannot "
+                                       "take is a row saying why.")
+    scenario_arguments(sweep, fold=False)
+    sweep.add_argument("--key", required=True, help="the key to sweep, e.g. parallel.tp (see `simcluster keys`)")
+    sweep.add_argument("--values", required=True, help="its values, comma-separated, e.g. 1,2,4,8")
+    sweep.add_argument("--svg", metavar="FILE", help="also write the chart as SVG")
+    sweep.add_argument("--json", action="store_true", help="print the points as JSON instead")
     plan = sub.add_parser("plan", help="search the parallel layouts of a scenario's model on its cluster, best first",
                           description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B or "
                                       "interleaved), CP, DP, ZeRO stage, micro-batch size and recomputation. Every "
@@ -225,35 +212,6 @@ def _with_progress(err: Console, scenario: Any, fold: bool = True) -> Outcome:
         outcome = run_all(scenario, on_variant, fold=fold)
         progress.update(task, completed=len(scenario.variants))
     return outcome
-
-
-def _export(trace: Any, args: argparse.Namespace, outcome: Outcome) -> str:
-    """Write the trace in args.format; say where."""
-    r = outcome.report
-    about = {"scenario": outcome.scenario.name, "mesh": r["mesh"], "world_size": r["world_size"], "cluster": r["cluster"]}
-    if args.format == "hta":
-        from simcluster.viz import hta
-
-        c = r["cluster"]
-        docs = hta.rank_traces(trace, gpus_per_node=c["gpus_per_node"], device=c["device"],
-                               memory_bytes=r["memory"]["capacity_bytes"], dtype=r["scenario"]["model"]["dtype"],
-                               metadata=about)
-        paths = hta.write(Path(args.output), docs)
-        return f"{args.output} ({len(paths)} files, rank-N.json)"
-    from simcluster.viz.chrome import dumps
-
-    Path(args.output).write_text(dumps(trace, title=outcome.scenario.name, metadata=about))
-    return args.output
-
-
-def stage_rows(mesh: Any, ranks: list[int] | None) -> tuple[list[int], dict[int, str]]:
-    """The ranks a pipeline picture draws (default: one per stage, of the first replica) and each row's
-    name: "stage s" for those, "rank r (stage s)" for ranks the user picked elsewhere."""
-    first = [r for r in range(mesh.world_size) if all(v == 0 for a, v in mesh.coords(r).items() if a != "pp")]
-    chosen = sorted(first, key=lambda r: mesh.coords(r)["pp"]) if ranks is None else list(ranks)
-    plain = set(chosen) <= set(first)
-    return chosen, {r: f"stage {mesh.coords(r)['pp']}" if plain else f"rank {r} (stage {mesh.coords(r)['pp']})"
-                    for r in chosen}
 
 
 def _passed(outcome: Outcome) -> bool:
@@ -367,6 +325,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
             out.print(describe(args.which, width=max(60, min(out.width, 100))), markup=False, highlight=False)
             return 0
+        if args.command == "sweep":
+            return sweep_command(args, out, err)
         if args.command == "calibrate":
             return _calibrate(args, out, err)
         if args.command == "run" and args.backend == "torch":
@@ -392,7 +352,7 @@ def _main(argv: Sequence[str] | None) -> int:
         whole = result.fold is None or len(result.trace) * result.fold.copies <= EXPORT_EVENTS
         trace = result.full_trace() if whole else result.trace
         try:
-            where = _export(trace, args, outcome)
+            where = export(trace, args, outcome)
         except OSError as exc:
             say_error(err, f"-o {args.output}: {exc.strerror or exc}")
             return 2

@@ -230,7 +230,7 @@ def test_keys_prints_every_key_with_its_default_and_valid_values(capsys):
 
 def test_the_pipeline_picture_draws_one_rank_per_stage_and_names_other_replicas_by_rank():
     """dp=2 x pp=4: ranks 0-3 are replica 0's stages 0-3, ranks 4-7 replica 1's (pp inside dp)."""
-    from simcluster.cli import stage_rows
+    from simcluster.commands import stage_rows
     from simcluster.program.mesh import DeviceMesh
 
     mesh = DeviceMesh(dp=2, pp=4)

@@ -1,0 +1,79 @@
+"""`simcluster sweep SCENARIO --key K --values a,b,c`: one run per value of a key, step time and peak
+memory side by side, as a terminal chart and an SVG.
+
+Sweeping a parallel degree (tp, pp, cp) keeps the cluster: dp follows, world / (pp x cp x tp), unless
+the command line sets dp itself. A value the layout cannot take is a row saying why, not the end of
+the sweep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from simcluster.engine.errors import SimulationError
+from simcluster.program.comm import ProgramError
+from simcluster.runner import run_all
+from simcluster.scenario import Scenario, ScenarioError, load, parse_override
+
+DEGREES = ("parallel.tp", "parallel.pp", "parallel.cp")
+
+
+@dataclass(frozen=True)
+class Point:
+    value: str
+    step_ns: int = 0
+    peak_bytes: int = 0
+    fits: bool = True
+    verdict: str = ""
+    refused: str = ""  # why this value could not run ("" when it ran)
+    capacity_bytes: int = 0
+
+
+def overrides_for(base: Scenario, key: str, value: str, given: Sequence[str]) -> list[str]:
+    """The --set list of one point: the user's, the swept value, and dp when a degree moves."""
+    out = list(given) + [f"{key}={value}"]
+    if key in DEGREES and "parallel.dp" not in {parse_override(o)[0] for o in given}:
+        p = dict(base.parallel, **{key.split(".", 1)[1]: parse_override(f"{key}={value}")[1]})
+        if isinstance(p[key.split(".", 1)[1]], int) and p[key.split(".", 1)[1]] > 0:
+            world = base.world_size
+            rest = p["pp"] * p["cp"] * p["tp"]
+            if world % rest == 0:
+                out.append(f"parallel.dp={world // rest}")
+    return out
+
+
+def sweep(name: str | None, key: str, values: Sequence[str], given: Sequence[str] = (), *, at_scale: bool = False,
+          on_point: Callable[[int, int, str], None] | None = None) -> tuple[Scenario, list[Point]]:
+    base = load(name, list(given), at_scale=at_scale)
+    if base.variants:
+        raise ScenarioError(f"scenario {base.name!r} has a [compare] table; sweep one of its variants with "
+                            f"--set (a compared key picks one), or a scenario without one")
+    points = []
+    for i, value in enumerate(values):
+        if on_point is not None:
+            on_point(i, len(values), value)
+        try:
+            sc = load(name, overrides_for(base, key, value, given), at_scale=at_scale)
+            report = run_all(sc).report
+        except (ScenarioError, SimulationError, ProgramError) as exc:
+            points.append(Point(value, refused=str(exc).splitlines()[0]))
+            continue
+        v = report["verification"]
+        verdict = "not verified" if not v.get("outputs_compared") else "bit-exact" if v.get("bit_exact") else \
+            "within tolerance" if v.get("passed") else "MISMATCH"
+        m = report["memory"]
+        points.append(Point(value, report["step_time_ns"], m["peak_bytes"], m["fits"], verdict,
+                            capacity_bytes=m["capacity_bytes"]))
+    return base, points
+
+
+def capacity(points: list[Point]) -> int | None:
+    """The device's memory, where the peaks come near it (above half): the scale memory is drawn at."""
+    ran = [p for p in points if not p.refused]
+    cap = min((p.capacity_bytes for p in ran), default=0)
+    return cap if cap and 2 * max(p.peak_bytes for p in ran) > cap else None  # (none ran: cap is 0)
+
+
+def as_json(key: str, points: list[Point]) -> dict[str, Any]:
+    return {"key": key, "points": [p.__dict__ for p in points]}
