@@ -48,7 +48,7 @@ def export(trace: Any, args: argparse.Namespace, outcome: Outcome) -> str:
         c = r["cluster"]
         docs = hta.rank_traces(trace, gpus_per_node=c["gpus_per_node"], device=c["device"],
                                memory_bytes=r["memory"]["capacity_bytes"], dtype=r["scenario"]["model"]["dtype"],
-                               metadata=about)
+                               world_size=r["world_size"], metadata=about)
         paths = hta.write(Path(args.output), docs)
         return f"{args.output} ({len(paths)} files, rank-N.json)"
     from simcluster.viz.chrome import dumps
@@ -78,7 +78,9 @@ def sweep_command(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(sweep_view.table(args.key, points, capacity(points)))
     if args.svg:
         Path(args.svg).write_text(sweep_view.svg(args.key, points, capacity(points), title=f"{base.name}: {args.key}"))
-    return 0 if any(not p.refused for p in points) else 2
+    if all(p.refused for p in points):
+        return 2
+    return 1 if any(p.verdict == "MISMATCH" for p in points) else 0
 
 
 def stage_rows(mesh: Any, ranks: list[int] | None) -> tuple[list[int], dict[int, str]]:

@@ -34,8 +34,9 @@ def nccl_name(kind: str, dtype: str) -> str:
 
 
 def rank_traces(trace: Trace, *, gpus_per_node: int, device: str, memory_bytes: int, dtype: str = "bf16",
-                metadata: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
-    """One profiler-trace document per rank."""
+                world_size: int | None = None, metadata: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+    """One profiler-trace document per rank of the trace (`world_size`: the run's, when the trace holds
+    only some of its ranks)."""
     ranks = sorted({r for r, _ in trace.lanes})
     streams: dict[str, int] = {}
     for _, name in trace.lanes:
@@ -46,7 +47,7 @@ def rank_traces(trace: Trace, *, gpus_per_node: int, device: str, memory_bytes: 
         local = rank % gpus_per_node
         docs[rank] = {
             "schemaVersion": 1,
-            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": len(ranks)},
+            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world_size or len(ranks)},
             "deviceProperties": [{"id": local, "name": device, "totalGlobalMem": memory_bytes}],
             "traceName": f"simcluster rank {rank}",
             "displayTimeUnit": "ms",
