@@ -34,12 +34,12 @@ def overrides_for(base: Scenario, key: str, value: str, given: Sequence[str]) ->
     """The --set list of one point: the user's, the swept value, and dp when a degree moves."""
     out = list(given) + [f"{key}={value}"]
     if key in DEGREES and "parallel.dp" not in {parse_override(o)[0] for o in given}:
-        p = dict(base.parallel, **{key.split(".", 1)[1]: parse_override(f"{key}={value}")[1]})
-        if isinstance(p[key.split(".", 1)[1]], int) and p[key.split(".", 1)[1]] > 0:
-            world = base.world_size
+        degree = parse_override(out[-1])[1]
+        if isinstance(degree, int) and degree > 0:  # (anything else: the point's own load refuses it)
+            p = dict(base.parallel, **{key.removeprefix("parallel."): degree})
             rest = p["pp"] * p["cp"] * p["tp"]
-            if world % rest == 0:
-                out.append(f"parallel.dp={world // rest}")
+            if base.world_size % rest == 0:
+                out.append(f"parallel.dp={base.world_size // rest}")
     return out
 
 
