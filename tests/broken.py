@@ -27,3 +27,25 @@ def no_rescale(ops, state, scores, v, kept):
     e = ops.attention_weights(scores, m_new)
     l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
     return m_new, l_t if m is None else ops.add(l_sum, l_t), o_t if m is None else ops.add(o_sum, o_t)
+
+
+class _WrongCoord:
+    """A mesh view that gives a wrong coordinate along one axis."""
+
+    def __init__(self, view, axis, wrong):
+        self._view, self._axis, self._wrong = view, axis, wrong
+
+    def coord(self, axis):
+        c = self._view.coord(axis)
+        return self._wrong(c, self._view.size(axis)) if axis == self._axis else c
+
+    def __getattr__(self, name):
+        return getattr(self._view, name)
+
+
+def wrong_coord(program, axis, wrong):
+    """`program` on ranks that believe their coordinate along `axis` is wrong(coordinate, size)."""
+    def broken(ctx, cfg):
+        ctx.mesh = _WrongCoord(ctx.mesh, axis, wrong)
+        return (yield from program(ctx, cfg))
+    return broken

@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 
 from simcluster import report
 from simcluster.model.gpt import GPTConfig
+from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.plan import Plan
+from simcluster.program.mesh import DeviceMesh
+from simcluster.testing import Layout, assert_bit_exact, layouts
 
 from pairwise import covering_rows
 from plans import run_plan
@@ -73,11 +77,23 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                       kv_heads=heads // row["kv_group"])
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
                     zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"])
-    got, _ = run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, sp=row["sp"], attention=row["attention"],
-                      schedule=row["schedule"], virtual=virtual, zero_over=row["zero_over"])
-    verdict = report.verification("exact", reference(data), got)
-    assert verdict["bit_exact"], verdict["mismatches"]
-    assert verdict["outputs_compared"] == 2 + 5 * len(model.parameter_shapes())
+    layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Plan(
+        data=data, sp=row["sp"], attention=row["attention"], schedule=row["schedule"], virtual=virtual,
+        zero_over=row["zero_over"]))
+    want = reference(data)
+    assert len(want) == 2 + 5 * len(model.parameter_shapes())  # losses; weights, gradients (last, first), moments
+    assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble, reference=want)
+
+
+SMALL = GPTConfig(layers=4, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=8, tied_head=False, dropout=0.1)
+
+
+@given(layouts(SMALL, max_world=8))
+def test_any_drawn_layout_is_bit_exact(layout):
+    """The public strategy (simcluster.testing.layouts) draws the layouts; the one-device run is the
+    same program on a mesh of one."""
+    assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
+                     reference_config=layout.one_device_plan)
 
 
 def small_4d(zero):

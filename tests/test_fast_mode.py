@@ -13,7 +13,11 @@ from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import Partial
 from simcluster.parallel import ring_attention
+from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.plan import Plan
+from simcluster.program.mesh import DeviceMesh
+from simcluster.testing import Layout, assert_close_fast
 
 LAYOUTS = {  # one of each family, and a 4D hybrid
     "zero3": dict(dp=4, zero=3),
@@ -44,11 +48,14 @@ def fast_verdict(cfg, **layout):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_family_runs_in_fast_mode_within_the_derived_bound(name, dtype):
-    layout = dict(LAYOUTS[name])
-    cfg = data(dtype, layout.pop("zero", 0))
-    verdict = fast_verdict(cfg, **layout)
-    assert verdict["passed"], verdict["tolerance"]
-    assert verdict["tolerance"]["compared"] == 2 + len(cfg.model.parameter_shapes())  # losses, first gradients
+    options = dict(LAYOUTS[name])
+    cfg = data(dtype, options.pop("zero", 0))
+    mesh = DeviceMesh(**{a: options.pop(a) for a in ("dp", "pp", "cp", "tp") if a in options})
+    layout = Layout(mesh, Plan(data=cfg, **options))
+    compared = [k for k in reference(cfg, "fast") if layout.fast_bounds(k) is not None]
+    assert len(compared) == 2 + len(cfg.model.parameter_shapes())  # losses, first gradients
+    assert_close_fast(composed, layout.plan, mesh=mesh, assemble=layout.assemble, reference=reference(cfg, "fast"),
+                      bounds=layout.fast_bounds)  # (simcluster.testing)
 
 
 def test_sums_accumulate_in_float32_and_round_once():

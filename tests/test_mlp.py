@@ -8,7 +8,10 @@ from simcluster import report
 from simcluster.engine import simulate
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
+from simcluster.testing import assert_bit_exact, meshes
 from simcluster.topology.presets import preset
+
+from broken import wrong_coord
 
 
 def full_run(program, cfg, dp, tp):
@@ -21,36 +24,18 @@ def reference(cfg):
     return full_run(train_mlp, cfg, 1, 1)[0]
 
 
-@given(dp=st.sampled_from([1, 2, 3, 5, 6]), tp=st.sampled_from([1, 2, 3]), seed=st.integers(0, 99),
-       steps=st.integers(1, 3), hidden=st.sampled_from([4, 8]))
-def test_bit_exact_against_one_device(dp, tp, seed, steps, hidden):
-    cfg = MLPConfig(hidden=hidden, ffn_hidden=6 * tp, tokens=dp * 2, steps=steps, seed=seed)
-    want = reference(cfg)
-    got, _ = full_run(train_mlp, cfg, dp, tp)
-    verdict = report.verification("exact", want, got)
-    assert verdict["bit_exact"], verdict["mismatches"]
+@given(mesh=meshes(max_world=12, axes=("dp", "tp")), seed=st.integers(0, 99), steps=st.integers(1, 3),
+       hidden=st.sampled_from([4, 8]))
+def test_bit_exact_against_one_device(mesh, seed, steps, hidden):
+    dp, tp = mesh.sizes["dp"], mesh.sizes["tp"]
+    cfg = MLPConfig(hidden=hidden, ffn_hidden=2 * tp, tokens=dp * 2, steps=steps, seed=seed)
+    run = assert_bit_exact(train_mlp, cfg, mesh=mesh, assemble=assemble)  # (simcluster.testing)
+    got = assemble(run.results, [mesh.coords(r) for r in range(mesh.world_size)])
     assert set(got) == {f"loss[{i}]" for i in range(steps)} | {"y", "w1", "w2", "dw1", "dw2"}
 
 
-class _WrongCoord:
-    """A mesh view that gives a wrong coordinate along one axis (a deliberately broken program)."""
-
-    def __init__(self, view, axis, wrong):
-        self._view, self._axis, self._wrong = view, axis, wrong
-
-    def coord(self, axis):
-        c = self._view.coord(axis)
-        return self._wrong(c, self._view.size(axis)) if axis == self._axis else c
-
-    def __getattr__(self, name):
-        return getattr(self._view, name)
-
-
 def broken(axis, wrong):
-    def program(ctx, cfg):
-        ctx.mesh = _WrongCoord(ctx.mesh, axis, wrong)
-        return (yield from train_mlp(ctx, cfg))
-    return program
+    return wrong_coord(train_mlp, axis, wrong)
 
 
 def test_swapped_tensor_parallel_shards_are_caught():
