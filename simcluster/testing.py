@@ -18,16 +18,15 @@ assertions need nothing beyond simcluster. docs/tutorial.md walks through all of
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from simcluster import report
-from simcluster.engine import RunResult, simulate
+from simcluster.engine import RunResult, default_cluster, simulate
 from simcluster.model.config import GPTConfig
 from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
@@ -107,8 +106,11 @@ def replicated(results: list[Any], coords: list[dict[str, int]]) -> dict[str, np
 
 # -- running a program and its one-device reference ------------------------------------------------
 def _run(program: Callable[..., Any], config: Any, mesh: DeviceMesh, mode: str, cluster: Any) -> RunResult:
-    return simulate(program, config, mesh=mesh, mode=mode,
-                    cluster=cluster or preset("dgx-a100", gpus_per_node=mesh.world_size))
+    """On `cluster`, or DGX A100 nodes of 8 (one node of the world's size where 8 does not divide it)."""
+    world = mesh.world_size
+    if cluster is None:
+        cluster = default_cluster(world) if world <= 8 or world % 8 == 0 else preset("dgx-a100", gpus_per_node=world)
+    return simulate(program, config, mesh=mesh, mode=mode, cluster=cluster)
 
 
 def _view(run: RunResult, assemble: Assemble | None) -> dict[str, Any]:
@@ -198,9 +200,15 @@ def meshes(max_world: int = 16, *, axes: Iterable[str] = AXES, min_world: int = 
     axes = [a for a in AXES if a in named]
     if not 1 <= min_world <= max_world:
         raise ValueError(f"need 1 <= min_world <= max_world, got {min_world} and {max_world}")
-    sizes = [s for s in itertools.product(range(1, max_world + 1), repeat=len(axes))
-             if min_world <= math.prod(s) <= max_world]
-    sizes.sort(key=lambda s: (math.prod(s), s))
+    def within(k: int, room: int) -> Iterator[tuple[int, ...]]:  # k degrees whose product is at most room
+        if k == 0:
+            yield ()
+            return
+        for n in range(1, room + 1):
+            yield from ((n, *rest) for rest in within(k - 1, room // n))
+
+    sizes = sorted((s for s in within(len(axes), max_world) if math.prod(s) >= min_world),
+                   key=lambda s: (math.prod(s), s))
     return st.sampled_from(sizes).map(lambda s: DeviceMesh(**dict(zip(axes, s))))
 
 
