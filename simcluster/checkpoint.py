@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,9 @@ def _runs(index: np.ndarray) -> list[int]:
 
 
 # -- writing ---------------------------------------------------------------------------------------------
+RANK_FILE = re.compile(r"rank\d{5}-step\d+\.bin")  # what write_rank names a file
+
+
 def write_rank(folder: str, rank: int, step: int, units: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Write this rank's file: for each unit {names, index, which, mask, states: {state: chunk}}, the
     elements it owns (mask) grouped by tensor. Returns the file's entry and pieces (None: nothing owned)."""
@@ -209,6 +213,9 @@ def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, i
                 "pieces": [p for w in written if w for p in w["pieces"]]}
     text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     _write_atomically(Path(ck.save) / MANIFEST, text.encode())
+    for old in Path(ck.save).glob("rank*-step*.bin"):  # a previous save's files, now unlisted
+        if RANK_FILE.fullmatch(old.name) and old.name not in files:
+            old.unlink(missing_ok=True)
     return {"saved": ck.save, "step": ck.at, "files": len(files), "bytes": sum(f["bytes"] for f in files.values())}
 
 

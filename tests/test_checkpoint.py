@@ -161,11 +161,15 @@ def test_another_training_is_refused(saved):
 
 def test_saving_again_replaces_the_checkpoint_whole(saved):
     """A second save into the same folder: the new manifest is renamed over the old one; no temporary
-    file is left, and the checkpoint reads back at the new step."""
+    file is left, nor any file of the first save (4 ZeRO-1 ranks; now 2 tensor-parallel ranks, each
+    owning its half), and the checkpoint reads back at the new step."""
+    assert len(list(saved.glob("*.bin"))) == 4
+    (saved / "notes.bin").write_bytes(b"mine")  # not ours: kept
     run_scenario(scenario("tp2", f"run.save_checkpoint={str(saved)!r}", steps=2))
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["saved_by"]["mesh"]["tp"] == 2
     assert not list(saved.glob("*.tmp"))
+    assert sorted(f.name for f in saved.glob("*.bin")) == ["notes.bin", "rank00000-step2.bin", "rank00001-step2.bin"]
     resumed, _ = outputs(scenario("ddp dp2", f"run.resume={str(saved)!r}", steps=3))
     assert resumed.report["verification"]["bit_exact"]
 
