@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -212,11 +212,11 @@ def meshes(max_world: int = 16, *, axes: Iterable[str] = AXES, min_world: int = 
     return st.sampled_from(sizes).map(lambda s: DeviceMesh(**dict(zip(axes, s))))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     """A mesh and a plan for the composed GPT program (simcluster.parallel.composed) that it can run."""
 
-    mesh: DeviceMesh = field(compare=False)
+    mesh: DeviceMesh
     plan: Plan
 
     def __repr__(self) -> str:
