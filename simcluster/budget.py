@@ -81,7 +81,8 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
         p = sc.parallel
         faulty = faults_of(sc) is not None
-        spine = sc.cluster_spec().spine  # (no folding: engine/__init__.py)
+        spec = sc.cluster_spec()
+        spine = spec.spine or bool(spec.torus)  # (no folding: engine/__init__.py)
         copies = p["cp"] * (1 if fold and not faulty and not spine else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
@@ -89,7 +90,8 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         if seconds > LIMIT_S or nbytes > memory:
             why = "" if copies == p["cp"] else (
                 f" x {copies:,} copies: every dp and tp rank runs, " + (
-                    "[faults] turn folding off" if faulty else "an oversubscribed spine turns folding off" if spine
+                    "[faults] turn folding off" if faulty else "a torus turns folding off" if spec.torus
+                    else "an oversubscribed spine turns folding off" if spine
                     else "--no-fold"))
             raise ScenarioError(
                 f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "

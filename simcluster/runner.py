@@ -211,6 +211,9 @@ def faults_of(sc: Scenario) -> Faults | None:
     if f["degraded_rank"] is not None and not 0 < f["degraded_factor"] <= 1:
         raise ScenarioError(f"faults.degraded_factor = {f['degraded_factor']!r} must be above 0 and at most 1 (the "
                             f"fraction of its bandwidth the link keeps)")
+    if f["degraded_rank"] is not None and sc.cluster_spec().torus:
+        raise ScenarioError("faults.degraded_rank: a torus (cluster.torus) has no NIC or NVLink port to degrade; "
+                            "a degraded link between chips is not modelled")
     if f["failed_rank"] is not None and f["watchdog_s"] <= 0:
         raise ScenarioError("faults.watchdog_s must be above 0")
     faults = Faults(

@@ -30,7 +30,7 @@ class Key:
     minimum: float | None = None
 
 
-_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node", "profile")}
+_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node", "profile", "torus")}
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -64,6 +64,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "preset": Key(str, "dgx-a100", "hardware preset", choices=tuple(sorted(PRESETS))),
         "nodes": Key(int, 1, "number of nodes", minimum=1),
         "gpus_per_node": Key(int, 8, "GPUs per node (NVLink/NVSwitch domain)", minimum=1),
+        "torus": Key(str, None, "chips along each dimension of a TPU-style torus, like '4x4x4' (their product must be "
+                     "cluster.nodes x cluster.gpus_per_node; wrap-around links where every dimension is at least 4): "
+                     "links between neighbouring chips instead of NVLink and NICs (default: the preset's; '' for none)"),
         "profile": Key(str, None, "a hardware profile measured by `simcluster calibrate` (a TOML file, relative to "
                        "the scenario's folder or the working directory): its figures replace the preset's, and "
                        "each GEMM is timed at the rate measured for the shape nearest it"),
@@ -240,7 +243,8 @@ class Scenario:
         c = self.cluster
         figures = {k: v for k, v in c.items() if k in _CLUSTER_FIGURES and v is not None}
         try:
-            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"])
+            shape = {} if c.get("torus") is None else {"torus": c["torus"]}
+            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], **shape)
             if c.get("profile"):
                 measured = profile.load(self._find(c["profile"]))
                 measured.gemm_rate(1, 1, 1, 1, self.model["dtype"])  # (a ProfileError now, if it lacks the dtype)

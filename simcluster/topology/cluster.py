@@ -3,6 +3,9 @@
 Links are numbered `rank * 4 + port`, one per direction: a transfer inside a node leaves through the
 sender's NVLink port and enters the receiver's (the NVSwitch itself does not block); a transfer
 between nodes leaves through the sender's NIC and enters the receiver's (a non-blocking fabric).
+On a torus (`cluster.torus`) the ports go unused: chip r's link along dimension d, direction + or -,
+is `world * 4 + r * 2D + 2d (+1 for -)`, and a transfer crosses the links of its dimension-order
+route (x first, then y, then z; the shorter way round where the torus wraps, + on a tie).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class Cluster:
         self.spine = spec.spine
         if self.spine:
             self.capacity += [spec.nodes * nic / spec.oversubscription] * (2 * self.gpus_per_node)
+        self.torus = spec.torus_dims  # () without a torus
+        if self.torus:
+            self.wrap = min(self.torus) >= 4
+            self.capacity += [spec.ici_gbyte_per_s] * (2 * len(self.torus) * self.world_size)
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
         self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
@@ -44,8 +51,24 @@ class Cluster:
     def same_node(self, a: int, b: int) -> bool:
         return a // self.gpus_per_node == b // self.gpus_per_node
 
-    def route(self, src: int, dst: int) -> tuple[tuple[int, int], int]:
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """A chip's place on the torus, x first."""
+        out = []
+        for n in self.torus:
+            rank, c = divmod(rank, n)
+            out.append(c)
+        return tuple(out)
+
+    def rank_at(self, coords: tuple[int, ...] | list[int]) -> int:
+        rank = 0
+        for n, c in zip(reversed(self.torus), reversed(coords)):
+            rank = rank * n + c
+        return rank
+
+    def route(self, src: int, dst: int) -> tuple[tuple[int, ...], int]:
         """(link ids, per-step latency in ns) of a transfer from src to dst."""
+        if self.torus:
+            return self._torus_route(src, dst)
         if self.same_node(src, dst):
             return (src * 4 + NVLINK_OUT, dst * 4 + NVLINK_IN), self.spec.nvlink_latency_ns
         a, b = src % self.gpus_per_node, dst % self.gpus_per_node
@@ -54,6 +77,21 @@ class Cluster:
             return (src * 4 + NIC_OUT, spine + 2 * a, spine + 2 * b + 1, dst * 4 + NIC_IN), self.spec.nic_latency_ns
         return (src * 4 + NIC_OUT, dst * 4 + NIC_IN), self.spec.nic_latency_ns
 
+    def _torus_route(self, src: int, dst: int) -> tuple[tuple[int, ...], int]:
+        here, there = list(self.coords(src)), self.coords(dst)
+        per_rank, base = 2 * len(self.torus), self.world_size * 4
+        links = []
+        for d, n in enumerate(self.torus):
+            ahead = (there[d] - here[d]) % n
+            if self.wrap:
+                step, hops = (1, ahead) if ahead <= n - ahead else (-1, n - ahead)
+            else:
+                step, hops = (1, ahead) if there[d] >= here[d] else (-1, here[d] - there[d])
+            for _ in range(hops):
+                links.append(base + self.rank_at(here) * per_rank + 2 * d + (step < 0))
+                here[d] = (here[d] + step) % n
+        return tuple(links), len(links) * self.spec.ici_latency_ns
+
     def ring_order(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
         """The order a ring visits `ranks` in: by node, inside a node by tp index, then by rank.
 
@@ -61,11 +99,17 @@ class Cluster:
         index is rotated inside each tp group (a ring through tp ranks 0,0,..,1,1,..: the rotation
         shifts it along itself), so a group across tp groups (the clipping norm's world all-reduce)
         moves the same flows on every tp rank, which lets a simulation fold tp peers (engine/fold.py).
-        With tp = 1, or a group inside one tp group, it is rank order."""
+        With tp = 1, or a group inside one tp group, it is rank order; on a torus too (plans.py then
+        rings along each dimension where it can)."""
+        if self.torus:
+            return tuple(sorted(ranks))
         t = self.tp
         return tuple(sorted(ranks, key=lambda r: (r // self.gpus_per_node, r % t, r)))
 
     def link_name(self, link: int) -> str:
+        if self.torus and link >= self.world_size * 4:
+            rank, rest = divmod(link - self.world_size * 4, 2 * len(self.torus))
+            return f"rank{rank}:ici-{'xyz'[rest // 2]}{'+-'[rest % 2]}"
         if link >= self.world_size * 4:
             rail, down = divmod(link - self.world_size * 4, 2)
             return f"spine:rail{rail}-{'down' if down else 'up'}"

@@ -12,6 +12,18 @@ it ends when its last flow ends. With one flow per link, the phases reproduce th
 A group spread evenly over several nodes, with more than one member per node, is hierarchical as in
 NCCL's tree/2-D algorithms: reduce_scatter inside each node, the cross-node step on 1/k of the data
 (k members per node, one ring per local index), then all_gather inside each node.
+
+On a torus (cluster.torus), a group that is a grid of chips (every combination of its coordinates
+along the dimensions it spans) reduces along one dimension at a time: reduce_scatter along x, then
+along y on what is left, then z, and all_gather back in the reverse order. Along a dimension whose
+links wrap around, a ring per line of chips in each direction, each carrying half the bytes, so
+both of a chip's links work; all_gather of S bytes along n chips then takes
+
+    (n-1) * (alpha + S / (2 n W))      W: one link, each way
+
+(~ S / 2W). A line without wrap-around cannot close a ring on its own links: its chips pass shards
+to both neighbours, and the end links carry all but one shard, (n-1) * alpha + (n-1) S / (n W),
+twice the torus's time. Another group rings in rank order over routed hops.
 """
 
 from __future__ import annotations
@@ -73,6 +85,8 @@ def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, 
             chain = chain[::-1]
         return [Phase(n - 1, tuple((chain[i], chain[i + 1], S) for i in range(n - 1)))]
 
+    if cluster.torus:
+        return _on_torus(kind, ranks, S, cluster)
     ring = cluster.ring_order(ranks)
     nodes = _by_node(cluster, ring)
     if nodes is None:
@@ -92,6 +106,54 @@ def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, 
         return [intra_rs, inter]
     assert kind is CommKind.ALL_GATHER, kind
     return [inter, intra_ag]
+
+
+def _lines(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, list[tuple[int, ...]]]] | None:
+    """For each torus dimension the group spans, (the dimension, its lines of chips along it, each in
+    coordinate order); None if the group is not a grid."""
+    coords = {r: cluster.coords(r) for r in ranks}
+    values = [sorted({c[d] for c in coords.values()}) for d in range(len(cluster.torus))]
+    size = 1
+    for v in values:
+        size *= len(v)
+    if size != len(ranks):  # (distinct chips whose coordinates take these values: the whole grid)
+        return None
+    out = []
+    for d, v in enumerate(values):
+        if len(v) > 1:
+            lines: dict[tuple[int, ...], list[int]] = {}
+            for r in ranks:
+                c = coords[r]
+                lines.setdefault(c[:d] + c[d + 1:], []).append(r)
+            out.append((d, [tuple(sorted(line, key=lambda r: coords[r][d])) for _, line in sorted(lines.items())]))
+    return out
+
+
+def _on_torus(kind: CommKind, ranks: tuple[int, ...], S: float, cluster: Cluster) -> list[Phase]:
+    lines = _lines(cluster, ranks)
+    if lines is None:
+        ring, n = cluster.ring_order(ranks), len(ranks)
+        if kind is CommKind.ALL_REDUCE:
+            return [_ring(ring, 2 * (n - 1), 2 * (n - 1) / n * S)]
+        return [_ring(ring, n - 1, (n - 1) / n * S)]
+    scatter = []
+    for d, dim in lines:
+        k = len(dim[0])
+        if cluster.wrap and k == cluster.torus[d]:  # rings both ways, each with half the bytes
+            share = (k - 1) / k * S / 2
+            scatter.append(_merge([_ring(line, k - 1, share) for line in dim] +
+                                  [_ring(line[::-1], k - 1, share) for line in dim]))
+        else:  # shards both ways along the line: a link carries every shard from its side
+            scatter.append(_merge([Phase(k - 1, tuple(f for j in range(k - 1) for f in (
+                (line[j], line[j + 1], (j + 1) / k * S), (line[j + 1], line[j], (k - 1 - j) / k * S))))
+                for line in dim]))
+        S /= k
+    if kind is CommKind.REDUCE_SCATTER:
+        return scatter
+    if kind is CommKind.ALL_GATHER:
+        return scatter[::-1]
+    assert kind is CommKind.ALL_REDUCE, kind
+    return scatter + scatter[::-1]
 
 
 def semantic_bytes(kind: CommKind, in_bytes: int, group_size: int) -> int:

@@ -37,6 +37,15 @@ class ClusterSpec:
     # what a single leaf tier gives). NCCL's PXN, which would hop over NVLink to the right rail first,
     # is not modelled.
     oversubscription: float = 1.0
+    # A TPU-style torus in place of NVSwitch nodes and a switched fabric: "XxYxZ" (or "XxY"), the chips
+    # along each dimension; rank r sits at x = r % X, y = r // X % Y, z = r // (X Y). Each chip has one
+    # link each way to its neighbour along every dimension (six on a 3D torus), wrapped around at the
+    # ends where every dimension is at least 4 (Google Cloud TPU v5p docs: "All 4x4x4 and larger slices
+    # have full 3D torus"); a smaller slice is an open mesh. "": no torus. Nodes are then hosts (4 chips
+    # on TPU v5p), which route nothing.
+    torus: str = ""
+    ici_gbyte_per_s: float = 100.0  # one inter-chip link, each way (TPU v5p: 1,200 GB/s bidirectional per chip over 6 links)
+    ici_latency_ns: int = 1000  # per hop; assumption
     nvlink_latency_ns: int = 1000  # per ring step; assumption
     nic_latency_ns: int = 3000  # per ring step; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
@@ -56,6 +65,9 @@ class ClusterSpec:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "profile":
+                continue
+            if f.name == "torus":
+                self.torus_dims  # (raises on a bad shape or a chip count other than the world's)
                 continue
             if f.name in ("preset", "device"):
                 if not isinstance(v, str) or not v:
@@ -91,9 +103,27 @@ class ClusterSpec:
         return self.nodes * self.gpus_per_node
 
     @property
+    def torus_dims(self) -> tuple[int, ...]:
+        """The torus's chips along each dimension; () without a torus."""
+        if not isinstance(self.torus, str):
+            raise TypeError(f"cluster.torus must be a string like '4x4x4', got {type(self.torus).__name__}")
+        if not self.torus:
+            return ()
+        parts = self.torus.lower().split("x")
+        if not 2 <= len(parts) <= 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"cluster.torus = {self.torus!r} is not a torus shape: two or three positive whole "
+                             f"numbers joined by x, like '4x4x4' or '16x16'")
+        dims = tuple(int(p) for p in parts)
+        if math.prod(dims) != self.world_size:
+            raise ValueError(f"cluster.torus = {self.torus!r} has {math.prod(dims)} chips but cluster.nodes x "
+                             f"cluster.gpus_per_node = {self.nodes} x {self.gpus_per_node} = {self.world_size}; set "
+                             f"cluster.nodes so that they are equal")
+        return dims
+
+    @property
     def spine(self) -> bool:
         """Whether transfers across rails share an oversubscribed spine (cluster.py routes them)."""
-        return self.oversubscription > 1 and self.nodes > 1
+        return self.oversubscription > 1 and self.nodes > 1 and not self.torus
 
     def with_overrides(self, **kw: Any) -> "ClusterSpec":
         valid = {f.name for f in fields(self)} - {"preset"}
@@ -121,6 +151,15 @@ PRESETS: dict[str, ClusterSpec] = {
                             hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0,
                             # 132 SMs (datasheet); MAMF 792.1 of 989 TFLOP/s (Bekman, as above)
                             sms=132, matmul_efficiency=0.801),
+    # Google Cloud TPU v5p (docs.cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip, 95 GiB HBM
+    # (of 96) at 2,765 GB/s, 1,200 GB/s bidirectional ICI per chip over the six links of a 3D torus,
+    # 4 chips a host, slices from 2x2x1 to 16x16x24. Two TensorCores of four 128 x 128 MXUs each: eight
+    # units working on one output tile each, as `sms` (the tile/wave model of cluster.py). Assumptions:
+    # fp32 matmuls as six bf16 passes (XLA's highest precision); the share of the MXUs' peak that a
+    # best-shaped matmul reaches (no measured figure found); the NVLink/NIC figures are unused.
+    "tpu-v5p": ClusterSpec(preset="tpu-v5p", device="TPU-v5p", gpus_per_node=4, torus="2x2x1", peak_tflops=459.0,
+                           peak_tflops_fp32=459.0 / 6, hbm_gbyte_per_s=2765.0, memory_gbyte=95.0,
+                           ici_gbyte_per_s=100.0, sms=8, matmul_efficiency=0.8),
 }
 
 
