@@ -31,7 +31,7 @@ from simcluster.topology.presets import PRESETS
 from simcluster.valid import divisors
 
 MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
-MICRO_BATCHES = (1, 2, 4)
+MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = ("none", "selective", "full")
 
 

@@ -28,6 +28,7 @@ twice the torus's time. Another group rings in rank order over routed hops.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from simcluster.program.comm import CommKind
@@ -85,10 +86,11 @@ def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, 
             chain = chain[::-1]
         return [Phase(n - 1, tuple((chain[i], chain[i + 1], S) for i in range(n - 1)))]
 
-    if cluster.torus:
-        return _on_torus(kind, ranks, S, cluster)
+    lines = _lines(cluster, ranks) if cluster.torus else None
+    if lines is not None:
+        return _on_torus(kind, lines, S, cluster)
     ring = cluster.ring_order(ranks)
-    nodes = _by_node(cluster, ring)
+    nodes = None if cluster.torus else _by_node(cluster, ring)
     if nodes is None:
         if kind is CommKind.ALL_REDUCE:
             return [_ring(ring, 2 * (n - 1), 2 * (n - 1) / n * S)]
@@ -113,10 +115,7 @@ def _lines(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, list[tup
     coordinate order); None if the group is not a grid."""
     coords = {r: cluster.coords(r) for r in ranks}
     values = [sorted({c[d] for c in coords.values()}) for d in range(len(cluster.torus))]
-    size = 1
-    for v in values:
-        size *= len(v)
-    if size != len(ranks):  # (distinct chips whose coordinates take these values: the whole grid)
+    if math.prod(len(v) for v in values) != len(ranks):  # (distinct chips whose coordinates take these values: the whole grid)
         return None
     out = []
     for d, v in enumerate(values):
@@ -129,13 +128,9 @@ def _lines(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, list[tup
     return out
 
 
-def _on_torus(kind: CommKind, ranks: tuple[int, ...], S: float, cluster: Cluster) -> list[Phase]:
-    lines = _lines(cluster, ranks)
-    if lines is None:
-        ring, n = cluster.ring_order(ranks), len(ranks)
-        if kind is CommKind.ALL_REDUCE:
-            return [_ring(ring, 2 * (n - 1), 2 * (n - 1) / n * S)]
-        return [_ring(ring, n - 1, (n - 1) / n * S)]
+def _on_torus(kind: CommKind, lines: list[tuple[int, list[tuple[int, ...]]]], S: float,
+              cluster: Cluster) -> list[Phase]:
+    """A grid's collective, one dimension at a time (the module docstring)."""
     scatter = []
     for d, dim in lines:
         k = len(dim[0])
