@@ -2,7 +2,8 @@
 
 For rows of Megatron-LM's Table 1 (benchmarks/megatron_table1.toml: Narayanan et al. 2021 chose
 TP 8 inside a node and the fewest pipeline stages that fit), searches the layouts Megatron-LM then
-had (no CP, no ZeRO, full recomputation, the row's own micro-batch size; any TP, PP, schedule) and
+had (no CP, no ZeRO, full recomputation, the row's own micro-batch size, 1F1B or interleaved; any TP
+and PP) and
 prints the plan's best simulated layout beside Megatron's own, simulated the same way: Megatron's
 choice is recovered when it is the best or within 3 % of the best's step time. Ends with the
 estimate's rate (layouts a minute, the whole space, one core).
@@ -21,7 +22,7 @@ from simcluster.runner import run_scenario
 from simcluster.scenario import load
 
 TABLE = Path(__file__).with_name("megatron_table1.toml")
-MEGATRON_2021 = {"cp": (1,), "zero": (0,), "recompute": ("full",)}
+MEGATRON_2021 = {"cp": (1,), "zero": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved")}
 
 
 def main() -> None:

@@ -1,12 +1,16 @@
 """`simcluster plan`: the layouts of one model on one cluster, best first.
 
 Two stages, as an engineer would search:
-1. Every combination of TP (inside a node), PP (1F1B, or interleaved over two virtual stages), CP,
+1. Every combination of TP (inside a node), PP (1F1B, interleaved over two virtual stages, ZB-H1 or
+   ZB-V), CP,
    DP, ZeRO stage, micro-batch size and recomputation that the plan's checks accept is estimated in
    closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
    Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
    interleaved, Narayanan et al. 2021) and time (the step's hardware FLOPs at the device's achievable
-   rate, stretched by the pipeline bubble (p-1)/(mv), plus the tensor-parallel collectives that sit
+   rate, stretched by the pipeline bubble: (p-1)/m for 1F1B, (p-1)/(mv) interleaved, and with the
+   passes' times taken equal (T_F = T_B = T_W), (p-1)(T_F + T_B - T_W) / 3m T_F = (p-1)/3m for ZB-H1
+   and (p-1) T_F/2 / 3m T_F = (p-1)/6m for ZB-V (Qi et al. 2023; tests/test_pipeline.py checks
+   those bubbles on the simulator), plus the tensor-parallel collectives that sit
    on the critical path and ZeRO-3's gathers). Layouts whose estimate exceeds the device by more than
    `MARGIN` are dropped; the rest are ranked by estimated time.
 2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
@@ -33,6 +37,8 @@ from simcluster.valid import divisors
 MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = ("none", "selective", "full")
+# The pipeline schedules searched, each with its bubble as a share of (p-1)/(mv) (the module docstring)
+BUBBLE = {"1f1b": 1, "interleaved": 1, "zb-h1": 3, "zb-v": 6}
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,8 @@ class Layout:
     virtual: int
 
     def label(self) -> str:
-        sched = "" if self.pp == 1 else (" 1F1B" if self.schedule == "1f1b" else f" interleaved v{self.virtual}")
+        sched = "" if self.pp == 1 else (f" interleaved v{self.virtual}" if self.schedule == "interleaved" else
+                                         " " + self.schedule.upper())
         return f"TP{self.tp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
@@ -127,7 +134,7 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
                 continue
             for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
                 dp = world // (tp * pp * cp)
-                schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2)]
+                schedules = [("1f1b", 1)] if pp == 1 else [(s, 2 if s == "interleaved" else 1) for s in BUBBLE]
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
                     for mb in MICRO_BATCHES:
                         for recompute in RECOMPUTE:
@@ -162,7 +169,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
-    compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v))
+    compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
