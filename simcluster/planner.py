@@ -171,12 +171,14 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
     compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
+    if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (plans.py)
+        nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
-        nic = spec.nic_bytes_per_ns * 1e9
+        nic = nvlink if spec.torus else spec.nic_bytes_per_ns * 1e9
         gathers = 2 * m * 2 * psi * (n - 1) / n / (nic if n * t * p * c > spec.gpus_per_node else nvlink)
     return Estimate(layout, memory, compute + tp_comm + gathers)
 

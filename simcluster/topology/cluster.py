@@ -36,7 +36,7 @@ class Cluster:
             self.capacity += [spec.nodes * nic / spec.oversubscription] * (2 * self.gpus_per_node)
         self.torus = spec.torus_dims  # () without a torus
         if self.torus:
-            self.wrap = min(self.torus) >= 4
+            self.wrap = spec.torus_wraps
             self.capacity += [spec.ici_gbyte_per_s] * (2 * len(self.torus) * self.world_size)
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}

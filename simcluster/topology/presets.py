@@ -116,9 +116,14 @@ class ClusterSpec:
         dims = tuple(int(p) for p in parts)
         if math.prod(dims) != self.world_size:
             raise ValueError(f"cluster.torus = {self.torus!r} has {math.prod(dims)} chips but cluster.nodes x "
-                             f"cluster.gpus_per_node = {self.nodes} x {self.gpus_per_node} = {self.world_size}; set "
-                             f"cluster.nodes so that they are equal")
+                             f"cluster.gpus_per_node = {self.nodes} x {self.gpus_per_node} = {self.world_size}; they "
+                             f"must be equal")
         return dims
+
+    @property
+    def torus_wraps(self) -> bool:
+        """Whether the torus has wrap-around links (every dimension at least 4; the field's comment)."""
+        return bool(self.torus) and min(self.torus_dims) >= 4
 
     @property
     def spine(self) -> bool:
