@@ -6,11 +6,11 @@ import pytest
 
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import run_all, run_scenario
 from simcluster.scenario import ScenarioError, build, load
 from simcluster.topology.cluster import Cluster
-from simcluster.program.comm import CommKind
 from simcluster.topology.plans import plan
 from simcluster.topology.presets import preset
 
