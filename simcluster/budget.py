@@ -81,17 +81,15 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
         p = sc.parallel
         faulty = faults_of(sc) is not None
-        spec = sc.cluster_spec()
-        spine = spec.spine or bool(spec.torus)  # (no folding: engine/__init__.py)
-        copies = p["cp"] * (1 if fold and not faulty and not spine else p["dp"] * p["tp"])
+        cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
+        copies = p["cp"] * (1 if fold and not faulty and not cluster else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
         seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
         if seconds > LIMIT_S or nbytes > memory:
             why = "" if copies == p["cp"] else (
                 f" x {copies:,} copies: every dp and tp rank runs, " + (
-                    "[faults] turn folding off" if faulty else "a torus turns folding off" if spec.torus
-                    else "an oversubscribed spine turns folding off" if spine
+                    "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster
                     else "--no-fold"))
             raise ScenarioError(
                 f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "

@@ -98,7 +98,7 @@ def test_a_torus_is_checked_and_turns_folding_off():
             "model.global_batch=16", "run.numerics=meta"]
     o = run_scenario(build({}, [*sets, "cluster.torus=4x2x2"]))
     assert o.result.fold is None and "torus" in o.result.unfolded_because
-    assert o.report["cluster"]["torus"] == "4x2x2"
+    assert o.report["cluster"]["torus"] == "4x2x2" and o.report["cluster"]["torus_wraps"] is False  # a 2 in it
     with pytest.raises(ScenarioError, match="has 8 chips but cluster.nodes x cluster.gpus_per_node = 4 x 4 = 16"):
         run_scenario(build({}, [*sets, "cluster.torus=2x2x2"]))
     with pytest.raises(ScenarioError, match="is not a torus shape"):
@@ -114,6 +114,7 @@ def test_fsdp_on_the_open_slice_is_slower_than_on_the_cube():
     outcome = run_all(load("torus", at_scale=True))
     cube, open_, _ = (o.report for _, o in outcome.variants)
     assert cube["cluster"]["torus"] == "4x4x4" and open_["cluster"]["torus"] == "2x4x8"
+    assert cube["cluster"]["torus_wraps"] and not open_["cluster"]["torus_wraps"]
     assert cube["step_time_ns"] < open_["step_time_ns"] < 2 * cube["step_time_ns"]
 
 

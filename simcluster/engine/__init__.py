@@ -73,10 +73,8 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
     why = ""
     if fold and faults:
         fold, why = (), "faults break the symmetry between ranks (engine/faults.py)"
-    if fold and topo.spine:
-        fold, why = (), "an oversubscribed spine is shared by every rank's transfers across rails"
-    if fold and topo.torus:
-        fold, why = (), "on a torus, transfers share the links of their routes between chips"
+    if fold and spec.unfoldable:
+        fold, why = (), spec.unfoldable
     if fold:
         if Mode(mode) is not Mode.META:
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "

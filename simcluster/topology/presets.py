@@ -126,6 +126,15 @@ class ClusterSpec:
         return bool(self.torus) and min(self.torus_dims) >= 4
 
     @property
+    def unfoldable(self) -> str:
+        """Why this cluster's ranks cannot stand for each other (engine/fold.py), or "" if they can."""
+        if self.torus:
+            return "on a torus, transfers share the links of their routes between chips"
+        if self.spine:
+            return "an oversubscribed spine is shared by every rank's transfers across rails"
+        return ""
+
+    @property
     def spine(self) -> bool:
         """Whether transfers across rails share an oversubscribed spine (cluster.py routes them)."""
         return self.oversubscription > 1 and self.nodes > 1 and not self.torus
@@ -139,6 +148,8 @@ class ClusterSpec:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(replace(self, profile=None))
+        if self.torus:
+            out["torus_wraps"] = self.torus_wraps
         if self.profile is None:
             del out["profile"]
         else:

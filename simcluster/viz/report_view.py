@@ -48,7 +48,7 @@ class ReportView:
         t.add_column("what", style="bold")
         t.add_column("value")
         mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items())
-        shape = f", a {c['torus']} {'torus' if min(map(int, c['torus'].lower().split('x'))) >= 4 else 'mesh'}" if c.get("torus") else ""
+        shape = f", a {c['torus']} {'torus' if c['torus_wraps'] else 'mesh'}" if c.get("torus") else ""
         t.add_row("cluster", escape(f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}{shape}"))
         t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
         t.add_row("parameters", f"{r['parameters']:,}")
