@@ -53,6 +53,13 @@ class _Streams:
         pass
 
 
+class _Done:
+    """The handle of what finished as it was issued (a copy between memory tiers)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
 class LaunchError(RuntimeError):
     """The ranks could not be started, or did not all finish: the message says which and why."""
 
@@ -120,6 +127,9 @@ class TorchBackend:
         if k is CommKind.RECV:
             buf = self.to_torch(zeros_of(op.spec, exact=self.exact))
             return dist.irecv(buf, src=op.peer, tag=op.tag), lambda: self.from_torch(buf, op.spec)
+        if k is CommKind.COPY:  # to the host's memory (NVMe: the host's too, here), or back to the device
+            moved = self.to_torch(op.tensor).to(self.device if op.tiers[1] == "gpu" else "cpu", copy=True)
+            return _Done(), lambda: self.from_torch(moved, op.tensor)
         g, n = self._group(op), op.group.size
         if k is CommKind.BARRIER:
             return dist.barrier(group=g, async_op=True), lambda: None

@@ -36,12 +36,16 @@ def group_key(op: CommOp) -> str:
     if op.kind in (CommKind.SEND, CommKind.RECV):
         a, b = sorted((op.rank, op.peer))
         return f"p2p {a}<->{b}"
+    if op.kind is CommKind.COPY:
+        return f"copy {op.tiers[0]}->{op.tiers[1]} on rank {op.rank}"
     return f"{op.group.name} ({','.join(map(str, op.group.ranks))})"
 
 
 def members(op: CommOp) -> tuple[int, ...]:
     if op.kind in (CommKind.SEND, CommKind.RECV):
         return tuple(sorted((op.rank, op.peer)))
+    if op.kind is CommKind.COPY:
+        return (op.rank,)
     return op.group.ranks
 
 

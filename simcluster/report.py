@@ -120,6 +120,22 @@ def verification(mode: str, expected: dict[str, Any], got: dict[str, Any],
     return out
 
 
+def host_tiers(peaks: dict[int, dict[str, int]], spec: Any) -> dict[str, dict[str, Any]]:
+    """What ranks keep in their host's memory ("cpu") and on its NVMe ("nvme"): the largest rank's peak,
+    and the largest node's (its ranks' peaks together), against the node's capacity."""
+    out = {}
+    for tier, capacity in (("cpu", int(spec.host_memory_gbyte * 2**30)), ("nvme", int(spec.nvme_tbyte * 1e12))):
+        if not any(tier in v for v in peaks.values()):
+            continue
+        nodes: dict[int, int] = {}
+        for rank, v in peaks.items():
+            nodes[int(rank) // spec.gpus_per_node] = nodes.get(int(rank) // spec.gpus_per_node, 0) + v.get(tier, 0)
+        node = max(nodes.values())
+        out[tier] = {"peak_bytes_per_rank": max(v.get(tier, 0) for v in peaks.values()), "peak_bytes_per_node": node,
+                     "capacity_bytes_per_node": capacity, "fits": node <= capacity}
+    return out
+
+
 def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
           verdict: dict[str, Any], steps: int | None = None, totals: Totals | None = None) -> dict[str, Any]:
     """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step;
@@ -137,6 +153,11 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         peaks = fold.by_rank(peaks)
     capacity = int(spec.memory_gbyte * 2**30)
     highest = max((v["total"] for v in peaks.values()), default=0)
+    memory = {"capacity_bytes": capacity, "peak_bytes": highest, "fits": highest <= capacity,
+              "ranks_over": sum(1 for v in peaks.values() if v["total"] > capacity)}
+    host = host_tiers(peaks, spec)
+    if host:
+        memory["host"] = host
     return {
         "scenario": scenario.as_dict(),
         "world_size": world,
@@ -157,8 +178,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "communication_overlap": overlap(totals, fold),
         "communication": communication(totals),
         "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},
-        "memory": {"capacity_bytes": capacity, "peak_bytes": highest, "fits": highest <= capacity,
-                   "ranks_over": sum(1 for v in peaks.values() if v["total"] > capacity)},
+        "memory": memory,
         "trace_events": totals.events * (fold.copies if fold else 1),
         "verification": verdict,
     }

@@ -97,7 +97,12 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
         cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
                        steps=r["steps"], lr=r["lr"], weight_decay=WEIGHT_DECAY[m["arch"]] if r["weight_decay"] is None else r["weight_decay"], clip_grad=r["clip_grad"] or None,
                        precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"],
-                       overlap_grad_reduce=p["overlap_grad_reduce"])
+                       overlap_grad_reduce=p["overlap_grad_reduce"], offload_optimizer=p["offload_optimizer"],
+                       offload_params=p["offload_params"], delayed_update=p["delayed_update"])
+        if p["delayed_update"] and (r["save_checkpoint"] or r["resume"]):
+            raise ValueError("a checkpoint with the delayed parameter update is not modelled: the weights the "
+                             "next step uses are not those the checkpoint holds; set parallel.delayed_update = "
+                             "false to save or resume")
         if p["schedule"] == "interleaved" and p["pp"] > 1 and cfg.micro_batches % p["pp"]:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "

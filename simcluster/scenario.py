@@ -93,6 +93,17 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                    "micro-batch is done, under the rest of the backward pass (Megatron's "
                                    "--overlap-grad-reduce); false: all of them after the backward, as Megatron-LM "
                                    "did in 2021"),
+        "offload_optimizer": Key(str, "none", "ZeRO-Offload (zero >= 1): keep the fp32 master weights and Adam's "
+                                 "moments in the host's memory (cpu) or on its NVMe (nvme, ZeRO-Infinity); each "
+                                 "rank's reduced gradients go down over PCIe and AdamW runs on the host's cores",
+                                 choices=("none", "cpu", "nvme")),
+        "offload_params": Key(str, "none", "ZeRO-Infinity (zero = 3): keep the 16-bit weight chunks in the host's "
+                              "memory (cpu) or on its NVMe (nvme) between uses, fetched before each gather",
+                              choices=("none", "cpu", "nvme")),
+        "delayed_update": Key(bool, False, "ZeRO-Offload's one-step delayed parameter update: each step computes "
+                              "with the weights from before the last step's update, so the host's optimizer step "
+                              "runs under the next forward and backward (compared with its own single-device "
+                              "definition)"),
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
         "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe")),
         "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),

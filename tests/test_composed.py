@@ -3,7 +3,8 @@
 The options are drawn as an all-pairs covering array (tests/pairwise.py): every pair of option values
 that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp,
 attention, ZeRO stage and what it shards over, micro-batches, recomputation, dropout, precision,
-tied head, causal mask, weight decay, clipping, architecture and grouped-query attention) is run at least once, whatever the draw; hypothesis draws the seed and the
+tied head, causal mask, weight decay, clipping, architecture and grouped-query attention, ZeRO-Offload's
+tier, ZeRO-Infinity's parameter offload and the delayed update) is run at least once, whatever the draw; hypothesis draws the seed and the
 layer count within each row.
 """
 
@@ -29,13 +30,19 @@ OPTIONS = {
     "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
     "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05], "arch": ["gpt", "llama"], "kv_group": [1, 2],
+    "offload": ["none", "cpu", "nvme"], "offload_params": [False, True], "delayed_update": [False, True],
 }
 
 
 def valid(row):
     """At most 16 ranks; a tied head needs the embedding and the head on one stage; llama's head is
     untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not;
-    DualPipe needs an even number of stages."""
+    DualPipe needs an even number of stages; offloading the optimizer needs a ZeRO stage, the parameters
+    ZeRO-3, and neither is modelled with DualPipe."""
+    if (row["offload"] != "none" and row["zero"] == 0) or (row["offload_params"] and row["zero"] != 3):
+        return False
+    if (row["offload"] != "none" or row["offload_params"]) and row["schedule"] == "dualpipe":
+        return False
     return (row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
             and not (row["schedule"] == "dualpipe" and row["pp"] % 2)
             and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
@@ -45,10 +52,12 @@ ROWS, PAIRS = covering_rows(OPTIONS, valid)
 # and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
               micro_batches=1, recompute="selective", dropout=0.1, precision="bf16", tied_head=False, causal=True,
-              weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2),
+              weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2, offload="cpu", offload_params=True,
+              delayed_update=True),
          dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, attention="ulysses", zero=1, zero_over="dp",
               micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
-              weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1)]
+              weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1, offload="nvme", offload_params=False,
+              delayed_update=False)]
 
 
 def layout(row):
@@ -76,7 +85,9 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                       dropout=row["dropout"], recompute=row["recompute"], seed=seed, arch=row["arch"],
                       kv_heads=heads // row["kv_group"])
     data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
-                    zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"])
+                    zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"],
+                    offload_optimizer=row["offload"], delayed_update=row["delayed_update"],
+                    offload_params=(row["offload"] if row["offload"] != "none" else "cpu") if row["offload_params"] else "none")
     layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Plan(
         data=data, sp=row["sp"], attention=row["attention"], schedule=row["schedule"], virtual=virtual,
         zero_over=row["zero_over"]))

@@ -31,7 +31,7 @@ from simcluster.program.context import Context, Program
 from simcluster.program.mesh import DeviceMesh, ProcessGroup
 from simcluster.engine.streams import COMM, WAIT, RankState, Stream, wait_index
 
-_SEND, _RECV = CommKind.SEND, CommKind.RECV
+_SEND, _RECV, _COPY = CommKind.SEND, CommKind.RECV, CommKind.COPY
 
 
 class Channel:
@@ -101,6 +101,8 @@ class Call:
 
     def describe(self, rank: int) -> str:
         op = self.op_of(rank)
+        if self.kind is _COPY:
+            return f"{op.describe() if op else 'copy'} (copy #{self.seq} from {self.where})"
         if self.is_message:
             return f"{op.describe() if op else 'message'} (message #{self.seq} on {self.where})"
         return f"{op.describe() if op else self.kind.value} on group {self.where} (call #{self.seq} on that group)"
@@ -131,6 +133,7 @@ class Interpreter:
         self.by_id: dict[int, Channel] = {}
         self.kept: list[ProcessGroup] = []
         self.messages: dict[tuple[int, int, int], Channel] = {}
+        self.copies: dict[tuple[int, tuple[str, str]], Channel] = {}  # a rank's copies, by (from, to) tier
         self.calls: list[Call] = []
         self.ready: deque[RankState] = deque()
         # the last message completed between two streams: (its item on each, in (rank, name) order; it)
@@ -255,9 +258,17 @@ class Interpreter:
                 raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
         return ch
 
+    def _copy_channel(self, rank: int, tiers: tuple[str, str]) -> Channel:
+        ch = self.copies[(rank, tiers)] = Channel(_COPY, None, (rank,), f"{tiers[0]}->{tiers[1]}[{rank}]",
+                                                  (f"copy:{tiers[0]}->{tiers[1]}",), None)
+        return ch
+
     def _issue(self, st: RankState, op: CommOp, sync: bool) -> Work:
         kind = op.kind
-        if kind is _SEND:
+        if kind is _COPY:  # one member: complete as soon as it is issued
+            ch, pos = self.copies.get((op.rank, op.tiers)) or self._copy_channel(op.rank, op.tiers), 0
+            key = op.sig
+        elif kind is _SEND:
             ch, pos = self.messages.get((op.rank, op.peer, op.tag)) or self._message_channel(op.rank, op.peer, op.tag), 0
             key = op.sig
         elif kind is _RECV:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from simcluster.model.memory import CATEGORIES
-from simcluster.program.comm import Comm, Work
+from simcluster.program.comm import TIERS, Comm, Work
 from simcluster.program.context import COMPUTE
 
 KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
@@ -108,16 +108,23 @@ class RankState:
     def memory(self) -> "RankState":
         return self
 
-    def hold(self, category: str, name: str, nbytes: int) -> None:
-        """From this point of the current stream, the rank holds `nbytes` more of `category`."""
+    def hold(self, category: str, name: str, nbytes: int, tier: str = "gpu") -> None:
+        """From this point of the current stream, the rank holds `nbytes` more of `category`, in its
+        device's memory or (`tier`) its host's: "cpu" or "nvme", kept as category "cpu:optimizer"."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(CATEGORIES)}")
+        if tier not in TIERS:
+            raise ValueError(f"unknown memory tier {tier!r}; valid: {', '.join(TIERS)}")
+        if tier != "gpu":
+            category = f"{tier}:{category}"
         if (category, name) in self.held:
             raise ValueError(f"rank {self.rank} already holds {category} buffer {name!r}")
         self.held[(category, name)] = int(nbytes)
         self.cur.items.append((MEMORY, category, name, int(nbytes)))
 
-    def release(self, category: str, name: str) -> None:
+    def release(self, category: str, name: str, tier: str = "gpu") -> None:
+        if tier != "gpu":
+            category = f"{tier}:{category}"
         nbytes = self.held.pop((category, name), None)
         if nbytes is None:
             raise ValueError(f"rank {self.rank} releases {category} buffer {name!r}, which it does not hold")

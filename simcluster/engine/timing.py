@@ -28,7 +28,8 @@ from simcluster.engine.streams import COMM, KERNEL, MEMORY, WAIT, RankState, Str
 from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE
-from simcluster.topology.cluster import NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
+from simcluster.program.comm import CommKind
+from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
 
@@ -115,8 +116,8 @@ class Replay:
         self.draining = False
 
     def _stream(self, s: Stream, events: list[TraceEvent]) -> Iterator[Any]:
-        kernel_ns = self.cluster.kernel_ns
         dtype, rank, name = self.cost_dtype, s.rank, s.name
+        kernel_ns = self.cluster.host_kernel_ns if name == HOST else self.cluster.kernel_ns
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
@@ -207,6 +208,11 @@ class Replay:
         key = (call.kind._value_, op.sig, op.peer)
         routes = call.channel.routes
         cached = routes.get(key)
+        if cached is None and call.kind is CommKind.COPY:  # one flow over the rank's PCIe link, or NVMe drives
+            size = math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
+            links = self.cluster.copy_route(op.rank, *op.tiers)
+            cached = routes[key] = ([(self.cluster.spec.pcie_latency_ns, self.network.prepare([(links, size)]))],
+                                    [size])
         if cached is None:
             size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
             nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))

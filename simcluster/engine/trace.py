@@ -57,7 +57,9 @@ class Trace:
     memory: tuple[MemoryEvent, ...] = ()
 
     def memory_peaks(self) -> dict[int, dict[str, int]]:
-        """Per rank: the peak of each category, and "total" (the peak of the sum), in bytes.
+        """Per rank: the peak of each category, and "total" (the peak of the sum in device memory), in
+        bytes; for what a rank keeps in a host tier (categories "cpu:..." and "nvme:..."), the tier's
+        peak as "cpu" or "nvme".
 
         Events at the same instant are applied in stream order; a release and a hold at the same ns
         are netted before the peak is taken, as an allocator would reuse the memory.
@@ -74,9 +76,13 @@ class Trace:
             peaks = out.setdefault(rank, {"total": 0})
             for e in events[i:j]:
                 cur[e.category] = cur.get(e.category, 0) + e.bytes
+            tiers = {"total": 0}
             for c, v in cur.items():
                 peaks[c] = max(peaks.get(c, 0), v)
-            peaks["total"] = max(peaks["total"], sum(cur.values()))
+                tier = "total" if ":" not in c else c.split(":", 1)[0]
+                tiers[tier] = tiers.get(tier, 0) + v
+            for tier, v in tiers.items():
+                peaks[tier] = max(peaks.get(tier, 0), v)
             i = j
         return out
 

@@ -313,9 +313,12 @@ def ops_t(ops: Ops, w: Any) -> Any:
 
 def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
           clip_grad: float | None = None, precision: str = "fp32",
-          params: dict[str, Any] | None = None) -> dict[str, Any]:
+          params: dict[str, Any] | None = None, delayed_update: bool = False) -> dict[str, Any]:
     """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
-    With `clip_grad`, the gradients are first scaled to that global norm if they exceed it.
+    With `clip_grad`, the gradients are first scaled to that global norm if they exceed it. With
+    `delayed_update` (ZeRO-Offload's DPU), step s > 0 computes its gradients with the weights from
+    before step s-1's update (the update with step s-1's gradients is still running on the host):
+    gradients one step stale, applied to the master weights in order.
 
     Returns the losses, the last step's gradients (in the gradient dtype, times the loss scale), the
     fp32 master weights and
@@ -331,10 +334,11 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
     losses = []
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
+    used = master  # the weights the next step computes with
     for step in range(steps):
         ids, targets = batch(cfg, cfg.seed, step, batch_size)
         where = Slice(0, batch_size)
-        weights = working_copy(ops, master, precision)
+        weights = working_copy(ops, used, precision)
         loss_sum, cache = model.forward(weights, ids, targets, step, where)
         loss = model.loss(loss_sum, where)
         model.memory.hold("gradients", "grads", sizes["gradients"])
@@ -344,7 +348,8 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
         unscaled = unscale(ops, grads, precision)
         if clip_grad:
             unscaled = clip_by_norm(ops, unscaled, square_sum(ops, list(unscaled.values())), clip_grad)
-        master = adam_step(ops, master, unscaled, state, lr=lr, weight_decay=weight_decay)
+        before, master = master, adam_step(ops, master, unscaled, state, lr=lr, weight_decay=weight_decay)
+        used = before if delayed_update else master
         model.memory.release("gradients", "grads")
         losses.append(loss)
     return {"loss": losses, "grads": grads, "first_grads": first, "params": master, "adam_m": state.m, "adam_v": state.v,

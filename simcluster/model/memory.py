@@ -22,7 +22,7 @@ class MemoryLedger:
         if category not in self.held:
             raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(CATEGORIES)}")
 
-    def hold(self, category: str, name: str, nbytes: int) -> None:
+    def hold(self, category: str, name: str, nbytes: int, tier: str = "gpu") -> None:
         self._check(category)
         if name in self.held[category]:
             raise ValueError(f"{category} buffer {name!r} is already held")
@@ -33,7 +33,7 @@ class MemoryLedger:
         self.peak_total = max(self.peak_total, total)
         self.timeline.append((category, name, int(nbytes), total))
 
-    def release(self, category: str, name: str) -> None:
+    def release(self, category: str, name: str, tier: str = "gpu") -> None:
         self._check(category)
         nbytes = self.held[category].pop(name)
         self.current[category] -= nbytes

@@ -228,6 +228,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
                 if twin is not None:  # DualPipe: the other end's micro-batches
                     total = yield ctx.comm.all_reduce(total, group=twin)
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
+    yield from dp.finish()
     if ck and ck.save and ck.at == data.steps:
         written = save(data.steps)
     return {"loss": losses, "first_step": start, "checkpoint": written, **dp.results(grads, first)}

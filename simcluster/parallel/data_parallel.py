@@ -24,6 +24,9 @@ from simcluster.model.gpt import PRECISIONS, GPTConfig, Slice, batch, unit_names
 from simcluster.valid import divisors, listed
 
 
+OFFLOAD = ("none", "cpu", "nvme")  # where ZeRO-Offload/Infinity keep what they offload
+
+
 @dataclass(frozen=True)
 class DPConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -37,6 +40,15 @@ class DPConfig:
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
     overlap_grad_reduce: bool = True  # DDP, ZeRO-1: reduce a unit's gradients under the rest of the backward
+    # ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021), as DeepSpeed's
+    # offload_optimizer / offload_param: "cpu" or "nvme" keeps the fp32 master and Adam's moments there,
+    # each rank's reduced gradients go down to its host and AdamW runs on the host's cores; ZeRO-3's
+    # 16-bit weight chunks may live there too between uses. They move bytes, not numbers.
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    # ZeRO-Offload's one-step delayed parameter update: step s+1 computes with the weights from before
+    # step s's update, so the host's step s runs under the device's step s+1 (gpt.train's definition)
+    delayed_update: bool = False
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batches", "steps"):
@@ -47,6 +59,15 @@ class DPConfig:
             raise ValueError(f"precision {self.precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage {self.zero!r} does not exist; valid stages: 0 (DDP), 1, 2, 3")
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOAD:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not valid; valid: {', '.join(OFFLOAD)}")
+        if self.offload_optimizer != "none" and self.zero == 0:
+            raise ValueError("offloading the optimizer state moves each rank's shard of it (ZeRO-Offload): it "
+                             "needs zero = 1, 2 or 3, not DDP")
+        if self.offload_params != "none" and self.zero != 3:
+            raise ValueError(f"offloading the parameters keeps ZeRO-3's weight chunks in the host's tiers between "
+                             f"uses (ZeRO-Infinity): it needs zero = 3, not {self.zero}")
 
     def check(self, dp: int) -> None:
         if self.global_batch % (dp * self.micro_batches):
@@ -91,7 +112,8 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
         return _one_rank(cfg, mode)
 
     out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,
-                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision)
+                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision,
+                delayed_update=cfg.delayed_update)
     flat: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(out["loss"])}
     for kind in KINDS:
         for name, value in out[kind].items():
@@ -108,6 +130,7 @@ def _one_rank(cfg: DPConfig, mode: str) -> dict[str, Any]:
     from simcluster.program.mesh import DeviceMesh
     from simcluster.topology.presets import preset
 
-    plan, mesh = Plan(data=replace(cfg, micro_batches=1, zero=0)), DeviceMesh()
+    plan, mesh = Plan(data=replace(cfg, micro_batches=1, zero=0, offload_optimizer="none",
+                                   offload_params="none")), DeviceMesh()
     run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
     return assemble(run.results, [mesh.coords(0)], plan)

@@ -20,11 +20,20 @@ Over a step:
      one exact sum of squares over the world (each gradient element counted by one rank: the owner of
      its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
      the new weights (stage 3 gathers them when they are next used).
+
+Offloaded (ZeRO-Offload, ZeRO-Infinity: `offload_optimizer`, `offload_params`), the master weights and
+moments live in the host's memory or on its NVMe: each reduced gradient chunk goes down to the host
+(over PCIe, on its own copy stream, as soon as its reduction ends: under the rest of the backward),
+the step runs on the host's cores (the "cpu" stream; from and back to NVMe for "nvme"), and the new
+16-bit chunks go up again before the all-gather; ZeRO-3's chunks may stay in a host tier between
+uses, fetched before each gather. With `delayed_update`, a step's new weights are installed only at
+the end of the next step: the host's step runs under the device's next forward and backward.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Generator
 
 import numpy as np
@@ -32,7 +41,9 @@ import numpy as np
 from simcluster.model.gpt import grad_dtype, model_state_bytes, unscale
 from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
 from simcluster.parallel.data_parallel import DPConfig
+from simcluster.program.comm import Work
 from simcluster.program.context import Context
+from simcluster.topology.cluster import HOST
 
 
 class DPWrap:
@@ -63,8 +74,18 @@ class DPWrap:
         owned = sum(self.master[u].shape[0] for u in self.units)
         self.per = model_state_bytes(1, data.precision)  # bytes per parameter, by category
         self.grad_count = owned if self.stage >= 2 else psi
-        ctx.memory.hold("parameters", "weights", self.per["parameters"] * (owned if self.stage == 3 else psi))
-        ctx.memory.hold("optimizer", "adam", self.per["optimizer"] * owned)
+        self.host = None if data.offload_optimizer == "none" else data.offload_optimizer  # the optimizer's tier
+        self.kept = "gpu" if data.offload_params == "none" else data.offload_params  # ZeRO-3's chunks' tier
+        if twin is not None and (self.host or self.kept != "gpu"):
+            raise ValueError("DualPipe with offloading is not modelled: its two copies of a stage sum their "
+                             "gradients on the device before the step")
+        self.owned_count = owned
+        ctx.memory.hold("parameters", "weights", self.per["parameters"] * (owned if self.stage == 3 else psi),
+                        self.kept)
+        ctx.memory.hold("optimizer", "adam", self.per["optimizer"] * owned, self.host or "gpu")
+        self.writes: list[Any] = []  # ZeRO-3's new chunks on their way to a host tier, not yet waited for
+        self.state_writes: list[Any] = []  # the optimizer state on its way to NVMe, not yet waited for
+        self.incoming: Any = None  # delayed update: the last step's new chunks, installed after the next step
         self.inflight: dict[str, dict[str, Any]] = {}  # stage 3: gathers issued, by unit
         self.acc: dict[str, Any] = {}  # stages 0, 1: gradients summed over micro-batches
         self.seen: dict[str, int] = {}  # micro-batches whose gradients a unit has had this step
@@ -100,19 +121,30 @@ class DPWrap:
             out |= dict(zip(self.names[u], self.ops.unflat(flat, self.shapes[u])))
         return out
 
-    def prefetch(self, unit: str) -> None:
-        """ZeRO-3: start gathering the unit's weights now (once per use)."""
-        if self.stage == 3 and unit not in self.inflight:
-            self.inflight[unit] = {x: self.ctx.comm.all_gather(self.chunks[x], group=self.group, async_op=True)
-                                   for x in self.needs[unit]}
+    def prefetch(self, unit: str) -> Generator[Any, Any, None]:
+        """ZeRO-3: start gathering the unit's weights now (once per use); chunks kept in a host tier are
+        fetched first, on the copy stream, which the gather then follows."""
+        if self.stage != 3 or unit in self.inflight:
+            return
+        comm, chunks = self.ctx.comm, {x: self.chunks[x] for x in self.needs[unit]}
+        if self.kept != "gpu":
+            with self.ctx.stream(f"copy:{self.kept}->gpu"):
+                if self.writes:  # the last step's chunks are written before they are read
+                    yield self.writes
+                    self.writes = []
+                fetched = yield [comm.copy(c, src=self.kept, dst="gpu", async_op=True) for c in chunks.values()]
+                chunks = dict(zip(chunks, fetched))
+                self.inflight[unit] = {x: comm.all_gather(c, group=self.group, async_op=True) for x, c in chunks.items()}
+            return
+        self.inflight[unit] = {x: comm.all_gather(c, group=self.group, async_op=True) for x, c in chunks.items()}
 
     def take(self, unit: str, ahead: str | None = None) -> Generator[Any, Any, dict[str, Any]]:
         """The unit's working weights by name; with ZeRO-3 and prefetch, `ahead`'s gather is issued too."""
         if self.stage < 3:
             return self.working
-        self.prefetch(unit)
+        yield from self.prefetch(unit)
         if ahead is not None and self.data.prefetch:
-            self.prefetch(ahead)
+            yield from self.prefetch(ahead)
         works = self.inflight.pop(unit)
         flats = yield [works[x] for x in self.needs[unit]]
         self.ctx.memory.hold("communication", f"gathered {unit}", sum(f.shape[0] for f in flats) * self.per["parameters"])
@@ -124,7 +156,12 @@ class DPWrap:
 
     # -- gradients ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.ctx.memory.hold("gradients", "grads", self.per["gradients"] * self.grad_count)
+        """Hold the step's gradients: on the device, and offloaded each rank's reduced chunk on the host
+        (stage 1 still sums every micro-batch's whole gradient on the device first)."""
+        if self.host is None or self.stage == 1:
+            self.ctx.memory.hold("gradients", "grads", self.per["gradients"] * self.grad_count)
+        if self.host is not None:
+            self.ctx.memory.hold("gradients", "grads", self.per["gradients"] * self.owned_count, "cpu")
 
     def gradients(self, unit: str, grads: dict[str, Any], micro_batches: int) -> Generator[Any, Any, None]:
         """One micro-batch's complete gradients (exact partials) of `unit`."""
@@ -149,39 +186,98 @@ class DPWrap:
             return
         if self.cp_first is not None:  # ZeRO over dp alone: the cp ranks' sum first
             flat = yield comm.all_reduce(flat, group=self.cp_first)
-        self.pending.append((unit, comm.reduce_scatter(flat, group=self.group, async_op=True)))
+        work = comm.reduce_scatter(flat, group=self.group, async_op=True)
+        if self.host is not None:  # down to the host once reduced (waited on the copy stream, not the compute one)
+            with self.ctx.stream("copy:gpu->cpu"):
+                part = yield work
+                work = comm.copy(part, src="gpu", dst="cpu", async_op=True)
+        self.pending.append((unit, work))
 
     def step(self, step: int) -> Generator[Any, Any, dict[str, Any]]:
         """The optimizer step on the owned chunks; returns their rounded gradients by unit."""
-        ops, data = self.ops, self.data
+        ops, data, comm = self.ops, self.data, self.ctx.comm
         for unit, flat in self.deferred:
             yield from self._reduce(unit, flat)
         self.deferred = []
-        reduced = yield [work for _, work in self.pending]
-        total: dict[str, Any] = {}
-        for (unit, _), part in zip(self.pending, reduced):
-            total[unit] = part if unit not in total else ops.add_partial(total[unit], part)
-        self.pending, self.seen = [], {}
-        if self.twin is not None:  # both copies sum both halves' gradients, and stay equal
-            summed = yield [self.ctx.comm.all_reduce(total[u], group=self.twin, async_op=True) for u in self.units]
-            total = dict(zip(self.units, summed))
-        with self.ctx.annotate("optimizer", f"O{step}"):
-            grads = {u: ops.finalize(total[u]) for u in self.units}
-            unscaled = unscale(ops, grads, data.precision)
-            if data.clip_grad:
-                mine = [g if self.counted is None else ops.where(self.counted[u], g, np.float32(0))
-                        for u, g in unscaled.items()]
-                squares = yield self.ctx.comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
-                unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)
-            self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
-                                    weight_decay=data.weight_decay)
-            chunks = {u: ops.cast(self.master[u], data.precision) for u in self.units}
-        self.ctx.memory.release("gradients", "grads")
+        if data.delayed_update and self.incoming is not None:  # the last step's weights, for the next step
+            yield from self._install(self.incoming)
+        with self.ctx.stream(HOST) if self.host else nullcontext():  # on the host's cores, offloaded
+            reduced = yield [work for _, work in self.pending]
+            total: dict[str, Any] = {}
+            for (unit, _), part in zip(self.pending, reduced):
+                total[unit] = part if unit not in total else ops.add_partial(total[unit], part)
+            self.pending, self.seen = [], {}
+            if self.twin is not None:  # both copies sum both halves' gradients, and stay equal
+                summed = yield [comm.all_reduce(total[u], group=self.twin, async_op=True) for u in self.units]
+                total = dict(zip(self.units, summed))
+            if self.host == "nvme":
+                yield from self._swap_in()
+            with self.ctx.annotate("optimizer", f"O{step}"):
+                grads = {u: ops.finalize(total[u]) for u in self.units}
+                unscaled = unscale(ops, grads, data.precision)
+                if data.clip_grad:
+                    mine = [g if self.counted is None else ops.where(self.counted[u], g, np.float32(0))
+                            for u, g in unscaled.items()]
+                    squares = yield comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
+                    unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)
+                self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
+                                        weight_decay=data.weight_decay)
+                chunks: dict[str, Any] = {u: ops.cast(self.master[u], data.precision) for u in self.units}
+            if self.host == "nvme":
+                self._swap_out()
+            here, to = ("cpu" if self.host else "gpu"), (self.kept if self.stage == 3 else "gpu")
+            moves = {u: comm.copy(c, src=here, dst=to, async_op=True) for u, c in chunks.items()} if here != to else {}
+        if self.host is None or self.stage == 1:
+            self.ctx.memory.release("gradients", "grads")
+        if self.host is not None:
+            self.ctx.memory.release("gradients", "grads", "cpu")
+        if data.delayed_update:
+            self.incoming = (chunks, moves)
+        else:
+            yield from self._install((chunks, moves))
+        return grads
+
+    def _install(self, new: tuple[dict[str, Any], dict[str, Work]]) -> Generator[Any, Any, None]:
+        """The step's new 16-bit chunks become the working weights: (their values, their copies under way
+        to where they are kept). Chunks kept in a host tier are waited for before they are next read."""
+        chunks, moves = new
+        self.incoming = None
+        if self.stage == 3 and self.kept != "gpu":
+            self.writes += list(moves.values())
+        elif moves:
+            chunks = chunks | dict(zip(moves, (yield list(moves.values()))))
         if self.stage in (1, 2):
             flats = yield [self.ctx.comm.all_gather(chunks[u], group=self.group, async_op=True) for u in self.units]
             self.working = self._unflat(dict(zip(self.units, flats)))
         self._new_weights(chunks)
-        return grads
+
+    def _swap_in(self) -> Generator[Any, Any, None]:
+        """ZeRO-Infinity: the owned master weights and moments from NVMe to the host (after the last
+        step's writes), held in a host buffer for the step."""
+        comm, units = self.ctx.comm, self.units
+        if self.state_writes:
+            yield self.state_writes
+            self.state_writes = []
+        self.ctx.memory.hold("optimizer", "swapped in", self.per["optimizer"] * self.owned_count, "cpu")
+        states = [self.master, self.state.m, self.state.v]
+        read = yield [comm.copy(d[u], src="nvme", dst="cpu", async_op=True) for d in states for u in units]
+        for i, d in enumerate(states):
+            d.update(zip(units, read[i * len(units):(i + 1) * len(units)]))
+
+    def _swap_out(self) -> None:
+        """The updated master weights and moments back to NVMe (waited for before the next read)."""
+        comm = self.ctx.comm
+        self.state_writes += [comm.copy(d[u], src="cpu", dst="nvme", async_op=True)
+                              for d in (self.master, self.state.m, self.state.v) for u in self.units]
+        self.ctx.memory.release("optimizer", "swapped in", "cpu")
+
+    def finish(self) -> Generator[Any, Any, None]:
+        """After the last step: a delayed update's weights installed, NVMe writes waited for."""
+        if self.incoming is not None:
+            yield from self._install(self.incoming)
+        if self.writes or self.state_writes:
+            yield self.writes + self.state_writes
+            self.writes, self.state_writes = [], []
 
     # -- checkpoints (simcluster/checkpoint.py) --------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:

@@ -60,8 +60,12 @@ class Plan:
     def alike(self, tp: int) -> tuple[str, ...]:
         """The mesh axes along which ranks run the same kernels on the same shapes, differing only
         in their data: what a meta-mode simulation may fold (engine/fold.py). dp always; tp unless
-        kv heads are replicated over tp ranks (one of each kv head's copies adds its input gradient)."""
-        kv = self.model.kv_heads
+        kv heads are replicated over tp ranks (one of each kv head's copies adds its input gradient),
+        or something is offloaded to NVMe (a node's ranks share its drives: folding dp keeps whole
+        nodes, folding tp would leave a node's tp peers' transfers out)."""
+        kv, d = self.model.kv_heads, self.data
+        if "nvme" in (d.offload_optimizer, d.offload_params):
+            return ("dp",)
         return ("dp", "tp") if self.model.arch != "llama" or kv is None or tp <= kv else ("dp",)
 
     def shape(self, pp: int) -> PipelineShape:

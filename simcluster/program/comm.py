@@ -35,9 +35,11 @@ class CommKind(Enum):
     SEND = "send"
     RECV = "recv"
     BARRIER = "barrier"
+    COPY = "copy"  # between a rank's memory tiers (gpu, cpu, nvme): ZeRO-Offload and ZeRO-Infinity
 
 
-COLLECTIVES = frozenset(k for k in CommKind if k not in (CommKind.SEND, CommKind.RECV))
+COLLECTIVES = frozenset(k for k in CommKind if k not in (CommKind.SEND, CommKind.RECV, CommKind.COPY))
+TIERS = ("gpu", "cpu", "nvme")  # where a rank keeps a tensor: device memory, its host's memory, its host's NVMe
 
 
 @dataclass(eq=False, slots=True)
@@ -62,6 +64,7 @@ class CommOp:
     sig: tuple | None = None
     tag: int = 0
     stream: str = ""
+    tiers: tuple[str, str] = ("", "")  # a copy's (from, to)
 
     @property
     def spec(self) -> tuple | None:
@@ -78,6 +81,8 @@ class CommOp:
             return f"send of {describe_signature(self.sig)} to rank {self.peer}" + (f" (tag {self.tag})" if self.tag else "")
         if self.kind is CommKind.RECV:
             return f"recv of {describe_signature(self.sig)} from rank {self.peer}" + (f" (tag {self.tag})" if self.tag else "")
+        if self.kind is CommKind.COPY:
+            return f"copy of {describe_signature(self.sig)} from {self.tiers[0]} to {self.tiers[1]}"
         args = []
         if self.op is not None:
             args.append(self.op.value)
@@ -236,3 +241,16 @@ class Comm:
         src = self._check_peer(src, "recv")
         return self._submit(CommOp(CommKind.RECV, self.rank, None, None, None, src, 0, 0, 0, signature(like), tag,
                                    stream or ""), async_op)
+
+    def copy(self, tensor: Any, *, src: str, dst: str, async_op: bool = False, stream: str | None = None) -> Work:
+        """Move a tensor between this rank's memory tiers ("gpu", "cpu", "nvme"): the same values, in
+        another place (torch: `x.to("cpu", non_blocking=True)` on a side stream; NVMe through the host,
+        as DeepSpeed's async I/O does). It runs on a copy stream per direction by default, over the
+        GPU's PCIe link and the node's NVMe drives (topology/cluster.py)."""
+        for name, tier in (("src", src), ("dst", dst)):
+            if tier not in TIERS:
+                raise ValueError(f"copy: {name} {tier!r} is not a memory tier; valid: {', '.join(TIERS)}")
+        if src == dst:
+            raise ValueError(f"copy: src and dst are both {src!r}; a copy moves a tensor between two tiers")
+        return self._submit(CommOp(CommKind.COPY, self.rank, None, tensor, None, None, 0, 0, 0, signature(tensor), 0,
+                                   stream or "", (src, dst)), async_op)

@@ -34,11 +34,12 @@ class Streams(Protocol):
 
 
 class Memory(Protocol):
-    """What a rank holds: `hold` from this point of the current stream, `release` later."""
+    """What a rank holds: `hold` from this point of the current stream, `release` later; in device
+    memory, or in a host tier ("cpu", "nvme")."""
 
-    def hold(self, category: str, name: str, nbytes: int) -> None: ...
+    def hold(self, category: str, name: str, nbytes: int, tier: str = "gpu") -> None: ...
 
-    def release(self, category: str, name: str) -> None: ...
+    def release(self, category: str, name: str, tier: str = "gpu") -> None: ...
 
 
 class Context:

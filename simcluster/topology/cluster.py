@@ -6,6 +6,10 @@ between nodes leaves through the sender's NIC and enters the receiver's (a non-b
 On a torus (`cluster.torus`) the ports go unused: chip r's link along dimension d, direction + or -,
 is `world * 4 + r * 2D + 2d (+1 for -)`, and a transfer crosses the links of its dimension-order
 route (x first, then y, then z; the shorter way round where the torus wraps, + on a tie).
+After those, every GPU's PCIe link to its host, each way (GPU to host, host to GPU), then every
+node's NVMe drives, each way (writes, reads): a copy between memory tiers (ZeRO-Offload/Infinity)
+crosses them, and the GPUs of a node share their NVMe drives. Kernels on a rank's "cpu" stream run
+on its host's cores (`host_kernel_ns`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from simcluster.topology.presets import ClusterSpec
 
 NVLINK_OUT, NVLINK_IN, NIC_OUT, NIC_IN = range(4)
 PORT_NAMES = ("nvlink-out", "nvlink-in", "nic-out", "nic-in")
+HOST = "cpu"  # the stream whose kernels run on the host's cores (CPU Adam)
+# FLOPs ops.adam counts a parameter: the host's rate is set so that an Adam step runs at the preset's
+# CPU Adam throughput, and the host's other kernels (casts, unscaling) at that FLOP rate
+ADAM_FLOPS = 12
 # A GEMM's output tile per SM: 128 x 128, the middle of cuBLAS's tensor-core tiles on Ampere and
 # Hopper (64 x 64 to 256 x 128); one size for every GEMM is the model's simplification.
 TILE = 128
@@ -38,6 +46,12 @@ class Cluster:
         if self.torus:
             self.wrap = spec.torus_wraps
             self.capacity += [spec.ici_gbyte_per_s] * (2 * len(self.torus) * self.world_size)
+        self.host_base = len(self.capacity)  # PCIe: rank r's links host_base + 2r (to the host), + 1 (back)
+        self.capacity += [spec.pcie_gbyte_per_s * spec.pcie_efficiency] * (2 * self.world_size)
+        self.nvme_base = len(self.capacity)  # NVMe: node n's nvme_base + 2n (writes), + 1 (reads)
+        self.capacity += [spec.nvme_gbyte_per_s] * (2 * spec.nodes)
+        # each rank's share of its host's cores, in FLOPs per ns
+        self._host_flops_per_ns = ADAM_FLOPS * spec.cpu_adam_gparam_per_s / self.gpus_per_node
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
         self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
@@ -77,6 +91,14 @@ class Cluster:
             return (src * 4 + NIC_OUT, spine + 2 * a, spine + 2 * b + 1, dst * 4 + NIC_IN), self.spec.nic_latency_ns
         return (src * 4 + NIC_OUT, dst * 4 + NIC_IN), self.spec.nic_latency_ns
 
+    def copy_route(self, rank: int, src: str, dst: str) -> tuple[int, ...]:
+        """The links a copy between rank's memory tiers crosses: PCIe between GPU and host, the node's
+        NVMe drives between host and NVMe (GPU to NVMe: both, through a host buffer)."""
+        down, up = self.host_base + 2 * rank, self.host_base + 2 * rank + 1
+        write, read = self.nvme_base + 2 * self.node_of(rank), self.nvme_base + 2 * self.node_of(rank) + 1
+        return {("gpu", "cpu"): (down,), ("cpu", "gpu"): (up,), ("cpu", "nvme"): (write,), ("nvme", "cpu"): (read,),
+                ("gpu", "nvme"): (down, write), ("nvme", "gpu"): (read, up)}[(src, dst)]
+
     def _torus_route(self, src: int, dst: int) -> tuple[tuple[int, ...], int]:
         here, there = list(self.coords(src)), self.coords(dst)
         per_rank, base = 2 * len(self.torus), self.world_size * 4
@@ -107,6 +129,12 @@ class Cluster:
         return tuple(sorted(ranks, key=lambda r: (r // self.gpus_per_node, r % t, r)))
 
     def link_name(self, link: int) -> str:
+        if link >= self.nvme_base:
+            node, read = divmod(link - self.nvme_base, 2)
+            return f"node{node}:nvme-{'read' if read else 'write'}"
+        if link >= self.host_base:
+            rank, up = divmod(link - self.host_base, 2)
+            return f"rank{rank}:pcie-{'h2d' if up else 'd2h'}"
         if self.torus and link >= self.world_size * 4:
             rank, rest = divmod(link - self.world_size * 4, 2 * len(self.torus))
             return f"rank{rank}:ici-{'xyz'[rest // 2]}{'+-'[rest % 2]}"
@@ -114,6 +142,12 @@ class Cluster:
             rail, down = divmod(link - self.world_size * 4, 2)
             return f"spine:rail{rail}-{'down' if down else 'up'}"
         return f"rank{link // 4}:{PORT_NAMES[link % 4]}"
+
+    def host_kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:
+        """A kernel on the host's cores (the "cpu" stream): its FLOPs at the rank's share of the host's
+        rate (ADAM_FLOPS x the CPU Adam throughput / GPUs a node), plus the launch gap."""
+        flops = 2.0 * math.prod(work) if work.__class__ is tuple else work
+        return int(math.ceil(flops / self._host_flops_per_ns)) + self.spec.kernel_overhead_ns
 
     def kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:
         """max(compute-bound, memory-bound) time plus the per-kernel overhead, in whole ns.

@@ -57,6 +57,22 @@ class ClusterSpec:
     matmul_efficiency: float = 0.859
     sms: int = 108  # streaming multiprocessors; datasheet (A100: 108)
     memory_efficiency: float = 0.8  # achievable fraction of HBM bandwidth; assumption
+    # The host (ZeRO-Offload/Infinity keep optimizer state, and parameters, in its memory or on its NVMe).
+    # PCIe between a GPU and its host, each way: A100 SXM4 Gen4 x16, 32 GB/s (datasheet "PCIe Gen4:
+    # 64 GB/s", both ways together); what a pinned-memory copy gets of it, and a copy's set-up: assumptions.
+    pcie_gbyte_per_s: float = 32.0
+    pcie_efficiency: float = 0.8
+    pcie_latency_ns: int = 5000
+    # A node's NVMe drives together, each way. Assumption: DGX A100's eight 3.84 TB U.2 drives (datasheet:
+    # 30 TB) at ~3 GB/s sustained each.
+    nvme_gbyte_per_s: float = 24.0
+    nvme_tbyte: float = 30.0
+    host_memory_gbyte: float = 2048.0  # DGX A100 640GB: 2 TB system memory (datasheet)
+    # CPU Adam (DeepSpeed's vectorised AdamW), a node's cores together, in billions of parameters a second.
+    # Assumption: memory-bound at half the host's DRAM bandwidth (two AMD EPYC 7742, 8 channels of
+    # DDR4-3200 each: 409.6 GB/s), moving 28 bytes a parameter (fp32 master, m and v read and written,
+    # the fp32 gradient read): 204.8 / 28 = 7.3.
+    cpu_adam_gparam_per_s: float = 7.3
     # a measured hardware profile (topology/profile.py, from `simcluster calibrate`): with one, the
     # figures above are its measurements, and each GEMM is timed by the shape measured nearest to it
     profile: "Profile | None" = None
@@ -166,13 +182,18 @@ PRESETS: dict[str, ClusterSpec] = {
     "dgx-h100": ClusterSpec(preset="dgx-h100", device="H100-SXM5-80GB", peak_tflops=989.0, peak_tflops_fp32=67.0,
                             hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0,
                             # 132 SMs (datasheet); MAMF 792.1 of 989 TFLOP/s (Bekman, as above)
-                            sms=132, matmul_efficiency=0.801),
+                            sms=132, matmul_efficiency=0.801,
+                            # PCIe Gen5 x16: 128 GB/s both ways (datasheet); DGX H100: 2 TB, 8 x 3.84 TB
+                            # NVMe (datasheet); two Xeon 8480C, 8 channels of DDR5-4800 each: 614.4 GB/s, so
+                            # CPU Adam at 307.2 / 28 = 11.0 G parameters/s (the A100 preset's assumption)
+                            pcie_gbyte_per_s=64.0, cpu_adam_gparam_per_s=11.0),
     # Google Cloud TPU v5p (docs.cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip, 95 GiB HBM
     # (of 96) at 2,765 GB/s, 1,200 GB/s bidirectional ICI per chip over the six links of a 3D torus,
     # 4 chips a host, slices from 2x2x1 to 16x16x24. Two TensorCores of four 128 x 128 MXUs each: eight
     # units working on one output tile each, as `sms` (the tile/wave model of cluster.py). Assumptions:
     # fp32 matmuls as six bf16 passes (XLA's highest precision); the share of the MXUs' peak that a
-    # best-shaped matmul reaches (no measured figure found); the NVLink/NIC figures are unused.
+    # best-shaped matmul reaches (no measured figure found); the host's figures are the DGX A100's (none
+    # found for a v5p host); the NVLink/NIC figures are unused.
     "tpu-v5p": ClusterSpec(preset="tpu-v5p", device="TPU-v5p", gpus_per_node=4, torus="2x2x1", peak_tflops=459.0,
                            peak_tflops_fp32=459.0 / 6, hbm_gbyte_per_s=2765.0, memory_gbyte=95.0,
                            ici_gbyte_per_s=100.0, sms=8, matmul_efficiency=0.8),

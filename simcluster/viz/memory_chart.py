@@ -36,7 +36,7 @@ class MemoryChart:
 
     def series(self) -> dict[str, list[int]]:
         """Per category (and "total"): the most held in each of `width` time slices."""
-        events = [e for e in self.trace.memory if e.rank == self.rank]
+        events = [e for e in self.trace.memory if e.rank == self.rank and ":" not in e.category]  # device memory
         categories = sorted({e.category for e in events})
         held = dict.fromkeys(categories, 0)
         out = {c: [0] * self.width for c in categories + ["total"]}

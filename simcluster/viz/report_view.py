@@ -96,13 +96,19 @@ class ReportView:
         t = Table(title="peak memory per rank (largest rank)", title_justify="left")
         t.add_column("category")
         t.add_column("peak", justify="right")
-        categories = sorted({c for v in peaks.values() for c in v if c != "total"})
-        for c in categories + ["total"]:
+        m = self.report.get("memory") or {}
+        host = m.get("host", {})
+        categories = sorted({c for v in peaks.values() for c in v if c != "total" and c not in host})
+        for c in [c for c in categories if ":" not in c] + ["total"]:
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
-        m = self.report.get("memory")
         if m:
             t.add_row("device", f"{format_bytes(m['capacity_bytes'])}: " + (
                 "fits" if m["fits"] else f"[bold red]OUT OF MEMORY[/] on {m['ranks_over']} rank(s)"))
+        for c in [c for c in categories if ":" in c]:  # offloaded: the host's memory and NVMe
+            t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
+        for tier, h in host.items():
+            t.add_row(f"{tier} (host)", f"{format_bytes(h['peak_bytes_per_node'])} a node of "
+                      f"{format_bytes(h['capacity_bytes_per_node'])}: " + ("fits" if h["fits"] else "[bold red]DOES NOT FIT[/]"))
         return t
 
     def _verdict(self) -> Table:

@@ -29,10 +29,12 @@ GLYPHS: dict[str, tuple[str, str]] = {
     "send": (">", "bright_magenta"),
     "recv": ("<", "bright_magenta"),
     "barrier": ("|", "white"),
+    "copy": ("H", "bright_cyan"),  # between a GPU and its host's memory or NVMe
 }
 IDLE = "."
 SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
-         "reduce": "RD", "send": "SEND", "recv": "RECV", "barrier": "BAR"}
+         "reduce": "RD", "send": "SEND", "recv": "RECV", "barrier": "BAR",
+         "copy": "COPY"}
 PASSES = {"F": "forward", "B": "backward", "W": "weight-gradient", "R": "recomputed forward"}
 
 
