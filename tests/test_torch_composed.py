@@ -65,6 +65,20 @@ def test_data_parallel_from_the_command_line(stage):
     byte_identical_everywhere(report)
 
 
+@pytest.mark.parametrize("stage,optimizer,params,delayed", [(3, "cpu", "nvme", "true"),
+                                                             pytest.param(2, "nvme", "none", "false", marks=pytest.mark.slow)])
+def test_offload_from_the_command_line(stage, optimizer, params, delayed):
+    """ZeRO-Offload/Infinity's copies are real copies between the device (or gloo's CPU tensors) and
+    host memory on torch: the same bytes, the delayed update's own reference."""
+    report = on_torch(*SMALL, f"parallel.zero={stage}", f'parallel.offload_optimizer="{optimizer}"',
+                      f'parallel.offload_params="{params}"', f"parallel.delayed_update={delayed}", "parallel.dp=2",
+                      "cluster.gpus_per_node=2", "model.layers=1", "model.hidden=8", "model.heads=2",
+                      "model.ffn_hidden=12", "model.seq=4", "model.vocab=10", "model.global_batch=4",
+                      "model.micro_batch=1", "model.dtype=bf16", "run.steps=3")
+    byte_identical_everywhere(report)
+    assert {r["group"] for r in report["communication"]} >= {"gpu->cpu", "cpu->gpu" if params == "none" else "nvme->gpu"}
+
+
 @pytest.mark.parametrize("sp", [pytest.param("false", marks=pytest.mark.slow), "true"])
 def test_tensor_parallel_from_the_command_line(sp):
     byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.tp=2", f"parallel.sp={sp}",
