@@ -190,3 +190,21 @@ def test_nvme_offload_folds_data_parallel_replicas_only():
     cfg = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8)
     assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="nvme")).alike(2) == ("dp",)
     assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="cpu")).alike(2) == ("dp", "tp")
+
+
+def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_layout(tmp_path):
+    """Offloading moves bytes, not state: ZeRO-Infinity's checkpoint resumes as ZeRO-Offload on half the
+    ranks, and the steps after it equal the uninterrupted single-device run's."""
+    where = f'run.save_checkpoint="{tmp_path / "ck"}"'
+    saved = run("parallel.zero=3", 'parallel.offload_optimizer="nvme"', 'parallel.offload_params="nvme"', where,
+                "run.save_at_step=1", "run.steps=3")
+    resumed = run("parallel.zero=2", 'parallel.offload_optimizer="cpu"', "parallel.dp=2", "cluster.gpus_per_node=2",
+                  f'run.resume="{tmp_path / "ck"}"', "run.steps=3")
+    assert saved["verification"]["passed"] and resumed["verification"]["passed"]
+    assert resumed["steps"] == 2 and resumed["verification"]["outputs_compared"] > 2
+
+
+def test_dualpipe_with_offloading_is_a_one_line_error():
+    with pytest.raises(ScenarioError, match="DualPipe with offloading is not modelled"):
+        run("parallel.zero=3", 'parallel.offload_params="cpu"', "parallel.pp=2", "parallel.dp=2",
+            'parallel.schedule="dualpipe"', "model.micro_batch=1", "model.global_batch=16")

@@ -97,6 +97,11 @@ class Plan:
                 raise ValueError(f"sequence parallelism: tp={tp} must divide {where}; valid degrees: "
                                  f"{listed(valid)}")
         check_schedule(self.schedule, self.shape(pp), m.layers)
+        offloaded = (self.data.offload_optimizer, self.data.offload_params) != ("none", "none")
+        if self.schedule is Schedule.DUALPIPE and pp > 1 and offloaded:
+            raise ValueError("DualPipe with offloading is not modelled: its two copies of a stage sum their "
+                             "gradients on the device before the step; set parallel.offload_optimizer and "
+                             "parallel.offload_params to none, or choose another schedule")
         if m.tied_head and pp > 1:
             raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
                              "set model.tied_head = false for pipeline parallelism")
