@@ -208,3 +208,18 @@ def test_dualpipe_with_offloading_is_a_one_line_error():
     with pytest.raises(ScenarioError, match="DualPipe with offloading is not modelled"):
         run("parallel.zero=3", 'parallel.offload_params="cpu"', "parallel.pp=2", "parallel.dp=2",
             'parallel.schedule="dualpipe"', "model.micro_batch=1", "model.global_batch=16")
+
+
+def test_the_ledger_keeps_each_tier_apart_and_counts_the_device_alone():
+    """The torch backend's ledger: ZeRO-1 offloaded holds 'grads' on the device and on the host at once."""
+    from simcluster.model.memory import MemoryLedger
+
+    ledger = MemoryLedger()
+    ledger.hold("gradients", "grads", 100)
+    ledger.hold("gradients", "grads", 30, "cpu")
+    ledger.hold("optimizer", "adam", 1000, "nvme")
+    assert ledger.peak_total == 100
+    assert (ledger.peak("gradients"), ledger.peak("gradients", "cpu"), ledger.peak("optimizer", "nvme")) == (100, 30, 1000)
+    ledger.release("gradients", "grads", "cpu")
+    with pytest.raises(ValueError, match="unknown memory tier 'ram'"):
+        ledger.hold("gradients", "grads", 1, "ram")

@@ -65,7 +65,7 @@ def test_data_parallel_from_the_command_line(stage):
     byte_identical_everywhere(report)
 
 
-@pytest.mark.parametrize("stage,optimizer,params,delayed", [(3, "cpu", "nvme", "true"),
+@pytest.mark.parametrize("stage,optimizer,params,delayed", [(3, "cpu", "nvme", "true"), (1, "cpu", "none", "false"),
                                                              pytest.param(2, "nvme", "none", "false", marks=pytest.mark.slow)])
 def test_offload_from_the_command_line(stage, optimizer, params, delayed):
     """ZeRO-Offload/Infinity's copies are real copies between the device (or gloo's CPU tensors) and

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from simcluster.model.memory import CATEGORIES
-from simcluster.program.comm import TIERS, Comm, Work
+from simcluster.model.memory import CATEGORIES, in_tier
+from simcluster.program.comm import Comm, Work
 from simcluster.program.context import COMPUTE
 
 KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
@@ -113,18 +113,14 @@ class RankState:
         device's memory or (`tier`) its host's: "cpu" or "nvme", kept as category "cpu:optimizer"."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(CATEGORIES)}")
-        if tier not in TIERS:
-            raise ValueError(f"unknown memory tier {tier!r}; valid: {', '.join(TIERS)}")
-        if tier != "gpu":
-            category = f"{tier}:{category}"
+        category = in_tier(category, tier)
         if (category, name) in self.held:
             raise ValueError(f"rank {self.rank} already holds {category} buffer {name!r}")
         self.held[(category, name)] = int(nbytes)
         self.cur.items.append((MEMORY, category, name, int(nbytes)))
 
     def release(self, category: str, name: str, tier: str = "gpu") -> None:
-        if tier != "gpu":
-            category = f"{tier}:{category}"
+        category = in_tier(category, tier)
         nbytes = self.held.pop((category, name), None)
         if nbytes is None:
             raise ValueError(f"rank {self.rank} releases {category} buffer {name!r}, which it does not hold")

@@ -6,6 +6,8 @@ import json
 from itertools import chain
 from typing import Iterable, Iterator, NamedTuple
 
+from simcluster.model.memory import tier_of
+
 COMPUTE_KINDS = frozenset({"compute", "forward", "backward", "weight_grad", "optimizer", "recompute"})
 
 
@@ -79,7 +81,7 @@ class Trace:
             tiers = {"total": 0}
             for c, v in cur.items():
                 peaks[c] = max(peaks.get(c, 0), v)
-                tier = "total" if ":" not in c else c.split(":", 1)[0]
+                tier = "total" if tier_of(c) == "gpu" else tier_of(c)
                 tiers[tier] = tiers.get(tier, 0) + v
             for tier, v in tiers.items():
                 peaks[tier] = max(peaks.get(tier, 0), v)

@@ -76,9 +76,6 @@ class DPWrap:
         self.grad_count = owned if self.stage >= 2 else psi
         self.host = None if data.offload_optimizer == "none" else data.offload_optimizer  # the optimizer's tier
         self.kept = "gpu" if data.offload_params == "none" else data.offload_params  # ZeRO-3's chunks' tier
-        if twin is not None and (self.host or self.kept != "gpu"):
-            raise ValueError("DualPipe with offloading is not modelled: its two copies of a stage sum their "
-                             "gradients on the device before the step")
         self.owned_count = owned
         ctx.memory.hold("parameters", "weights", self.per["parameters"] * (owned if self.stage == 3 else psi),
                         self.kept)

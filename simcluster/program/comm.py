@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
+from simcluster.model.memory import TIERS
 from simcluster.numerics.tensor import MetaTensor, ReduceOp, describe, describe_signature, shape_of, signature
 from simcluster.program.mesh import ProcessGroup
 
@@ -39,7 +40,6 @@ class CommKind(Enum):
 
 
 COLLECTIVES = frozenset(k for k in CommKind if k not in (CommKind.SEND, CommKind.RECV, CommKind.COPY))
-TIERS = ("gpu", "cpu", "nvme")  # where a rank keeps a tensor: device memory, its host's memory, its host's NVMe
 
 
 @dataclass(eq=False, slots=True)

@@ -15,6 +15,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
 from simcluster.engine.trace import Trace
+from simcluster.model.memory import tier_of
 from simcluster.viz.report_view import format_bytes
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -36,7 +37,7 @@ class MemoryChart:
 
     def series(self) -> dict[str, list[int]]:
         """Per category (and "total"): the most held in each of `width` time slices."""
-        events = [e for e in self.trace.memory if e.rank == self.rank and ":" not in e.category]  # device memory
+        events = [e for e in self.trace.memory if e.rank == self.rank and tier_of(e.category) == "gpu"]
         categories = sorted({e.category for e in events})
         held = dict.fromkeys(categories, 0)
         out = {c: [0] * self.width for c in categories + ["total"]}

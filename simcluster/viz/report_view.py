@@ -9,6 +9,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.markup import escape
 from rich.table import Table
 
+from simcluster.model.memory import tier_of
 from simcluster.viz.timeline import format_ns
 
 
@@ -99,12 +100,12 @@ class ReportView:
         m = self.report.get("memory") or {}
         host = m.get("host", {})
         categories = sorted({c for v in peaks.values() for c in v if c != "total" and c not in host})
-        for c in [c for c in categories if ":" not in c] + ["total"]:
+        for c in [c for c in categories if tier_of(c) == "gpu"] + ["total"]:
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
         if m:
             t.add_row("device", f"{format_bytes(m['capacity_bytes'])}: " + (
                 "fits" if m["fits"] else f"[bold red]OUT OF MEMORY[/] on {m['ranks_over']} rank(s)"))
-        for c in [c for c in categories if ":" in c]:  # offloaded: the host's memory and NVMe
+        for c in [c for c in categories if tier_of(c) != "gpu"]:  # offloaded: the host's memory and NVMe
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
         for tier, h in host.items():
             t.add_row(f"{tier} (host)", f"{format_bytes(h['peak_bytes_per_node'])} a node of "
