@@ -6,7 +6,8 @@ Two stages, as an engineer would search:
    DP, ZeRO stage, micro-batch size and recomputation that the plan's checks accept is estimated in
    closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
    Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
-   interleaved, Narayanan et al. 2021) and time (the step's hardware FLOPs at the device's achievable
+   interleaved, Narayanan et al. 2021; or, if more, the optimizer step's fp32 copy of the gradients
+   it updates, 4 bytes each in mixed precision) and time (the step's hardware FLOPs at the device's achievable
    rate, stretched by the pipeline bubble: (p-1)/m for 1F1B, (p-1)/(mv) interleaved, and with the
    passes' times taken equal (T_F = T_B = T_W), (p-1)(T_F + T_B - T_W) / 3m T_F = (p-1)/3m for ZB-H1
    and (p-1) T_F/2 / 3m T_F = (p-1)/6m for ZB-V (Qi et al. 2023; tests/test_pipeline.py checks
@@ -164,7 +165,9 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t, sp=t > 1,
                       recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
     in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
-    memory = states + act * math.ceil(model.layers / p) * in_flight
+    # the larger of the backward's activations and the optimizer step's fp32 gradients (dp_wrap.py)
+    step = 0.0 if data.precision == "fp32" else 4 * psi / shard[2]
+    memory = states + max(act * math.ceil(model.layers / p) * in_flight, step)
 
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
@@ -222,7 +225,7 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     for i, e in enumerate(fitting[:simulate]):
         if on_simulate is not None:
             on_simulate(i, min(simulate, len(fitting)), e.layout)
-        rows.append(Row(e.layout, e, run_scenario(e.layout.scenario(base), fold=fold)))
+        rows.append(Row(e.layout, e, run_scenario(e.layout.scenario(base), fold=fold, trace=False)))
     rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
     return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
 

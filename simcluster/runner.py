@@ -230,10 +230,11 @@ def faults_of(sc: Scenario) -> Faults | None:
     return faults or None
 
 
-def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
+def run_scenario(sc: Scenario, *, fold: bool = True, trace: bool = True) -> Outcome:
     """Run one scenario on the emulator. `fold`: in meta mode, let one rank stand for its identical peers
     (data-parallel replicas, tensor-parallel peers; engine/fold.py): the same trace and report, at a
-    fraction of the cost."""
+    fraction of the cost. `trace`: keep every event for views and exports; without, the same report
+    at less time and memory (the result's trace has no events)."""
     budget.check(sc, fold)
     checkpoint.check_scenario(sc)
     faults = faults_of(sc)
@@ -243,7 +244,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True) -> Outcome:
     if result is None:
         budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
         result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                          cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults)
+                          cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults, events=trace)
     verdict = job.check(result.results) if result.hang is None else {
         "mode": job.mode, "status": f"not applicable: the run hung (rank {result.hang.rank} failed)"}
     rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,

@@ -15,88 +15,12 @@ steps are simulated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from simcluster.engine.totals import Totals, covered, union  # noqa: F401 (where tests and views found them)
 from simcluster.engine.trace import Trace, TraceEvent
 
 SIMULATED = 3  # steps simulated for a longer run (and 2 more to find the period)
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The per-rank sums a report is made of."""
-
-    end: int
-    events: int
-    comm: dict[tuple[str, str], dict[int, tuple[int, int, int]]]  # (group, kind) -> rank -> calls, bytes, ns
-    busy: dict[int, dict[str, int]]  # rank -> stream -> ns (ranks in order, streams by first event)
-    compute: dict[int, int]  # rank -> compute-stream ns, every rank with a lane
-    overlap: dict[int, tuple[int, int]]  # rank -> (ns some communication runs, ns of it under compute)
-
-    @classmethod
-    def of(cls, trace: Trace) -> "Totals":
-        comm: dict[tuple[str, str], dict[int, list[int]]] = {}
-        busy: dict[int, dict[str, int]] = {}
-        ranks = sorted({r for r, _ in trace.lanes})
-        compute = {r: 0 for r in ranks}
-        spans: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {r: ([], []) for r in ranks}
-        for e in trace:
-            d = e.end - e.start
-            streams = busy.setdefault(e.rank, {})
-            streams[e.stream] = streams.get(e.stream, 0) + d
-            if e.stream == "compute":
-                compute[e.rank] += d
-            if e.group:
-                acc = comm.setdefault((e.group.split("[", 1)[0], e.kind), {}).setdefault(e.rank, [0, 0, 0])
-                acc[0] += 1
-                acc[1] += e.bytes
-                acc[2] += d
-            if d:
-                spans[e.rank][0 if e.stream == "compute" else 1].append((e.start, e.end))
-        return cls(trace.end, len(trace), {k: {r: tuple(v) for r, v in ranks.items()} for k, ranks in comm.items()},
-                   busy, compute, {r: covered(*spans[r]) for r in spans})
-
-    def extended(self, before: "Totals", steps: int) -> "Totals":
-        """These totals plus `steps` more of the increment from `before` (one step less)."""
-        def more(a: int, b: int) -> int:
-            return a + steps * (a - b)
-
-        comm = {k: {r: tuple(more(x, y) for x, y in zip(v, before.comm.get(k, {}).get(r, (0, 0, 0))))
-                    for r, v in ranks.items()} for k, ranks in self.comm.items()}
-        busy = {r: {s: more(ns, before.busy.get(r, {}).get(s, 0)) for s, ns in streams.items()}
-                for r, streams in self.busy.items()}
-        overlap = {r: tuple(more(x, y) for x, y in zip(v, before.overlap.get(r, (0, 0))))
-                   for r, v in self.overlap.items()}
-        return Totals(more(self.end, before.end), more(self.events, before.events), comm, busy,
-                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap)
-
-
-def union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The disjoint intervals covering `spans`, in order."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def covered(compute: list[tuple[int, int]], other: list[tuple[int, int]]) -> tuple[int, int]:
-    """(ns during which some non-compute stream is busy, ns of those during which compute is busy too):
-    communication time and the part of it hidden under computation, as HTA's overlap counts them."""
-    a, b = union(compute), union(other)
-    i = j = hidden = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        hidden += max(0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return sum(end - start for start, end in b), hidden
 
 
 def period(two: Trace, three: Trace) -> int | None:

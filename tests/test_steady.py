@@ -93,3 +93,32 @@ def test_the_period_is_found_only_when_the_last_step_repeats():
     held = [MemoryEvent(0, 20, "activations", "a", 8)]
     grows = trace([*two, ev(30, 35)], [*held, MemoryEvent(0, 30, "activations", "a", 8)])
     assert steady.period(trace(list(two), held), grows) is None  # memory that is never released
+
+
+OFFLOAD = ["parallel.zero=3", "parallel.offload_optimizer=nvme", "parallel.offload_params=cpu"]
+
+
+@pytest.mark.parametrize("sets", LAYOUTS + [OFFLOAD, ["faults.straggler_rank=1", "faults.straggler_factor=1.5"]])
+def test_the_replays_running_sums_are_the_sums_of_its_events(sets):
+    """The sums a report is made of, kept by the replay as it makes each event (engine/totals.py), equal
+    those summed from the events afterwards, in the same order (dicts compared by their items)."""
+    from simcluster.engine.totals import Totals
+
+    trace = report(["run.steps=2", *sets]).result.trace
+    kept = trace.__dict__.pop("totals")
+    summed = Totals.of(trace)
+    assert summed is not kept and repr(summed) == repr(kept)
+    assert kept.events == len(trace) and kept.end == max(e.end for e in trace)
+    assert sum(ns for streams in kept.busy.values() for ns in streams.values()) == sum(e.duration for e in trace)
+
+
+@pytest.mark.parametrize("sets", [LAYOUTS[0], LAYOUTS[5], LAYOUTS[9], OFFLOAD,
+                                  ["cluster.nodes=2", "cluster.gpus_per_node=4", "parallel.dp=8", "run.steps=2"]])
+def test_a_run_without_its_events_reports_the_same(sets):
+    """`run_scenario(trace=False)` keeps no event (what the planner and the benchmarks ask for): the
+    same report, byte for byte, as the run that keeps them all (folded and not)."""
+    for fold in (True, False):
+        sc = build({}, ["run.numerics=meta", *sets])
+        full, bare = (runner.run_scenario(sc, fold=fold, trace=t) for t in (True, False))
+        assert len(full.result.trace) > 0 and len(bare.result.trace) == 0
+        assert json.dumps(bare.report, sort_keys=False) == json.dumps(full.report, sort_keys=False)

@@ -47,6 +47,8 @@ def test_zero_paper_table_1(n):
         for rank in (0, n - 1):
             states = sum(peaks[rank].get(c, 0) for c in ("parameters", "gradients", "optimizer"))
             assert states == exact[stage]  # the closed form, byte for byte
+            # the step's fp32 copy of the gradients it updates (Megatron-LM's and DeepSpeed's optimizers)
+            assert peaks[rank]["temporaries"] == 4 * (psi if stage == 0 else owned)
         assert paper_rounding(states / 1e9) == TABLE_1[n][stage]
         assert abs(owned - psi / n) < len(units(BIG))  # padding: less than one element per unit
 

@@ -55,14 +55,15 @@ def default_cluster(world_size: int, name: str = "dgx-a100") -> ClusterSpec:
 
 def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
              cluster: ClusterSpec | None = None, mode: Mode | str = Mode.EXACT, cost_dtype: str = "bf16",
-             fold: tuple[str, ...] = (), faults: Faults | None = None) -> RunResult:
+             fold: tuple[str, ...] = (), faults: Faults | None = None, events: bool = True) -> RunResult:
     """Run `program(ctx, *args)` on every rank of `mesh`, then time it on `cluster`.
 
     fold: the mesh axes ("dp", "tp") along which the program's ranks differ in nothing but their data;
     one representative of each set of identical ranks then runs for all (engine/fold.py), which gives
     the same trace. Meta mode only (elsewhere the ranks hold different numbers). Where the layout
     has nothing to fold, or the run turns out not to be symmetric, it runs unfolded and says why in
-    `unfolded_because`.
+    `unfolded_because`. events: keep every trace event (without, the trace has the report's sums and
+    the memory events: what a report needs, not what a timeline draws).
     """
     spec = cluster if cluster is not None else default_cluster(mesh.world_size)
     if spec.world_size != mesh.world_size:
@@ -88,19 +89,21 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
                               "no tp group inside a node")
                 continue
             try:
-                return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, plan), unfolded_because=why)
+                return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, plan, events=events),
+                               unfolded_because=why)
             except FoldError as exc:
                 why = str(exc)
-    result = _simulate(program, args, mesh, topo, mode, cost_dtype, None, faults)
+    result = _simulate(program, args, mesh, topo, mode, cost_dtype, None, faults, events)
     return replace(result, unfolded_because=why) if why else result
 
 
 def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMesh, topo: Cluster,
-              mode: Mode | str, cost_dtype: str, fold: Fold | None, faults: Faults | None = None) -> RunResult:
+              mode: Mode | str, cost_dtype: str, fold: Fold | None, faults: Faults | None = None,
+              events: bool = True) -> RunResult:
     with gc_paused():  # (one pause over both passes: the collector then walks their objects once)
         interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold)
         results = interp.run(program, *args)
-        replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults)
+        replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults, events)
         trace = replay.run()
     return RunResult(results, trace, mesh, topo, fold, hang=replay.hang)
 

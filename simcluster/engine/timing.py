@@ -29,6 +29,7 @@ from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
+from simcluster.engine.totals import LaneSums, Totals
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
@@ -37,8 +38,11 @@ class Replay:
     """Replays `ranks`' streams; with a fold (engine/fold.py), the representatives', standing for all."""
 
     def __init__(self, ranks: list[RankState], calls: list[Call], cluster: Cluster, cost_dtype: str,
-                 fold: Fold | None = None, faults: Faults | None = None) -> None:
+                 fold: Fold | None = None, faults: Faults | None = None, events: bool = True) -> None:
+        """`events`: keep every event in the trace (views and exports draw them); without, the trace
+        has the sums a report needs and the memory events only."""
         self.ranks = ranks
+        self.keep = events or faults is not None  # (a watchdog's stalls are drawn on the events)
         self.fold = fold
         self.calls = calls
         self.cluster = cluster
@@ -73,10 +77,12 @@ class Replay:
                         lanes.append((s.rank, s.name))
             for call in self.calls:
                 call.done = []  # the streams waiting for it
+            sums: list[LaneSums] = []
             for s in streams:
                 events: list[TraceEvent] = []
                 lists.append(events)
-                self.runnable.append(self._stream(s, events))
+                sums.append(LaneSums())
+                self.runnable.append(self._stream(s, events, sums[-1]))
                 self._drain()
             self.env.run()
             if self.finished != len(streams):
@@ -91,6 +97,8 @@ class Replay:
         # each stream emits its events in order, so lanes concatenated in order are already sorted
         trace = Trace.from_lanes(lanes, lists)
         trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, c, n, b in sorted(self.memory))
+        if self.hang is None:  # (the watchdog draws stalls the sums have not seen)
+            trace.totals = Totals.of_lanes(lanes, sums)
         return trace
 
     def _drain(self) -> None:
@@ -115,12 +123,18 @@ class Replay:
             waiting_list.append(g)
         self.draining = False
 
-    def _stream(self, s: Stream, events: list[TraceEvent]) -> Iterator[Any]:
+    def _stream(self, s: Stream, events: list[TraceEvent], sums: LaneSums) -> Iterator[Any]:
+        """Replays one stream; its events go to `events`, their sums (what a report is made of) to
+        `sums` as they happen, so that no report has to walk the events again."""
         dtype, rank, name = self.cost_dtype, s.rank, s.name
+        busy = count = last = 0  # (last: when its last event ends)
+        spans = sums.spans  # [start, end] of its busy time, runs of back-to-back events joined
+        comm = sums.comm
         kernel_ns = self.cluster.host_kernel_ns if name == HOST else self.cluster.kernel_ns
         durations: dict[tuple[float, float], int] = {}
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
+        keep = self.keep
         f = self.faults
         slow = f.straggler[1:] if f.straggler and f.straggler[0] == rank else None  # (factor, from ns)
         dies = f.failed[1] if f.failed and f.failed[0] == rank else None
@@ -138,9 +152,18 @@ class Replay:
                     d = math.ceil(d * slow[0])
                 if dies is not None and t + d > dies:
                     append(new(event, (rank, name, kind, op, t, dies, 0, "")))
-                    yield []
-                append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
+                    yield []  # (never resumed: a failed rank's sums are not used, the watchdog's are)
+                if keep:
+                    append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
+                busy += d
+                count += 1
+                if d:
+                    if spans and spans[-1][1] == t:
+                        spans[-1][1] = t + d
+                    else:
+                        spans.append([t, t + d])
                 t += d
+                last = t
             elif tag == WAIT:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]
@@ -174,7 +197,26 @@ class Replay:
                     if call.done is not None:  # (a call of one member with nothing to move ends at once)
                         yield call.done  # runnable again when the call ends
                 t = call.end
-                append(new(event, (rank, name, kind, label or kind, call.start, t, call.sent[position], where)))
+                sent, began = call.sent[position], call.start
+                if keep:
+                    append(new(event, (rank, name, kind, label or kind, began, t, sent, where)))
+                d = t - began
+                busy += d
+                count += 1
+                if where:
+                    acc = comm.get((where, kind))
+                    if acc is None:
+                        acc = comm[(where, kind)] = [0, 0, 0]
+                    acc[0] += 1
+                    acc[1] += sent
+                    acc[2] += d
+                if d:
+                    if spans and spans[-1][1] == began:
+                        spans[-1][1] = t
+                    else:
+                        spans.append([began, t])
+                if t > last:
+                    last = t
             else:
                 assert tag == MEMORY
                 memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
@@ -188,6 +230,7 @@ class Replay:
                         self._join(w[0], w[1] if w[1] > t else t)
                     else:  # a stream to wake
                         runnable.append(w)
+        sums.busy, sums.count, sums.end = busy, count, last
 
     def _join(self, call: Call, t: int) -> None:
         """A member joins `call` at its clock `t`; the last one launches it."""

@@ -107,7 +107,8 @@ class Trace:
         """When the last event ends (computed once: events never change)."""
         end = self.__dict__.get("_end")
         if end is None:
-            end = self.__dict__["_end"] = max((e.end for e in self.events), default=0)
+            totals = self.__dict__.get("totals")  # (a replay's sums: engine/totals.py; all a trace without events has)
+            end = self.__dict__["_end"] = totals.end if totals is not None else max((e.end for e in self.events), default=0)
         return end
 
     def lane(self, rank: int, stream: str) -> list[TraceEvent]:

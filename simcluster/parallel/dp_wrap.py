@@ -19,7 +19,11 @@ Over a step:
      gradient once; with clipping, the global norm from
      one exact sum of squares over the world (each gradient element counted by one rank: the owner of
      its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
-     the new weights (stage 3 gathers them when they are next used).
+     the new weights (stage 3 gathers them when they are next used). In mixed precision the step
+     works on fp32 copies of the owned gradients, held while it runs (a temporary: 4 bytes an owned
+     parameter beside ZeRO's 16 of model states), as the real optimizers do: Megatron-LM's fp16
+     optimizer (`main_param.grad = model_param.grad.float()`, its 16-bit gradient buffer kept) and
+     DeepSpeed's ZeRO (its partition's fp32 gradients; it frees the 16-bit ones first, we do not).
 
 Offloaded (ZeRO-Offload, ZeRO-Infinity: `offload_optimizer`, `offload_params`), the master weights and
 moments live in the host's memory or on its NVMe: each reduced gradient chunk goes down to the host
@@ -211,6 +215,8 @@ class DPWrap:
                 yield from self._swap_in()
             with self.ctx.annotate("optimizer", f"O{step}"):
                 grads = {u: ops.finalize(total[u]) for u in self.units}
+                if data.precision != "fp32":  # the step's fp32 gradients (module docstring)
+                    self.ctx.memory.hold("temporaries", "fp32 grads", 4 * self.owned_count, self.host or "gpu")
                 unscaled = unscale(ops, grads, data.precision)
                 if data.clip_grad:
                     mine = [g if self.counted is None else ops.where(self.counted[u], g, np.float32(0))
@@ -219,6 +225,8 @@ class DPWrap:
                     unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)
                 self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
                                         weight_decay=data.weight_decay)
+                if data.precision != "fp32":
+                    self.ctx.memory.release("temporaries", "fp32 grads", self.host or "gpu")
                 chunks: dict[str, Any] = {u: ops.cast(self.master[u], data.precision) for u in self.units}
             if self.host == "nvme":
                 self._swap_out()

@@ -1,0 +1,126 @@
+"""What a report is made of: per-rank sums over a run's trace (busy time per stream, communication per
+group and operation, compute time, how much communication runs under compute).
+
+The replay keeps them per lane as it makes each event (engine/timing.py `LaneSums`), so a report does
+not walk the events again (for a 3,072-GPU Megatron layout that walk cost a third of the run); a trace
+without them (a watchdog drew stalls on it) is summed from its events, to the same figures
+(tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simcluster.engine.trace import Trace
+
+
+@dataclass
+class LaneSums:
+    """One lane's sums: busy ns, events, when its last event ends, communication by (group, operation)
+    as [calls, bytes, ns], and its busy spans ([start, end], back-to-back events joined)."""
+
+    busy: int = 0
+    count: int = 0
+    end: int = 0
+    comm: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    spans: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The per-rank sums a report is made of."""
+
+    end: int
+    events: int
+    comm: dict[tuple[str, str], dict[int, tuple[int, int, int]]]  # (group, kind) -> rank -> calls, bytes, ns
+    busy: dict[int, dict[str, int]]  # rank -> stream -> ns (ranks in order, streams by first event)
+    compute: dict[int, int]  # rank -> compute-stream ns, every rank with a lane
+    overlap: dict[int, tuple[int, int]]  # rank -> (ns some communication runs, ns of it under compute)
+
+    @classmethod
+    def of(cls, trace: Trace) -> "Totals":
+        """The trace's sums: those its replay kept as it went (engine/timing.py), or, for a trace that
+        has none (one a watchdog drew on), summed from its events."""
+        kept = trace.__dict__.get("totals")
+        if kept is not None:
+            return kept
+        lanes: dict[tuple[int, str], LaneSums] = {lane: LaneSums() for lane in trace.lanes}
+        for e in trace:
+            d = e.end - e.start
+            lane = lanes[(e.rank, e.stream)]
+            lane.busy += d
+            lane.count += 1
+            lane.end = max(lane.end, e.end)
+            if e.group:
+                acc = lane.comm.setdefault((e.group, e.kind), [0, 0, 0])
+                acc[0] += 1
+                acc[1] += e.bytes
+                acc[2] += d
+            if d:
+                lane.spans.append([e.start, e.end])
+        return cls.of_lanes(list(lanes), list(lanes.values()))
+
+    @classmethod
+    def of_lanes(cls, lanes: list[tuple[int, str]], sums: list["LaneSums"]) -> "Totals":
+        """From each lane's sums, lanes in the trace's order (rank, then stream)."""
+        comm: dict[tuple[str, str], dict[int, list[int]]] = {}
+        busy: dict[int, dict[str, int]] = {}
+        ranks = sorted({r for r, _ in lanes})
+        compute = {r: 0 for r in ranks}
+        spans: dict[int, tuple[list, list]] = {r: ([], []) for r in ranks}
+        for (rank, stream), lane in zip(lanes, sums):
+            if not lane.count:
+                continue
+            busy.setdefault(rank, {})[stream] = lane.busy
+            if stream == "compute":
+                compute[rank] += lane.busy
+            for (where, kind), (calls, nbytes, ns) in lane.comm.items():
+                acc = comm.setdefault((where.split("[", 1)[0], kind), {}).setdefault(rank, [0, 0, 0])
+                acc[0] += calls
+                acc[1] += nbytes
+                acc[2] += ns
+            spans[rank][0 if stream == "compute" else 1].extend(lane.spans)
+        return cls(max((lane.end for lane in sums), default=0), sum(lane.count for lane in sums),
+                   {k: {r: tuple(v) for r, v in ranks.items()} for k, ranks in comm.items()}, busy, compute,
+                   {r: covered(*spans[r]) for r in spans})
+
+    def extended(self, before: "Totals", steps: int) -> "Totals":
+        """These totals plus `steps` more of the increment from `before` (one step less)."""
+        def more(a: int, b: int) -> int:
+            return a + steps * (a - b)
+
+        comm = {k: {r: tuple(more(x, y) for x, y in zip(v, before.comm.get(k, {}).get(r, (0, 0, 0))))
+                    for r, v in ranks.items()} for k, ranks in self.comm.items()}
+        busy = {r: {s: more(ns, before.busy.get(r, {}).get(s, 0)) for s, ns in streams.items()}
+                for r, streams in self.busy.items()}
+        overlap = {r: tuple(more(x, y) for x, y in zip(v, before.overlap.get(r, (0, 0))))
+                   for r, v in self.overlap.items()}
+        return Totals(more(self.end, before.end), more(self.events, before.events), comm, busy,
+                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap)
+
+
+def union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The disjoint intervals covering `spans`, in order."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def covered(compute: list[tuple[int, int]], other: list[tuple[int, int]]) -> tuple[int, int]:
+    """(ns during which some non-compute stream is busy, ns of those during which compute is busy too):
+    communication time and the part of it hidden under computation, as HTA's overlap counts them."""
+    a, b = union(compute), union(other)
+    i = j = hidden = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        hidden += max(0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return sum(end - start for start, end in b), hidden
