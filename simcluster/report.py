@@ -12,7 +12,7 @@ import numpy as np
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
 from simcluster.scenario import Scenario
-from simcluster.steady import Totals
+from simcluster.engine.totals import Totals
 
 
 def communication(totals: Totals) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from simcluster import batch, budget, checkpoint, goodput, steady
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
+from simcluster.engine.totals import Totals
 from simcluster.model.flops import step_flops
 from simcluster.model.gpt import GPTConfig
 from simcluster.numerics.tolerance import training_bounds
@@ -278,7 +279,7 @@ def _repeats(sc: Scenario, faults: Faults | None) -> bool:
             and sc.run["steps"] > steady.SIMULATED + 2)
 
 
-def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, steady.Totals | None]:
+def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
     """Steps 1-2 and 1-3 simulated; when the third repeats the second, the run's totals over all its
     steps, and the 3-step result (whose trace is what views draw). (None, None) when it does not."""
     runs = []
@@ -292,7 +293,7 @@ def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, steady.Totals |
     if p is None:
         return None, None
     more = sc.run["steps"] - steady.SIMULATED
-    totals = steady.Totals.of(three.trace).extended(steady.Totals.of(two.trace), more)
+    totals = Totals.of(three.trace).extended(Totals.of(two.trace), more)
     return replace(three, repeated=(more, p)), totals
 
 

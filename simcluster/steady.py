@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from simcluster.engine.totals import Totals, covered, union  # noqa: F401 (where tests and views found them)
 from simcluster.engine.trace import Trace, TraceEvent
 
 SIMULATED = 3  # steps simulated for a longer run (and 2 more to find the period)

@@ -9,7 +9,7 @@ import pytest
 from simcluster.cli import main
 from simcluster.runner import run_all
 from simcluster.scenario import load
-from simcluster.steady import covered
+from simcluster.engine.totals import covered
 from simcluster.viz import hta
 from simcluster.viz.chrome import chrome_trace
 
