@@ -1,8 +1,9 @@
 """A rank's streams, as phase one of a run records them: ordered items that timing.py replays.
 
-An item is a kernel (KERNEL, name, kind, flops, bytes), a wait on another stream's item (WAIT, stream,
-index), a rank's part of a communication call (COMM, ...) or a change in what the rank holds
-(MEMORY, category, name, +-bytes). `RankState` is a rank's side of its Context: its streams, its
+An item is a kernel (KERNEL, name, kind, flops, bytes), a run of kernels back to back under one label
+(KERNELS, label, kind, ((name, flops, bytes), ...): what a taped block replays, parallel/tape.py), a
+wait on another stream's item (WAIT, stream, index), a rank's part of a communication call (COMM, ...)
+or a change in what the rank holds (MEMORY, category, name, +-bytes). `RankState` is a rank's side of its Context: its streams, its
 current stream and label, what it holds, and its program's progress (run by interpreter.py).
 """
 
@@ -14,7 +15,7 @@ from simcluster.model.memory import CATEGORIES, in_tier
 from simcluster.program.comm import Comm, Work
 from simcluster.program.context import COMPUTE
 
-KERNEL, WAIT, COMM, MEMORY = 0, 1, 2, 3
+KERNEL, WAIT, COMM, MEMORY, KERNELS = 0, 1, 2, 3, 4
 
 
 class Stream:
@@ -129,3 +130,9 @@ class RankState:
     def kernel(self, name: str, flops: float, nbytes: float) -> None:
         kind, label = self.label
         self.cur.items.append((KERNEL, f"{label}/{name}" if label else name, kind or COMPUTE, flops, nbytes))
+
+    def kernels(self, run: tuple[tuple[str, float, float], ...]) -> None:
+        """`run`'s kernels (name, flops, bytes), one after another under the current label: the same
+        events as a `kernel` call each, as one item (one step of the replay where no event is kept)."""
+        kind, label = self.label
+        self.cur.items.append((KERNELS, label, kind or COMPUTE, run))

@@ -24,7 +24,7 @@ from simcluster.engine.faults import Faults, Hang, Stuck
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Call
-from simcluster.engine.streams import COMM, KERNEL, MEMORY, WAIT, RankState, Stream
+from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.network import Network
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE
@@ -132,6 +132,7 @@ class Replay:
         comm = sums.comm
         kernel_ns = self.cluster.host_kernel_ns if name == HOST else self.cluster.kernel_ns
         durations: dict[tuple[float, float], int] = {}
+        runs: dict[int, int] = {}  # a run of kernels' total, by the run's id
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
         keep = self.keep
@@ -164,6 +165,43 @@ class Replay:
                         spans.append([t, t + d])
                 t += d
                 last = t
+            elif tag == KERNELS:
+                _, label, kind, run = item
+                total = runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
+                if total is None:
+                    total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
+                if keep or slow is not None or dies is not None:  # kernel by kernel, as KERNEL items
+                    for op, flops, nb in run:
+                        d = durations.get((flops, nb))
+                        if d is None:
+                            d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
+                        if slow is not None and t >= slow[1]:
+                            d = math.ceil(d * slow[0])
+                        op = f"{label}/{op}" if label else op
+                        if dies is not None and t + d > dies:
+                            append(new(event, (rank, name, kind, op, t, dies, 0, "")))
+                            yield []
+                        if keep:
+                            append(new(event, (rank, name, kind, op, t, t + d, 0, "")))
+                        busy += d
+                        count += 1
+                        if d:
+                            if spans and spans[-1][1] == t:
+                                spans[-1][1] = t + d
+                            else:
+                                spans.append([t, t + d])
+                        t += d
+                        last = t
+                else:  # the run's sums at once
+                    busy += total
+                    count += len(run)
+                    if total:
+                        if spans and spans[-1][1] == t:
+                            spans[-1][1] = t + total
+                        else:
+                            spans.append([t, t + total])
+                    t += total
+                    last = t
             elif tag == WAIT:
                 dep, j = item[1], item[2]
                 end = dep.end_times[j]

@@ -6,9 +6,10 @@ the recomputation's "R7") and the names its gradients go under ("layers.7.mlp.w_
 model's Python for each of them is most of what a large simulation costs (a 3,072-GPU Megatron
 layout runs a block about 200,000 times), so a `Tapes` records what a block did the first time — each
 kernel with its label, each communication request, each wait, the gradients it produced, what it
-returned — and replays that for the next block with the same key, relabelled. The streams, calls and
-results it leaves behind are the same as the Python's would be (tests/test_tape.py: byte-identical
-reports and traces, taped and not, for every family).
+returned — and replays that for the next block with the same key, relabelled. Kernels back to back
+under one label replay as one stream item (a run), which the timed replay steps over at once when it
+keeps no events. The calls, results, trace and report it leaves behind are the same as the Python's
+would be (tests/test_tape.py: byte-identical reports and traces, taped and not, for every family).
 
 A recording that does anything a replay would not repeat is not kept: a kernel on another stream
 than the block's own, memory held or released, a stream waited for by hand, a label that names
@@ -23,7 +24,7 @@ from typing import Any, Callable, Generator
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.comm import CommOp
 
-_KERNEL, _ISSUE, _YIELD = 0, 1, 2
+_KERNEL, _ISSUE, _YIELD, _RUN = 0, 1, 2, 3
 enabled = True  # (tests turn taping off to compare)
 
 
@@ -67,7 +68,7 @@ class Tapes:
         context's memory and streams); else None."""
         state = ctx.memory
         if not enabled or ctx.ops.mode.value != "meta" or not all(
-                hasattr(state, a) for a in ("kernel", "streams", "cur", "held", "label")):
+                hasattr(state, a) for a in ("kernel", "kernels", "streams", "cur", "held", "label")):
             return None
         return cls(ctx)
 
@@ -171,6 +172,7 @@ class Tapes:
                         return None, result
                     tape.grads.append((k[len(prefix):], v))
         tape.result = result
+        tape.events = _runs(tape.events)
         return tape, result
 
     # -- replaying ---------------------------------------------------------------------------------
@@ -178,12 +180,15 @@ class Tapes:
         st, comm = self.state, self.comm
         own = st.label
         relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
-        kernel, issue = st.kernel, comm._issue
+        kernel, kernels, issue = st.kernel, st.kernels, comm._issue
         works: list[Any] = []
         try:
             for event in tape.events:
                 tag = event[0]
-                if tag == _KERNEL:
+                if tag == _RUN:
+                    st.label = relabel.get(event[1], own)
+                    kernels(event[2])
+                elif tag == _KERNEL:
                     st.label = relabel.get(event[1], own)
                     kernel(event[2], event[3], event[4])
                 elif tag == _ISSUE:
@@ -203,6 +208,24 @@ class Tapes:
             for name, value in tape.grads:
                 grads[prefix + name] = value
         return _fresh(tape.result)
+
+
+def _runs(events: list[tuple]) -> list[tuple]:
+    """The tape with each stretch of two or more kernels under one label as one run (_RUN, label,
+    ((name, flops, bytes), ...)): replayed as one stream item (engine/streams.py `kernels`)."""
+    out: list[tuple] = []
+    i = 0
+    while i < len(events):
+        j = i
+        while j < len(events) and events[j][0] == _KERNEL and events[j][1] == events[i][1]:
+            j += 1
+        if j - i >= 2:
+            out.append((_RUN, events[i][1], tuple(e[2:] for e in events[i:j])))
+            i = j
+        else:
+            out.append(events[i])
+            i += 1
+    return out
 
 
 def _items(st: Any) -> int:
