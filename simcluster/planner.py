@@ -12,7 +12,8 @@ Two stages, as an engineer would search:
    passes' times taken equal (T_F = T_B = T_W), (p-1)(T_F + T_B - T_W) / 3m T_F = (p-1)/3m for ZB-H1
    and (p-1) T_F/2 / 3m T_F = (p-1)/6m for ZB-V (Qi et al. 2023; tests/test_pipeline.py checks
    those bubbles on the simulator), plus the tensor-parallel collectives that sit
-   on the critical path and ZeRO-3's gathers). Layouts whose estimate exceeds the device by more than
+   on the critical path, ZeRO-3's gathers and what the data-parallel gradient reduction leaves
+   exposed after the backward pass). Layouts whose estimate exceeds the device by more than
    `MARGIN` are dropped; the rest are ranked by estimated time.
 2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
    peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
@@ -156,8 +157,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     m = data.micro_batches
     shapes = model.parameter_shapes()
     per_layer = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0.")) / t
-    edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last)
-    psi = math.ceil(model.layers / p) * per_layer + edge
+    edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last; one stage: both)
+    psi = math.ceil(model.layers / p) * per_layer + edge * (2 if p == 1 and not model.tied_head else 1)
     n = layout.dp * c  # ZeRO shards over dp x cp
     state = model_state_bytes(1, data.precision)
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
@@ -179,11 +180,30 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
+    # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
+    across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
-        nic = nvlink if spec.torus else spec.nic_bytes_per_ns * 1e9
-        gathers = 2 * m * 2 * psi * (n - 1) / n / (nic if n * t * p * c > spec.gpus_per_node else nvlink)
-    return Estimate(layout, memory, compute + tp_comm + gathers)
+        gathers = 2 * m * 2 * psi * (n - 1) / n / across
+    return Estimate(layout, memory, compute + tp_comm + gathers + _reduction(sc, layout, psi, n, m, across, compute))
+
+
+def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:
+    """The exposed time of the step's data-parallel gradient reduction: a ring moves (n-1)/n of the
+    stage's 16-bit gradients a reduce-scatter (ZeRO-2/3: each micro-batch's; DDP, ZeRO-1: their sum)
+    and as much again to all-gather (DDP's all-reduce, ZeRO-1/2's new weights; ZeRO-3 gathers weights
+    where they are used). Overlapped (dp_wrap.py), a reduction hides under the backward pass of its
+    micro-batch (a share of the compute, passes counted as flops.py does: the backward is twice a
+    forward); without `overlap_grad_reduce` (Megatron-LM's 2021 local DDP), all of it comes after."""
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's gradients
+    backward = compute / m * (2 / 4 if layout.recompute == "full" else 2 / 3)  # one micro-batch's
+    if layout.zero >= 2:
+        return m * max(0.0, ring - backward) + (ring if layout.zero == 2 else 0.0)
+    if not sc.parallel["overlap_grad_reduce"]:
+        return 2 * ring
+    return max(0.0, 2 * ring - backward)
 
 
 def bottleneck(report: dict[str, Any]) -> str:
