@@ -26,10 +26,10 @@ from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Call
 from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.network import Network
+from simcluster.engine.totals import LaneSums, Totals
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
-from simcluster.engine.totals import LaneSums, Totals
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
@@ -144,55 +144,15 @@ class Replay:
             tag = item[0]
             if dies is not None and t >= dies:
                 yield []  # failed: never runs again
-            if tag == KERNEL:
-                _, op, kind, flops, nb = item
-                d = durations.get((flops, nb))
-                if d is None:
-                    d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
-                if slow is not None and t >= slow[1]:
-                    d = math.ceil(d * slow[0])
-                if dies is not None and t + d > dies:
-                    append(new(event, (rank, name, kind, op, t, dies, 0, "")))
-                    yield []  # (never resumed: a failed rank's sums are not used, the watchdog's are)
-                if keep:
-                    append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
-                busy += d
-                count += 1
-                if d:
-                    if spans and spans[-1][1] == t:
-                        spans[-1][1] = t + d
-                    else:
-                        spans.append([t, t + d])
-                t += d
-                last = t
-            elif tag == KERNELS:
-                _, label, kind, run = item
-                total = runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
-                if total is None:
-                    total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
-                if keep or slow is not None or dies is not None:  # kernel by kernel, as KERNEL items
-                    for op, flops, nb in run:
-                        d = durations.get((flops, nb))
-                        if d is None:
-                            d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
-                        if slow is not None and t >= slow[1]:
-                            d = math.ceil(d * slow[0])
-                        op = f"{label}/{op}" if label else op
-                        if dies is not None and t + d > dies:
-                            append(new(event, (rank, name, kind, op, t, dies, 0, "")))
-                            yield []
-                        if keep:
-                            append(new(event, (rank, name, kind, op, t, t + d, 0, "")))
-                        busy += d
-                        count += 1
-                        if d:
-                            if spans and spans[-1][1] == t:
-                                spans[-1][1] = t + d
-                            else:
-                                spans.append([t, t + d])
-                        t += d
-                        last = t
-                else:  # the run's sums at once
+            if tag == KERNEL or tag == KERNELS:
+                if tag == KERNEL:  # (one kernel: a run of one, its name already labelled)
+                    label, kind, run = None, item[2], ((item[1], item[3], item[4]),)
+                else:
+                    _, label, kind, run = item
+                if tag == KERNELS and not keep and slow is None and dies is None:  # the run's sums at once
+                    total = runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
+                    if total is None:
+                        total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
                     busy += total
                     count += len(run)
                     if total:
@@ -201,6 +161,31 @@ class Replay:
                         else:
                             spans.append([t, t + total])
                     t += total
+                    last = t
+                    run = ()  # (nothing left to do kernel by kernel)
+                for op, flops, nb in run:
+                    if dies is not None and t >= dies:
+                        yield []  # failed: never runs again
+                    d = durations.get((flops, nb))
+                    if d is None:
+                        d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
+                    if slow is not None and t >= slow[1]:
+                        d = math.ceil(d * slow[0])
+                    if label:
+                        op = f"{label}/{op}"
+                    if dies is not None and t + d > dies:
+                        append(new(event, (rank, name, kind, op, t, dies, 0, "")))
+                        yield []  # (never resumed: a failed rank's sums are not used, the watchdog's are)
+                    if keep:
+                        append(new(event, (rank, name, kind, op, t, t + d, 0, "")))  # TraceEvent, built fast
+                    busy += d
+                    count += 1
+                    if d:
+                        if spans and spans[-1][1] == t:
+                            spans[-1][1] = t + d
+                        else:
+                            spans.append([t, t + d])
+                    t += d
                     last = t
             elif tag == WAIT:
                 dep, j = item[1], item[2]
