@@ -38,7 +38,7 @@ def main() -> None:
         _, v = sc.variants[i - 1]
         t = time.perf_counter()
         found = search(v, simulate=args.simulate, fixed=MEGATRON_2021 | {"micro_batch": (v.model["micro_batch"],)})
-        ours = run_scenario(v).report
+        ours = run_scenario(v, trace=False).report
         p_ = v.parallel
         mine = f"TP{p_['tp']} PP{p_['pp']} DP{p_['dp']}"
         best = found.rows[0]
