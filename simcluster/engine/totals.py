@@ -4,7 +4,7 @@ group and operation, compute time, how much communication runs under compute).
 The replay keeps them per lane as it makes each event (engine/timing.py `LaneSums`), so a report does
 not walk the events again (for a 3,072-GPU Megatron layout that walk cost a third of the run); a trace
 without them (a watchdog drew stalls on it) is summed from its events, to the same figures
-(tests/test_engine.py).
+(tests/test_steady.py).
 """
 
 from __future__ import annotations
