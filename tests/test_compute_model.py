@@ -83,6 +83,32 @@ def test_fused_kernels_change_the_cost_never_the_numbers(attention):
     assert runs[True].report["step_time_ns"] < runs[False].report["step_time_ns"]
 
 
+def test_dropout_runs_as_pytorchs_dropout_kernels():
+    """Unfused attention with dropout (Megatron-LM 2021): per block, one dropout kernel on the
+    attention probabilities (reading them, writing them dropped and their 1-byte mask) and the mask
+    of each residual branch drawn inside its bias + dropout + add; in backward one masked scale for
+    the probabilities' gradient and one for each residual branch, the embeddings' likewise."""
+    o = run_scenario(load(None, SMALL + ["model.attention_kernel=unfused"]))
+    assert o.report["verification"]["passed"], o.report["verification"]
+    forward, backward = {}, {}
+    for e in o.result.full_trace([0]):
+        if e.stream == "compute" and e.kind in ("forward", "backward") and ":" in e.name:
+            unit, op = e.name.split(":", 1)[1].rsplit("/", 1)
+            (forward if e.kind == "forward" else backward).setdefault(unit, []).append((op, e.end - e.start))
+    layers, b, a, s = 2, 4 // 2, 4 // 2, 16  # micro-batch: the global batch over dp; tp's share of the heads
+    assert [op for op, _ in forward["embed"]].count("dropout") == 1
+    for i in range(layers):
+        ops = [op for op, _ in forward[f"block{i}"]]
+        assert ops.count("dropout") == 1 and ops.count("bias_dropout_add") == 2, ops
+        assert "dropout_mask" not in ops and "mask" not in ops and "scale" not in ops, ops
+        assert [op for op, _ in backward[f"block{i}"]].count("dropout_backward") == 3
+        assert not {"dropout_mask", "mask"} & {op for op, _ in backward[f"block{i}"]}
+        # the probabilities' dropout: b a s^2 elements read and written in bf16, and a byte of mask each
+        ns = dict(forward[f"block{i}"])["dropout"]
+        assert ns == math.ceil(b * a * s * s * 5 / (A100.hbm_gbyte_per_s * A100.memory_efficiency)) + A100.kernel_overhead_ns
+    assert [op for op, _ in backward["embed"]].count("dropout_backward") == 1
+
+
 def test_gradient_reduction_after_the_backward_changes_the_time_not_the_numbers():
     runs = {o: run_scenario(load(None, SMALL + [f"parallel.overlap_grad_reduce={str(o).lower()}", "parallel.tp=1",
                                                "parallel.dp=4", "model.layers=4"])) for o in (True, False)}

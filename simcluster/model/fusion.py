@@ -9,9 +9,16 @@ transformer.py, since 2020; Megatron-core and torch.compile'd torchtitan fuse th
     writes the sum (and the mask, a byte an element, with dropout);
   - scale + mask + softmax as one kernel, reading the scores once and writing the probabilities
     (unfused attention only: FlashAttention fuses the whole core, flash.py); its backward reads the
-    probabilities and their gradient once and writes the scores' gradient.
+    probabilities and their gradient once and writes the scores' gradient;
+  - dropout on the attention probabilities as PyTorch's one dropout kernel (transformer.py's
+    `attention_dropout`, after the softmax): it draws the mask, reads the probabilities and writes
+    them dropped with the mask (a byte an element); its backward (PyTorch's masked scale) reads the
+    gradient and the mask and writes the gradient. The same two kernels drop the embeddings and, in
+    backward, the residual branches (whose forward dropout is inside bias + dropout + residual, mask
+    drawn there too).
 The probabilities that backward reads are what the fused forward wrote (kept, or recomputed with
-the block): the two-pass core's division e / l that makes them again is no pass of its own there.
+the block): the two-pass core's division e / l that makes them again, and their dropout, are no
+pass of their own there.
 `model.fused_kernels = false` issues every op as its own kernel, as eager PyTorch does.
 """
 
@@ -65,6 +72,23 @@ def softmax(ops: Any, cfg: Any, scores: Any) -> ContextManager[None]:
 def probabilities(ops: Any, cfg: Any) -> ContextManager[None]:
     """Around the backward's e / l: what the fused forward wrote, no pass of its own."""
     return _kernel(ops, cfg, None, attention=True)
+
+
+def dropout(ops: Any, cfg: Any, x: Any) -> ContextManager[None]:
+    """Around drawing a dropout mask for `x` and applying it: one kernel (inside FlashAttention's,
+    which then counts neither its bytes nor a launch)."""
+    return _kernel(ops, cfg, "dropout", 2 * _size(x, cfg) + math.prod(x.shape))
+
+
+def dropout_backward(ops: Any, cfg: Any, grad: Any) -> ContextManager[None]:
+    """Around a gradient's dropout (the forward's mask, scaled): one kernel."""
+    return _kernel(ops, cfg, "dropout_backward", 2 * _size(grad, cfg) + math.prod(grad.shape))
+
+
+def residual_mask(ops: Any, cfg: Any) -> ContextManager[None]:
+    """Around drawing a residual branch's dropout mask: inside the bias + dropout + residual kernel,
+    which counts its bytes."""
+    return _kernel(ops, cfg, None)
 
 
 def softmax_backward(ops: Any, cfg: Any, probs: Any) -> ContextManager[None]:

@@ -47,6 +47,13 @@ def _drop(ops: Ops, x: Any, keep: Any, cfg: GPTConfig) -> Any:
     return ops.scale(ops.zero_where(keep, x), 1.0 / (1.0 - cfg.dropout))
 
 
+def _drop_grad(ops: Ops, grad: Any, keep: Any, cfg: GPTConfig) -> Any:
+    if keep is None:
+        return grad
+    with fusion.dropout_backward(ops, cfg, grad):
+        return _drop(ops, grad, keep, cfg)
+
+
 class GPT:
     """Forward, backward and step of the reference model on one device, through `ops`."""
 
@@ -174,12 +181,10 @@ class GPT:
         with flash.backward(ops, cfg, c_["q"], c_["k"]):
             with fusion.probabilities(ops, cfg):
                 probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
-            pd = probs if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], probs),
-                                                            1.0 / (1.0 - cfg.dropout))
+                pd = probs if c_["keep"] is None else _drop(ops, probs, c_["keep"], cfg)
             dv = ops.einsum("bask,basd->bakd", pd, dout)
             dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
-            dp = dpd if c_["keep"] is None else ops.scale(ops.zero_where(c_["keep"], dpd),
-                                                          1.0 / (1.0 - cfg.dropout))
+            dp = dpd if c_["keep"] is None else _drop_grad(ops, dpd, c_["keep"], cfg)
             with fusion.softmax_backward(ops, cfg, probs):
                 delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
                 ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))

@@ -72,9 +72,10 @@ class Stage:
         self.grads: dict[int, dict[str, Any]] = {}  # by micro-batch: gradients not yet handed over
         self.loss_sum: Any = None
 
-    def key(self, kind: str, u: str, p: dict[str, Any], where: Any, *inputs: Any) -> Any:
+    def key(self, kind: str, u: str, p: dict[str, Any], *inputs: Any) -> Any:
         """What a block's pass depends on besides its layer index (tape.py): its weights' and inputs'
-        shapes, and with dropout the step and the micro-batch (its masks'). None: run it untaped."""
+        shapes (a dropout mask's step and micro-batch change its values, which meta mode has not,
+        never its shape). None: run it untaped."""
         if self.tapes is None:
             return None
         weights = self.weights.get(u)
@@ -82,8 +83,7 @@ class Stage:
             weights = self.weights[u] = shape_key([p[k] for k in unit_names(self.plan.model, u)])
         if weights is None:
             return None
-        dropout = (self.step, where.offset, where.total) if self.plan.model.dropout else ()
-        return (kind, weights, shape_key(inputs), dropout)
+        return (kind, weights, shape_key(inputs))
 
     def message(self) -> Any:
         return MetaTensor(self.shape, self.plan.data.precision)
@@ -106,7 +106,7 @@ class Stage:
                     held, x = model.gpt._bytes(cache[u]), None
                 else:
                     i = int(u[len("block"):])
-                    x, cache[u] = yield from self.run(self.key("F", u, p, where, x), i,
+                    x, cache[u] = yield from self.run(self.key("F", u, p, x), i,
                                                       lambda: model.block(p, x, i, step, where))
                     held = model.held(x)
             dp.release(u)
@@ -131,7 +131,7 @@ class Stage:
                     dy = None
                 else:
                     i = int(u[len("block"):])
-                    key = self.key("B", u, p, where, dy, cache[u]) if defer is None else None
+                    key = self.key("B", u, p, dy, cache[u]) if defer is None else None
                     dy = yield from self.run(key, i, lambda: model.block_backward(p, dy, cache[u], i, self.step, where,
                                                                                   grads, defer), grads)
             dp.release(u)

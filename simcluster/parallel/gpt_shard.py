@@ -52,13 +52,11 @@ def layout(seq: int, P: int, r: int, zigzag: bool) -> np.ndarray:
 
 def runs(positions: np.ndarray) -> list[tuple[int, int]]:
     """Contiguous runs of positions as (start, length)."""
-    out: list[tuple[int, int]] = []
-    for p in positions.tolist():
-        if out and out[-1][0] + out[-1][1] == p:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((p, 1))
-    return out
+    if len(positions) == 0:
+        return []
+    starts = np.flatnonzero(np.diff(positions) != 1) + 1  # where a run breaks
+    bounds = [0, *starts.tolist(), len(positions)]
+    return [(int(positions[a]), b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
@@ -132,6 +130,13 @@ class GPTShard:
     def drop(self, x: Any, keep: Any) -> Any:
         return x if keep is None else self.ops.scale(self.ops.zero_where(keep, x), 1.0 / (1.0 - self.m.dropout))
 
+    def drop_grad(self, grad: Any, keep: Any) -> Any:
+        """A gradient through dropout: the forward's mask, scaled (one kernel)."""
+        if keep is None:
+            return grad
+        with fusion.dropout_backward(self.ops, self.m, grad):
+            return self.drop(grad, keep)
+
     # -- the tensor-parallel operators --------------------------------------------------------------
     def reduce(self, partial: Any) -> Generator[Any, Any, Any]:
         """g (forward) / f (backward): sum a partial over tp and round once; with SP a reduce-scatter
@@ -163,12 +168,13 @@ class GPTShard:
             with fusion.softmax(ops, m, s):
                 e = ops.attention_weights(s, ops.max(s, -1))
                 l_sum = ops.sum(e, -1, partial=True)
-            keep = None
+            keep, ek = None, e
             if m.dropout:
                 h0 = self.tr * self.heads + self.r * q.shape[1]
-                keep = self._mask(f"attn.{layer}", tuple(e.shape), step, (where.offset, h0, 0, 0),
-                                  (where.total, m.heads, m.seq, m.seq))
-            ek = e if keep is None else ops.zero_where(keep, e)
+                with fusion.dropout(ops, m, e):
+                    keep = self._mask(f"attn.{layer}", tuple(e.shape), step, (where.offset, h0, 0, 0),
+                                      (where.total, m.heads, m.seq, m.seq))
+                    ek = ops.zero_where(keep, e)
             out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
                                        1.0 / (1.0 - m.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
@@ -196,8 +202,12 @@ class GPTShard:
             x = yield from self.tp_sum(mine)
         if self.learned_positions:
             x = ops.add(x, ops.embedding(np.broadcast_to(self.tokens, (ids.shape[0], len(self.tokens))), p["wpe"]))
-        keep0 = self.token_keep("embed", tuple(x.shape), step, where)
-        return self.drop(x, keep0), {"ids": ids, "keep0": keep0}
+        keep0 = None
+        if self.m.dropout:
+            with fusion.dropout(ops, self.m, x):
+                keep0 = self.token_keep("embed", tuple(x.shape), step, where)
+                x = self.drop(x, keep0)
+        return x, {"ids": ids, "keep0": keep0}
 
     def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, m, gpt, pre = self.ops, self.m, self.gpt, f"layers.{i}."
@@ -208,13 +218,15 @@ class GPTShard:
         out, core = yield from self.attend(q, k, v, i, step, where)
         ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
         y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))  # row parallel, g
-        keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
+        with fusion.residual_mask(ops, m):
+            keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
         x1 = fusion.bias_dropout_add(ops, m, y, p[pre + "attn.b_proj"], x, lambda z: self.drop(z, keep_a))
         c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
         c = yield from self.gather(c_mine)
         f, g = fusion.bias_gelu(ops, m, ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
         z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))
-        keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
+        with fusion.residual_mask(ops, m):
+            keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
         cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
                  "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
@@ -289,7 +301,7 @@ class GPTShard:
         weight_grad = weight_gradients(grads, defer)
 
         c = yield from self.recompute(p, c, i, step, where)
-        dz_mine = self.drop(dx2, c["keep_m"])
+        dz_mine = self.drop_grad(dx2, c["keep_m"])
         grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
         dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
         weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
@@ -300,7 +312,7 @@ class GPTShard:
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
-        dy_mine = self.drop(dx1, c["keep_a"])
+        dy_mine = self.drop_grad(dx1, c["keep_a"])
         grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
         dy = yield from self.gather(dy_mine)
         weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
@@ -333,7 +345,7 @@ class GPTShard:
 
     def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
         ops = self.ops
-        dx = self.drop(dx, ec["keep0"])
+        dx = self.drop_grad(dx, ec["keep0"])
         if self.learned_positions:  # rows of my positions; zeros elsewhere
             grads["wpe"] = ops.embedding_backward(np.broadcast_to(self.tokens, dx.shape[:2]), dx, self.m.seq)
         dx = yield from self.gather(dx)  # the lookup needs every token of the cp share
