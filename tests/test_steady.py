@@ -122,3 +122,24 @@ def test_a_run_without_its_events_reports_the_same(sets):
         full, bare = (runner.run_scenario(sc, fold=fold, trace=t) for t in (True, False))
         assert len(full.result.trace) > 0 and len(bare.result.trace) == 0
         assert json.dumps(bare.report, sort_keys=False) == json.dumps(full.report, sort_keys=False)
+
+
+@pytest.mark.parametrize("sets", [LAYOUTS[4], LAYOUTS[5], LAYOUTS[7], LAYOUTS[9], LAYOUTS[11], OFFLOAD,
+                                  ["cluster.nodes=2", "cluster.gpus_per_node=4", "parallel.dp=4", "parallel.tp=2"]])
+def test_calls_ended_at_once_give_the_networks_trace(sets, monkeypatch):
+    """A collective that finds its links idle ends at once (engine/timing.py `_claim`): the trace and the
+    report are those of moving every call's flows through the network, byte for byte; and some calls
+    of every layout are ended at once (the tensor-parallel ones, or the data-parallel ones)."""
+    from simcluster.engine import timing
+
+    sc = build({}, ["run.numerics=meta", "run.steps=2", *sets])
+    claimed = []
+    real = timing.Replay._claim
+    monkeypatch.setattr(timing.Replay, "_claim", lambda self, *a: claimed.append(real(self, *a)) or claimed[-1])
+    fast = runner.run_scenario(sc, fold=False)
+    monkeypatch.setattr(timing.Replay, "_claim", lambda self, *a: False)
+    full = runner.run_scenario(sc, fold=False)
+    assert any(claimed)
+    assert fast.result.trace.to_jsonl() == full.result.trace.to_jsonl()
+    assert fast.result.trace.memory == full.result.trace.memory
+    assert json.dumps(fast.report) == json.dumps(full.report)

@@ -1,5 +1,6 @@
 """Simulated times equal the closed forms; links are shared; streams overlap; kernels are costed."""
 
+import json
 import math
 
 import pytest
@@ -181,3 +182,73 @@ def test_a_stream_waits_for_the_data_it_uses():
         produce, consume = trace.lane(r, "compute")
         (ar,) = trace.lane(r, "comm:world")
         assert produce.end <= ar.start and ar.end <= consume.start
+
+
+def _claims(monkeypatch, allow):
+    """Count the calls the replay ends at once, and its attempts; with allow=False it ends none."""
+    from simcluster.engine import timing
+    seen = {"claimed": 0, "attempts": 0}
+    claim, attempt = timing.Replay._claim, timing.Replay._attempt
+
+    def counting_claim(self, call, links, alone):
+        ok = allow and claim(self, call, links, alone)
+        seen["claimed"] += ok
+        return ok
+
+    def counting_attempt(self, streams):
+        seen["attempts"] += 1
+        return attempt(self, streams)
+    monkeypatch.setattr(timing.Replay, "_claim", counting_claim)
+    monkeypatch.setattr(timing.Replay, "_attempt", counting_attempt)
+    return seen
+
+
+@pytest.mark.parametrize("crowd", [None, "world", "running", 0, 2e6, 2e7])
+def test_a_call_on_links_of_its_own_ends_at_the_networks_time_and_company_sends_it_back(monkeypatch, crowd):
+    """Each pair of ranks all-reduces over the pair, call after call, kernels between. Meanwhile, on
+    another stream: nothing, an all-reduce over the node, or a message from rank 0 to rank 1 after a
+    kernel moving `crowd` bytes: over the NVLink ports the pair's calls use, before them, among them
+    or after they started. A call that finds its links idle ends at once, without moving flows
+    through the network; company on its links, found when it starts or when a flow starts on them
+    while it holds them, sends the replay back to the start to run in full. Either way the trace is
+    the one the network alone gives, byte for byte."""
+    S = 8 * 2**20
+
+    def prog(ctx):
+        x = MetaTensor((S // 4,), "fp32")
+        works = []
+        with ctx.stream("bulk"):
+            if crowd == "world":
+                works.append(ctx.comm.all_reduce(MetaTensor((8 * S,), "fp32"), group=ctx.mesh.world, async_op=True))
+            elif crowd is not None and ctx.rank < 2:
+                if crowd != "running":
+                    ctx.ops.kernel("wait", flops=0.0, nbytes=crowd)
+                big = MetaTensor((2 * S,), "fp32")
+                works.append(ctx.comm.send(big, dst=1, async_op=True) if ctx.rank == 0
+                             else ctx.comm.recv(src=0, like=big, async_op=True))
+        if crowd == "running":  # first a short message from the other pair, which ends while the long one runs
+            tiny, other = MetaTensor((1024,), "fp32"), (ctx.rank + 2) % 4
+            yield ctx.comm.send(tiny, dst=other) if ctx.rank >= 2 else ctx.comm.recv(src=other, like=tiny)
+        for _ in range(3):
+            ctx.ops.kernel("k", flops=0.0, nbytes=1e6)
+            yield ctx.comm.all_reduce(x, group=ctx.mesh.group("tp"))
+        if works:
+            yield works
+
+    spec = preset("dgx-a100", gpus_per_node=4)
+    runs = {}
+    for allow in (True, False):
+        seen = _claims(monkeypatch, allow)
+        trace = simulate(prog, mesh=DeviceMesh(dp=2, tp=2), cluster=spec, mode="meta").trace
+        runs[allow] = (trace.to_jsonl(), trace.memory, dict(seen))
+        monkeypatch.undo()
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[False][2] == {"claimed": 0, "attempts": 1}
+    fast = runs[True][2]
+    assert fast["attempts"] == (1 if crowd in (None, "running") else 2), fast
+    if crowd is None:
+        assert fast["claimed"] == 6  # every call of both pairs
+    if crowd == "running":
+        assert fast["claimed"] == 3  # the other pair's: ranks 0 and 1 found the long message on their links
+    pairs = [e for e in map(json.loads, runs[True][0].splitlines()) if e[1] == "comm:tp"]
+    assert len(pairs) == 4 * 3  # each pair's three calls on each of its ranks

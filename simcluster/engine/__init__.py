@@ -105,6 +105,7 @@ def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMes
         results = interp.run(program, *args)
         replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults, events)
         trace = replay.run()
+        interp.release()
     return RunResult(results, trace, mesh, topo, fold, hang=replay.hang)
 
 

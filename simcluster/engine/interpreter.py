@@ -38,7 +38,8 @@ class Channel:
     """Where calls are matched: a process group (the k-th call of each member is one call), or a
     (src, dst, tag) message channel (the k-th send and the k-th recv are one message)."""
 
-    __slots__ = ("kind", "group", "members", "live", "position", "issued", "open", "where", "streams", "routes")
+    __slots__ = ("kind", "group", "members", "live", "position", "issued", "open", "where", "streams", "routes",
+                 "stream_of", "mixed")
 
     def __init__(self, kind: CommKind | None, group: ProcessGroup | None, members: tuple[int, ...],
                  where: str, streams: tuple[str, ...], fold: Fold | None) -> None:
@@ -53,6 +54,8 @@ class Channel:
         self.where = where
         self.streams = streams  # default stream, per member
         self.routes: dict[tuple, Any] = {}  # the timed replay's plans, by call shape
+        self.stream_of: list[Stream | None] = [None] * len(members)  # the stream each member issues on
+        self.mixed = False  # whether a member issued calls on more than one stream (they may overlap)
 
 
 class Call:
@@ -135,6 +138,7 @@ class Interpreter:
         self.messages: dict[tuple[int, int, int], Channel] = {}
         self.copies: dict[tuple[int, tuple[str, str]], Channel] = {}  # a rank's copies, by (from, to) tier
         self.calls: list[Call] = []
+        self.images: dict[int, tuple[int, ...]] = {}  # by id of a folded channel (kept alive in groups/messages)
         self.ready: deque[RankState] = deque()
         # the last message completed between two streams: (its item on each, in (rank, name) order; it)
         self.orders: dict[tuple[int, int], tuple[int, int, Call]] = {}
@@ -162,6 +166,17 @@ class Interpreter:
                 self._advance(self.ready.popleft())
         self._check_end()
         return [self.state[r].result if r in self.state else None for r in range(self.mesh.world_size)]
+
+    def release(self) -> None:
+        """Let go of the programs, their calls and channels once the replay has consumed the streams:
+        a rank's Comm refers back to this interpreter, a cycle that only the cyclic collector would
+        otherwise free, after walking every object the run left behind."""
+        for st in self.ranks:
+            st.comm, st.gen, st.works, st.blocked, st.streams = None, None, [], None, {}
+        for table in (self.groups, self.by_id, self.messages, self.copies, self.state, self.orders, self.images):
+            table.clear()
+        self.kept.clear()
+        self.calls.clear()
 
     def _advance(self, st: RankState) -> None:
         send, rank, comm = st.gen.send, st.rank, st.comm
@@ -290,6 +305,12 @@ class Interpreter:
         if not op.stream:
             op.stream = ch.streams[pos]
         target = st.streams.get(op.stream) or st.stream(op.stream)
+        own = ch.stream_of[pos]
+        if own is not target:
+            if own is None:
+                ch.stream_of[pos] = target
+            else:
+                ch.mixed = True
         cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
         j = wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
@@ -322,10 +343,9 @@ class Interpreter:
 
     def _complete(self, call: Call) -> None:
         if call.live < len(call.members):  # folded members hold their images' data (meta: shapes)
-            at, rep = call.channel.position, self.fold.rep
-            if any(rep(m) not in at for m in call.members):
-                raise FoldError(f"group {call.where} does not hold the representatives of its folded members")
-            call.ops = [op or call.ops[at[rep(m)]] for m, op in zip(call.members, call.ops)]
+            images = self._images(call.channel)
+            ops = call.ops
+            call.ops = [op or ops[i] for op, i in zip(ops, images)]
         if call.kind is _SEND:
             self._check_order(call)
         results = collectives.execute(call.kind, call.ops)
@@ -344,6 +364,16 @@ class Interpreter:
                 st.send_value = value if st.single else [x.value for x in blocked]
                 st.blocked = None
                 self.ready.append(st)
+
+    def _images(self, ch: Channel) -> tuple[int, ...]:
+        """Where in a folded channel each member's representative is (found once a channel)."""
+        images = self.images.get(id(ch))
+        if images is None:
+            at, rep = ch.position, self.fold.rep
+            if any(rep(m) not in at for m in ch.members):
+                raise FoldError(f"group {ch.where} does not hold the representatives of its folded members")
+            images = self.images[id(ch)] = tuple(at[rep(m)] for m in ch.members)
+        return images
 
     def _check_order(self, message: Call) -> None:
         """Two messages between the same two streams must be in the same order on both: each stream

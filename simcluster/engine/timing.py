@@ -34,6 +34,27 @@ from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK
 from simcluster.topology.plans import plan, semantic_bytes
 
 
+class _Shared(Exception):
+    """A call ended at once (`Replay._claim`) would have shared a link with another transfer."""
+
+
+def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> tuple[list[tuple[int, Any]], list[int], int | None,
+                                                                 frozenset[int]]:
+    """A plan's route: its steps, the bytes each member sends, how long it takes on idle links
+    where no two of a phase's flows share a link (each then runs alone at its slowest link's rate,
+    and the phase ends with the last; None otherwise), and every link it crosses."""
+    alone: int | None = 0
+    links: set[int] = set()
+    for latency, flows in steps:
+        crossed = [link for f in flows for link in f[0]]
+        if alone is not None and len(set(crossed)) == len(crossed):
+            alone += latency + max((f[3] for f in flows), default=0)
+        else:
+            alone = None
+        links.update(crossed)
+    return steps, sent, alone, frozenset(links)
+
+
 class Replay:
     """Replays `ranks`' streams; with a fold (engine/fold.py), the representatives', standing for all."""
 
@@ -47,44 +68,46 @@ class Replay:
         self.calls = calls
         self.cluster = cluster
         self.cost_dtype = cost_dtype
-        self.env = simpy.Environment()
         self.faults = faults or Faults()
-        capacity = list(cluster.capacity)
+        self.capacity = list(cluster.capacity)
         if self.faults.degraded:
             rank, port, factor = self.faults.degraded
             for p in ((NIC_OUT, NIC_IN) if port == "nic" else (NVLINK_OUT, NVLINK_IN)):
-                capacity[rank * 4 + p] *= factor
-        self.network = Network(self.env, capacity)
+                self.capacity[rank * 4 + p] *= factor
         self.hang: Hang | None = None
+        self.fast = True  # calls on links of their own end at once (`_claim`); off for a second attempt
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh clock, network and queue: what one attempt at the replay starts from."""
+        self.env = simpy.Environment()
+        self.network = Network(self.env, self.capacity)
         self.finished = 0
         self.runnable: deque[Iterator[Any]] = deque()
-        self.memory: list[tuple[int, int, int, str, str, int]] = []  # (rank, ns, seq, category, name, +-bytes)
-        self.memory_seq = 0
+        # (rank, ns, lane, item, category, name, +-bytes): at one ns, a rank's changes in stream order,
+        # whatever order the replay reached them in
+        self.memory: list[tuple[int, int, int, int, str, str, int]] = []
         self.draining = False
         self.timers: dict[int, list[tuple[Callable[[Call], None], Call]]] = {}
+        # links that calls ended at once have claimed: the channel, and when its last such call ends
+        self.owner: dict[int, Any] = {}
+        self.until: dict[int, int] = {}
 
     def run(self) -> Trace:
         lanes: list[tuple[int, str]] = []
         streams: list[Stream] = []
-        lists = []
         with gc_paused():
             for st in self.ranks:
                 for s in st.streams.values():
                     if s.items:
-                        s.end_times = [None] * len(s.items)
-                        s.waiters = [None] * len(s.items)
                         streams.append(s)
                         lanes.append((s.rank, s.name))
-            for call in self.calls:
-                call.done = []  # the streams waiting for it
-            sums: list[LaneSums] = []
-            for s in streams:
-                events: list[TraceEvent] = []
-                lists.append(events)
-                sums.append(LaneSums())
-                self.runnable.append(self._stream(s, events, sums[-1]))
-                self._drain()
-            self.env.run()
+            try:
+                lists, sums = self._attempt(streams)
+            except _Shared:  # a call ended at once had company on its links after all: replay it all in full
+                self.fast = False
+                self._reset()
+                lists, sums = self._attempt(streams)
             if self.finished != len(streams):
                 if not self.faults.failed:
                     self._report_stuck(streams)
@@ -96,10 +119,28 @@ class Replay:
             self.calls.clear()
         # each stream emits its events in order, so lanes concatenated in order are already sorted
         trace = Trace.from_lanes(lanes, lists)
-        trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, c, n, b in sorted(self.memory))
+        trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, _, c, n, b in sorted(self.memory))
         if self.hang is None:  # (the watchdog draws stalls the sums have not seen)
             trace.totals = Totals.of_lanes(lanes, sums)
         return trace
+
+    def _attempt(self, streams: list[Stream]) -> tuple[list[list[TraceEvent]], list[LaneSums]]:
+        """Replay every stream from the start: each one's events and sums."""
+        for s in streams:
+            s.end_times = [None] * len(s.items)
+            s.waiters = [None] * len(s.items)
+        for call in self.calls:
+            call.done = []  # the streams waiting for it
+            call.arrived = call.start = call.end = 0
+        lists: list[list[TraceEvent]] = []
+        sums: list[LaneSums] = []
+        for s in streams:
+            lists.append([])
+            sums.append(LaneSums())
+            self.runnable.append(self._stream(s, len(sums) - 1, lists[-1], sums[-1]))
+            self._drain()
+        self.env.run()
+        return lists, sums
 
     def _drain(self) -> None:
         """Run every runnable stream until it waits (FIFO, no recursion).
@@ -123,7 +164,7 @@ class Replay:
             waiting_list.append(g)
         self.draining = False
 
-    def _stream(self, s: Stream, events: list[TraceEvent], sums: LaneSums) -> Iterator[Any]:
+    def _stream(self, s: Stream, lane: int, events: list[TraceEvent], sums: LaneSums) -> Iterator[Any]:
         """Replays one stream; its events go to `events`, their sums (what a report is made of) to
         `sums` as they happen, so that no report has to walk the events again."""
         dtype, rank, name = self.cost_dtype, s.rank, s.name
@@ -242,8 +283,7 @@ class Replay:
                     last = t
             else:
                 assert tag == MEMORY
-                memory.append((rank, t, self.memory_seq, item[1], item[2], item[3]))
-                self.memory_seq += 1
+                memory.append((rank, t, lane, i, item[1], item[2], item[3]))
             end_times[i] = t
             waiting = waiters[i]
             if waiting is not None:
@@ -264,21 +304,30 @@ class Replay:
         if call.arrived == call.live:
             self._launch(call)
 
-    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int]]:
-        """The call's phases as (latency to wait, flows over links), and bytes sent per member.
+    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int], int | None, frozenset[int]]:
+        """The call's phases as (latency to wait, flows over links), bytes sent per member, how long
+        it takes on links it has to itself (None where a phase's flows share a link), and the links.
 
         Calls of the same kind, group and signature move the same bytes: computed once per
         channel, then shared.
         """
         op = call.ops[0]
-        key = (call.kind._value_, op.sig, op.peer)
         routes = call.channel.routes
+        # first by the signature object itself (a taped block's calls share theirs; the entry holds
+        # it, so its id is its own while the entry lives), then by its value
+        seen = routes.get(id(op.sig))
+        if seen is not None and seen[0] is op.sig and seen[1] is call.kind and seen[2] == op.peer:
+            return seen[3]
+        key = (call.kind._value_, op.sig, op.peer)
         cached = routes.get(key)
+        if cached is not None:
+            routes[id(op.sig)] = (op.sig, call.kind, op.peer, cached)
+            return cached
         if cached is None and call.kind is CommKind.COPY:  # one flow over the rank's PCIe link, or NVMe drives
             size = math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
             links = self.cluster.copy_route(op.rank, *op.tiers)
-            cached = routes[key] = ([(self.cluster.spec.pcie_latency_ns, self.network.prepare([(links, size)]))],
-                                    [size])
+            cached = routes[key] = _timed([(self.cluster.spec.pcie_latency_ns, self.network.prepare([(links, size)]))],
+                                          [size])
         if cached is None:
             size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
             nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
@@ -301,13 +350,22 @@ class Replay:
                         rep = fold.rep(dst)  # into the port of its destination's representative
                         flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
                 steps.append((phase.steps * latency, self.network.prepare(flows)))
-            cached = routes[key] = (steps, [int(round(sent.get(r, 0.0))) for r in call.members])
+            cached = routes[key] = _timed(steps, [int(round(sent.get(r, 0.0))) for r in call.members])
         return cached
 
     def _launch(self, call: Call) -> None:
-        """Run the call's plan from call.start: phase after phase, each after its latency."""
+        """Run the call's plan from call.start: phase after phase, each after its latency. A call that
+        finds its links idle (`_claim`) ends at once, at the time its plan takes there: its members go
+        on from then without waiting for SimPy's clock (as they do after a kernel)."""
         assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
-        call.steps, call.sent = self._routes(call)
+        call.steps, call.sent, alone, links = self._routes(call)
+        ch = call.channel
+        if alone is not None and self.fast and ch.group is not None and not ch.mixed and self._claim(call, links, alone):
+            call.end = call.start + alone
+            waiting, call.done = call.done, None  # (members' clocks run ahead of SimPy's: wake them now)
+            self.runnable.extend(waiting)
+            self._drain()
+            return
         call.phase = 0
         self._next(call, call.start - self.env.now)  # the wait folds into the first latency
 
@@ -325,9 +383,36 @@ class Replay:
         else:
             self._transfer(call)
 
+    def _claim(self, call: Call, links: frozenset[int], alone: int) -> bool:
+        """Whether `call` can end at once: none of its links carries a flow now. It then claims them
+        until it ends. A call of another channel that claimed one of them until after this one
+        starts (its member ran ahead), or a flow that starts on one before the claim ends
+        (`_transfer`), would have shared it: the replay starts again without ending calls at once
+        (`_Shared`), so that the times are always the network's."""
+        on_link, owner, until = self.network.on_link, self.owner, self.until
+        ch, start = call.channel, call.start
+        for link in links:
+            if link in on_link:
+                return False
+            other = owner.get(link)
+            if other is not None and other is not ch and until[link] > start:
+                raise _Shared
+        end = start + alone
+        for link in links:
+            owner[link] = ch
+            if until.get(link, 0) < end:
+                until[link] = end
+        return True
+
     def _transfer(self, call: Call) -> None:
         flows = call.steps[call.phase][1]
         call.phase += 1
+        if self.until:
+            now, ch, owner, until = self.env.now, call.channel, self.owner, self.until
+            for f in flows:
+                for link in f[0]:
+                    if until.get(link, 0) > now and owner[link] is not ch:
+                        raise _Shared
         self.network.transfer(flows, self._next, call)
 
     def _at(self, delay: int, fn: Callable[[Call], None], call: Call) -> None:
