@@ -2,6 +2,7 @@
 and the per-rank PyTorch-profiler export read back by Holistic Trace Analysis (HTA)."""
 
 import json
+import random
 import re
 
 import pytest
@@ -104,6 +105,16 @@ def test_overlap_is_the_communication_time_under_compute():
     assert covered([(0, 10), (20, 30)], [(5, 25), (24, 26)]) == (21, 11)
     assert covered([(0, 10)], [(10, 20)]) == (10, 0)  # touching is not overlapping
     assert covered([], [(0, 5), (1, 2)]) == (5, 0)
+
+
+def test_overlap_counts_every_ns_once_however_the_spans_lie():
+    """Against counting nanoseconds one by one, on drawn spans (nested, touching, repeated, unsorted)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = [[(s, s + rng.randrange(1, 12)) for s in (rng.randrange(60) for _ in range(rng.randrange(8)))]
+                 for _ in range(2)]
+        compute, other = ({t for s, e in side for t in range(s, e)} for side in spans)
+        assert covered(*spans) == (len(other), len(compute & other))
 
 
 def test_nccl_names_are_what_hta_counts_as_communication():

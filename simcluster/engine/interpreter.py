@@ -137,6 +137,7 @@ class Interpreter:
         self.kept: list[ProcessGroup] = []
         self.messages: dict[tuple[int, int, int], Channel] = {}
         self.copies: dict[tuple[int, tuple[str, str]], Channel] = {}  # a rank's copies, by (from, to) tier
+        self.pair_routes: dict[tuple[int, int], dict] = {}  # the message channels' route caches, by (src, dst)
         self.calls: list[Call] = []
         self.images: dict[int, tuple[int, ...]] = {}  # by id of a folded channel (kept alive in groups/messages)
         self.ready: deque[RankState] = deque()
@@ -152,6 +153,8 @@ class Interpreter:
         for st in self.ranks:
             prog = programs[st.rank]
             st.comm = Comm(partial(self._issue, st), st.rank, self.mesh.world_size)
+            if self.fold is not None:
+                st.comm.issue_alone = partial(self._issue_alone, st)
             ops = make_ops(self.mode, st.kernel, cost_dtype=self.cost_dtype)
             ctx = Context(rank=st.rank, mesh=self.mesh.view(st.rank), ops=ops, comm=st.comm, streams=st,
                           memory=st)
@@ -173,7 +176,8 @@ class Interpreter:
         otherwise free, after walking every object the run left behind."""
         for st in self.ranks:
             st.comm, st.gen, st.works, st.blocked, st.streams = None, None, [], None, {}
-        for table in (self.groups, self.by_id, self.messages, self.copies, self.state, self.orders, self.images):
+        for table in (self.groups, self.by_id, self.messages, self.copies, self.pair_routes, self.state, self.orders,
+                      self.images):
             table.clear()
         self.kept.clear()
         self.calls.clear()
@@ -271,6 +275,8 @@ class Interpreter:
                                               self.fold)
             if ch.live == 1:
                 raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
+            # messages between the same two ranks move their bytes over the same links, whatever the tag
+            ch.routes = self.pair_routes.setdefault((src, dst), ch.routes)
         return ch
 
     def _copy_channel(self, rank: int, tiers: tuple[str, str]) -> Channel:
@@ -302,6 +308,21 @@ class Interpreter:
             self.calls.append(call)
         elif key != call.key:
             self._mismatch(call, op)
+        work = self._place(st, ch, pos, op, sync, call)
+        works = st.works  # (kept to check that each is waited for; pruned as they are)
+        works.append(work)
+        if len(works) > st.prune_at:
+            st.works = [w for w in works if not w.waited]
+            st.prune_at = 2 * len(st.works) + 64
+        call.ops[pos] = op
+        call.works[pos] = work
+        call.count += 1
+        if call.count == call.live:
+            self._complete(call)
+        return work
+
+    def _place(self, st: RankState, ch: Channel, pos: int, op: CommOp, sync: bool, call: Call) -> EmulatedWork:
+        """Put member `pos`'s part of `call` on the stream it runs on; its work."""
         if not op.stream:
             op.stream = ch.streams[pos]
         target = st.streams.get(op.stream) or st.stream(op.stream)
@@ -314,18 +335,28 @@ class Interpreter:
         cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
         j = wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
-        target.items.append((COMM, call, kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
-        work = EmulatedWork(op, sync, target, len(target.items) - 1, call)
-        works = st.works  # (kept to check that each is waited for; pruned as they are)
-        works.append(work)
-        if len(works) > st.prune_at:
-            st.works = [w for w in works if not w.waited]
-            st.prune_at = 2 * len(st.works) + 64
-        call.ops[pos] = op
-        call.works[pos] = work
-        call.count += 1
-        if call.count == call.live:
-            self._complete(call)
+        target.items.append((COMM, call, op.kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
+        return EmulatedWork(op, sync, target, len(target.items) - 1, call)
+
+    def _issue_alone(self, st: RankState, op: CommOp, sync: bool) -> EmulatedWork | None:
+        """A collective whose group's only simulated member is this rank (a folded group), issued
+        for its time alone: what a taped block's replay issues, whose results nobody reads (the
+        replay returns the recorded ones). Complete at once, without matching or computing its
+        data; the same call and stream items as `_issue` makes. None where other members run."""
+        ch = self.by_id.get(id(op.group))
+        if ch is None or ch.live != 1:
+            return None
+        self._images(ch)  # (checks, once, that the group holds its members' representative)
+        pos = ch.position[op.rank]
+        seq = ch.issued[pos]
+        ch.issued[pos] = seq + 1
+        call = Call(op.kind, ch, seq)
+        self.calls.append(call)
+        work = self._place(st, ch, pos, op, sync, call)
+        call.ops = [op] * len(ch.members)  # every member's image is this one (`_complete`)
+        call.count = 1
+        call.works = None
+        work.done = True
         return work
 
     def _mismatch(self, call: Call, op: CommOp) -> None:

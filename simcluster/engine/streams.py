@@ -99,6 +99,13 @@ class RankState:
             s = self.streams[name] = Stream(self.rank, name)
         return s
 
+    def waited(self, works: list[Work]) -> None:
+        """The current stream waits for `works`, all complete: what yielding them does (interpreter.py
+        `_advance`), for a caller that goes on at once without yielding."""
+        for w in works:
+            w.waited = True
+            _add_wait(self.cur, w.stream, w.index)
+
     def wait_stream(self, name: str) -> None:
         dep = self.streams.get(name)
         if dep is not None and dep.items:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from simcluster.engine.trace import Trace
 
 
@@ -99,28 +101,24 @@ class Totals:
                       {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap)
 
 
-def union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The disjoint intervals covering `spans`, in order."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
+def union(spans: list) -> np.ndarray:
+    """The disjoint intervals covering `spans` ((start, end) pairs, touching ones joined), in order,
+    as an (n, 2) array."""
+    a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    if not len(a):
+        return a
+    a = a[np.lexsort((a[:, 1], a[:, 0]))]
+    reach = np.maximum.accumulate(a[:, 1])  # the furthest end so far
+    first = np.flatnonzero(np.concatenate(([True], a[1:, 0] > reach[:-1])))  # where a new interval starts
+    return np.stack((a[first, 0], reach[np.append(first[1:] - 1, len(a) - 1)]), axis=1)
 
 
-def covered(compute: list[tuple[int, int]], other: list[tuple[int, int]]) -> tuple[int, int]:
+def covered(compute: list, other: list) -> tuple[int, int]:
     """(ns during which some non-compute stream is busy, ns of those during which compute is busy too):
-    communication time and the part of it hidden under computation, as HTA's overlap counts them."""
+    communication time and the part of it hidden under computation, as HTA's overlap counts them.
+    (The part hidden is |A| + |B| - |A u B| for the two unions A and B.)"""
+    def length(x: np.ndarray) -> int:
+        return int((x[:, 1] - x[:, 0]).sum())
+
     a, b = union(compute), union(other)
-    i = j = hidden = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        hidden += max(0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return sum(end - start for start, end in b), hidden
+    return length(b), length(a) + length(b) - length(union(np.concatenate((a, b))))

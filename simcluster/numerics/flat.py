@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name, numpy_dtype
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
 
 
 class FlatBuffers:
@@ -69,8 +69,9 @@ class FlatBuffers:
     def retag(self, p: Any, dtype: str) -> Any:
         """A partial charged and rounded as `dtype` from now on (its exact value unchanged); in fast
         mode its values are rounded to `dtype`, as the inputs of a real bf16 all-reduce are."""
-        if isinstance(p, MetaTensor):
-            return MetaTensor(tuple(p.shape), dtype_name(dtype), p.partial)
+        if p.__class__ is MetaTensor:
+            name = dtype if dtype in ITEMSIZE else dtype_name(dtype)
+            return p if p.dtype == name else MetaTensor(p.shape, name, p.partial)  # (immutable: itself)
         if isinstance(p, Partial):
             if p.exact:
                 return Partial(p.limbs, dtype)

@@ -90,10 +90,13 @@ class Stage:
 
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
         model, dp, step = self.model, self.dp, self.step
-        where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
-        ids, targets = ids[:, model.positions], targets[:, model.positions]  # this cp rank's tokens
-        cache: dict[str, Any] = {"where": where}
         units = self.units[g]
+        if units[0] == "embed" or units[-1] == "head":  # (the other stages need no token ids)
+            where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
+            ids, targets = ids[:, model.positions], targets[:, model.positions]  # this cp rank's tokens
+        else:
+            where = self.plan.data.where(self.d, self.n, j)
+        cache: dict[str, Any] = {"where": where}
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
             with self.ctx.annotate("forward", f"F{j}:{u}"):

@@ -77,10 +77,16 @@ class DPConfig:
 
     def micro_batch(self, step: int, rank: int, dp: int, j: int) -> tuple[Slice, np.ndarray, np.ndarray]:
         """(where, ids, targets) of rank `rank`'s micro-batch j at `step`."""
-        b = self.global_batch // (dp * self.micro_batches)
-        offset = rank * (self.global_batch // dp) + j * b
-        ids, targets = batch(self.model, self.model.seed, step, b, first=offset)
-        return Slice(offset, self.global_batch), ids, targets
+        where = self.where(rank, dp, j)
+        ids, targets = batch(self.model, self.model.seed, step, self.global_batch // (dp * self.micro_batches),
+                             first=where.offset)
+        return where, ids, targets
+
+    def where(self, rank: int, dp: int, j: int) -> Slice:
+        """Which sequences of the step's batch rank `rank`'s micro-batch j is (what a pipeline stage
+        without the embedding or the head needs of it: no token ids)."""
+        return Slice(rank * (self.global_batch // dp) + j * (self.global_batch // (dp * self.micro_batches)),
+                     self.global_batch)
 
 
 def unit_shapes(cfg: GPTConfig, unit: str) -> list[tuple[int, ...]]:

@@ -45,10 +45,11 @@ def shape_key(x: Any) -> Any:
 
 
 class Tape:
-    __slots__ = ("events", "result", "grads", "labels")
+    __slots__ = ("events", "result", "grads", "labels", "ops")
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
+        self.ops: dict[int, CommOp] = {}  # by event: the op its calls issued alone share
         self.result: Any = None
         self.grads: list[tuple[str, Any]] = []  # (name after the layer's prefix, value)
         self.labels: set[tuple] = set()  # the recomputation's labels it recorded (the rest: the call's own)
@@ -181,9 +182,11 @@ class Tapes:
         own = st.label
         relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
         kernel, kernels, issue = st.kernel, st.kernels, comm._issue
+        alone = getattr(comm, "issue_alone", None)  # (folded: a call of this rank's alone completes at once)
+        shared = tape.ops
         works: list[Any] = []
         try:
-            for event in tape.events:
+            for i, event in enumerate(tape.events):
                 tag = event[0]
                 if tag == _RUN:
                     st.label = relabel.get(event[1], own)
@@ -194,13 +197,23 @@ class Tapes:
                 elif tag == _ISSUE:
                     st.label = relabel.get(event[1], own)
                     sync = event[3]
-                    work = issue(CommOp(*event[2]), sync)
+                    # no one reads a replayed call's data: an op issued alone is shared by every replay
+                    op = shared.get(i)
+                    work = None if alone is None else alone(op or CommOp(*event[2]), sync)
+                    if work is None:
+                        work = issue(CommOp(*event[2]), sync)
+                    elif op is None:
+                        shared[i] = work.op
                     comm.pending_sync = work if sync else None
                     works.append(work)
                 else:
                     st.label = own
                     at, many = event[1], event[2]
-                    yield [works[i] for i in at] if many else works[at]
+                    chosen = [works[k] for k in at] if many else [works[at]]
+                    if all(w.done for w in chosen):  # what yielding them would do, without the round trip
+                        st.waited(chosen)
+                    else:
+                        yield chosen if many else chosen[0]
         finally:
             st.label = own
         if grads is not None:

@@ -148,6 +148,9 @@ class Comm:
         self.rank = rank
         self.world_size = world_size
         self.pending_sync: Work | None = None  # a sync request not yet yielded
+        # the emulator's, when folded: issue(op, sync) for a call whose data nobody reads, complete at
+        # once where this rank is its group's only simulated member (None otherwise; tape.py's replay)
+        self.issue_alone: Issue | None = None
 
     def _unyielded(self) -> ProgramError:
         return ProgramError(
