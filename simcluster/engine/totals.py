@@ -10,6 +10,7 @@ without them (a watchdog drew stalls on it) is summed from its events, to the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -104,7 +105,10 @@ class Totals:
 def union(spans: list) -> np.ndarray:
     """The disjoint intervals covering `spans` ((start, end) pairs, touching ones joined), in order,
     as an (n, 2) array."""
-    a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    if isinstance(spans, np.ndarray):
+        a = spans
+    else:  # (pairs in a list: read as one flat run, much faster than numpy's nested-list path)
+        a = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=2 * len(spans)).reshape(-1, 2)
     if not len(a):
         return a
     a = a[np.lexsort((a[:, 1], a[:, 0]))]

@@ -68,23 +68,28 @@ class Trace:
         """
         out: dict[int, dict[str, int]] = {}
         current: dict[int, dict[str, int]] = {}
+        held: dict[int, dict[str, int]] = {}  # per rank, what each tier holds now
+        tiers = {c: "total" if tier_of(c) == "gpu" else tier_of(c) for c in {e.category for e in self.memory}}
         i, events = 0, self.memory
         while i < len(events):
             j = i
-            while j < len(events) and events[j][:2] == events[i][:2]:
+            at = events[i][:2]
+            while j < len(events) and events[j][:2] == at:
                 j += 1
             rank = events[i].rank
             cur = current.setdefault(rank, {})
+            tier_now = held.setdefault(rank, {"total": 0})
             peaks = out.setdefault(rank, {"total": 0})
+            touched: dict[str, None] = {}  # (in order: the peaks' keys come in the order first seen)
             for e in events[i:j]:
-                cur[e.category] = cur.get(e.category, 0) + e.bytes
-            tiers = {"total": 0}
-            for c, v in cur.items():
-                peaks[c] = max(peaks.get(c, 0), v)
-                tier = "total" if tier_of(c) == "gpu" else tier_of(c)
-                tiers[tier] = tiers.get(tier, 0) + v
-            for tier, v in tiers.items():
-                peaks[tier] = max(peaks.get(tier, 0), v)
+                c = e.category
+                cur[c] = cur.get(c, 0) + e.bytes
+                tier_now[tiers[c]] = tier_now.get(tiers[c], 0) + e.bytes
+                touched[c] = None
+            for c in touched:  # (a peak moves only where the instant changed something)
+                peaks[c] = max(peaks.get(c, 0), cur[c])
+            for tier in dict.fromkeys(tiers[c] for c in touched):
+                peaks[tier] = max(peaks.get(tier, 0), tier_now[tier])
             i = j
         return out
 
