@@ -180,22 +180,25 @@ class Replay:
         f = self.faults
         slow = f.straggler[1:] if f.straggler and f.straggler[0] == rank else None  # (factor, from ns)
         dies = f.failed[1] if f.failed and f.failed[0] == rank else None
+        at_once = not keep and slow is None and dies is None  # (no event to make, nothing to slow or stop)
         t = 0
         for i, item in enumerate(s.items):
             tag = item[0]
             if dies is not None and t >= dies:
                 yield []  # failed: never runs again
             if tag == KERNEL or tag == KERNELS:
-                if tag == KERNEL:  # (one kernel: a run of one, its name already labelled)
-                    label, kind, run = None, item[2], ((item[1], item[3], item[4]),)
-                else:
-                    _, label, kind, run = item
-                if tag == KERNELS and not keep and slow is None and dies is None:  # the run's sums at once
-                    total = runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
-                    if total is None:
-                        total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
+                if at_once:  # the sums of a kernel, or of a run, at once
+                    if tag == KERNEL:
+                        n, total = 1, durations.get((item[3], item[4]))
+                        if total is None:
+                            total = durations[(item[3], item[4])] = kernel_ns(item[3], item[4], dtype)
+                    else:
+                        run = item[3]
+                        n, total = len(run), runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
+                        if total is None:
+                            total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
                     busy += total
-                    count += len(run)
+                    count += n
                     if total:
                         if spans and spans[-1][1] == t:
                             spans[-1][1] = t + total
@@ -204,6 +207,10 @@ class Replay:
                     t += total
                     last = t
                     run = ()  # (nothing left to do kernel by kernel)
+                elif tag == KERNEL:  # (one kernel: a run of one, its name already labelled)
+                    label, kind, run = None, item[2], ((item[1], item[3], item[4]),)
+                else:
+                    _, label, kind, run = item
                 for op, flops, nb in run:
                     if dies is not None and t >= dies:
                         yield []  # failed: never runs again
