@@ -1,6 +1,7 @@
 """`simcluster plan`: every layout it prints is one `simcluster run` would run, best first."""
 
 import json
+from pathlib import Path
 
 from simcluster.cli import main
 from simcluster.planner import estimate, layouts, search
@@ -118,3 +119,17 @@ def test_the_estimate_charges_the_data_parallel_reduction_a_slower_network_expos
     for lay in one_node:
         sets = ["cluster.nodes=1", "parallel.dp=4", "model.global_batch=16"]
         assert seconds(100, sets, lay) == seconds(200, sets, lay)
+
+
+def test_the_plan_picks_megatrons_own_tp_and_pp_for_table1_row_6():
+    """Megatron-LM's weak-scaling table (benchmarks/megatron_table1.toml), row 6: a 146B GPT on 1,024
+    A100s, for which Narayanan et al. (2021) chose TP 8 x PP 4 x DP 32. Searched among the layouts
+    Megatron-LM then had (no CP, no ZeRO, full recomputation, the row's micro-batch of 2),
+    `plan`'s best simulated layout has the same TP and PP. (The other rows: benchmarks/plan_megatron.py.)"""
+    sc = load(str(Path(__file__).parents[1] / "benchmarks" / "megatron_table1.toml"))
+    _, row = sc.variants[5]
+    assert (row.parallel["tp"], row.parallel["pp"], row.parallel["dp"]) == (8, 4, 32)
+    found = search(row, simulate=3, fixed={"cp": (1,), "zero": (0,), "recompute": ("full",),
+                                           "schedule": ("1f1b", "interleaved"), "micro_batch": (2,)})
+    best = found.rows[0].layout
+    assert (best.tp, best.pp, best.dp) == (8, 4, 32)
