@@ -83,10 +83,12 @@ def ring_gaps(seq, nodes):
     cluster = preset("dgx-a100", nodes=nodes, gpus_per_node=P // nodes)
     trace = run_plan(data, cp=P, cluster=cluster, mode="meta", attention="ring")[1].trace
     compute = trace.lane(0, "compute")
-    scores = [e for e in compute if e.name.endswith("attention_scores") and e.kind == "forward"]
+    # each block's fused kernel (the model's default attention kernel, flash) while the keys and values go round
+    scores = [e for e in compute if e.name.endswith("/flash_attention") and e.kind == "forward"]
+    assert len(scores) == P
     transfers = [e for lane in trace.lanes if lane[0] == 0 and lane[1].startswith("recv")
                  for e in trace.lane(*lane)][:P - 1]
-    # idle time on the compute stream while the keys go around (pass 1)
+    # idle time on the compute stream while the blocks go round (pass 1)
     window = [e for e in compute if scores[0].start <= e.start and e.end <= scores[-1].end]
     idle = (scores[-1].end - scores[0].start) - sum(e.duration for e in window)
     return idle, scores[0].duration, transfers[0].duration
@@ -115,3 +117,29 @@ def test_zigzag_needs_twice_the_degree_to_divide_the_sequence():
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=6, vocab=5, causal=True)
     with pytest.raises(Exception, match="seq=6 must be divisible by 2 x cp = 4; valid degrees: 1, 3"):
         run_plan(DPConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")
+
+
+def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
+    """With the model's attention kernel (flash, the default) each ring block is one fused kernel, as
+    in ring-flash-attention. A rank's P forward blocks (s/P queries x s/P keys, half the products
+    causal) do the FLOPs of Ulysses' one core (a/P heads x s queries x s keys): 2 b a s^2 d / P each
+    way. At a long sequence both are compute-bound, so the ring's blocks take Ulysses' core time plus
+    P - 1 more launch gaps (and one ns of rounding a kernel); no s x s tensor reaches memory in
+    either. The ring's step is longer only by its merges and accumulators (elementwise passes over
+    s/P x d per block): under 20 % here, where materialised blocks made it 2.7x. RSA keeps its score
+    rows: unfused, whatever the model's kernel (ColossalAI's)."""
+    P, gap = 4, preset("dgx-a100").kernel_overhead_ns
+    model = GPTConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=8192, vocab=64)
+    data = DPConfig(model=model, global_batch=1, steps=1, precision="bf16")
+    runs = {a: run_plan(data, cp=P, mode="meta", attention=a)[1] for a in ("ring", "ulysses", "rsa")}
+
+    def kernels(attention, name):
+        return [e for e in runs[attention].trace.lane(0, "compute") if e.name.endswith("/" + name)]
+
+    blocks, core = kernels("ring", "flash_attention"), kernels("ulysses", "flash_attention")
+    assert len(blocks) == P and len(core) == 1
+    assert abs(sum(e.duration for e in blocks) - (core[0].duration + (P - 1) * gap)) <= P
+    assert len(kernels("ring", "flash_attention_backward")) == P
+    assert not kernels("ring", "attention_scores") and kernels("rsa", "attention_scores")
+    ring, ulysses = (runs[a].trace.end for a in ("ring", "ulysses"))
+    assert 1 <= ring / ulysses < 1.2

@@ -34,6 +34,18 @@ def forward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
     return _fused(ops, cfg, "flash_attention", q, k, products=2, moved=2)
 
 
+def merge(ops: Any, cfg: Any, q: Any) -> ContextManager[None]:
+    """Around a ring-attention block's share of the output (parallel/ring_attention.py): with flash,
+    each block's kernel writes its partial output and log-sum-exp, and one elementwise kernel folds
+    them into the running ones (fp32: reads both, writes the running ones back; ring-flash-attention's
+    `_update_out_and_lse`). Nothing of the block's scores reaches memory."""
+    if cfg.attention_kernel != "flash":
+        return nullcontext()
+    b, a, sq, d = q.shape
+    n = b * a * sq * d
+    return ops.fused("flash_merge", flops=4.0 * n, nbytes=4 * 3 * (n + n // d))
+
+
 def backward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
     """Around the backward core: five products (QK^T again, dV, dP, dQ, dK); reads q, o, dO, k, v and
     the statistics, writes dq, dk, dv (counted as four of each size), and the row sums dO.o."""

@@ -26,6 +26,7 @@ for dQ = dS K, dK = dS^T Q all-reduced the same way.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Generator
 
 import numpy as np
@@ -97,10 +98,11 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
                 sk, rk = _rotate(model, kv[0], tag + 1)
                 sv, rv = _rotate(model, kv[1], tag + 2)
                 sends += [sk, sv]
-            s = ops.attention_scores(q, kv[0], scale, model.allowed(rows, _positions(model, o)))
-            scores.append(s)
-            keep = model.block_keep(f"attn.{layer}", tuple(s.shape), step, where, rows, _positions(model, o))
-            m, l_sum, o_sum = online_merge(ops, (m, l_sum, o_sum), s, kv[1], lambda e: _kept(model, e, keep))
+            with flash.forward(ops, model.m, q, kv[0]):
+                s = ops.attention_scores(q, kv[0], scale, model.allowed(rows, _positions(model, o)))
+                scores.append(s)
+                keep = model.block_keep(f"attn.{layer}", tuple(s.shape), step, where, rows, _positions(model, o))
+                m, l_sum, o_sum = online_merge(ops, (m, l_sum, o_sum), s, kv[1], lambda e: _kept(model, e, keep))
             if t < P - 1:
                 kv = tuple((yield [rk, rv]))
         if sends:
@@ -109,31 +111,46 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
         return out, {"scores": scores, "max": m, "q": q, "k": k, "v": v, "out": out, "layer": layer, "step": step,
                      "where": where}
 
-    # exact mode, pass 1: keys around the ring, the row maximum
-    k_cur = k
-    maxes = []
+    # exact mode, pass 1: keys around the ring, the row maximum. Ring attention's values go round with
+    # its keys, as in ring-flash-attention (each block's fused kernel uses both; the merge of pass 2
+    # is what such a kernel's output update does); RSA's go round in pass 2 (RingAV).
+    k_cur, v_cur = k, v
+    maxes, values = [], []
+    fused = (lambda *a: flash.forward(ops, model.m, *a)) if online else (lambda *a: nullcontext())
     for t, o in enumerate(owners):
         if t < P - 1:
             send, recv = _rotate(model, k_cur, tag + 1)
             sends.append(send)
-        s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, _positions(model, o)))
-        scores.append(s)
-        maxes.append(ops.max(s, -1))
+            if online:
+                send_v, recv_v = _rotate(model, v_cur, tag + 2)
+                sends.append(send_v)
+        with fused(q, k_cur):
+            s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, _positions(model, o)))
+            scores.append(s)
+            maxes.append(ops.max(s, -1))
+        values.append(v_cur)
         if t < P - 1:
-            k_cur = yield recv
+            if online:
+                k_cur, v_cur = yield [recv, recv_v]
+            else:
+                k_cur = yield recv
     row_max = ops.max(ops.concat(maxes, -1), -1)  # exact in any order
-    # pass 2: values around the ring, exact sums of weights and weighted values
+    # pass 2: exact sums of weights and weighted values (RSA: values around the ring now)
+    merge = (lambda: flash.merge(ops, model.m, q)) if online else nullcontext
     v_cur = v
     l_parts, o_parts = [], []
     for t, o in enumerate(owners):
-        if t < P - 1:
+        if t < P - 1 and not online:
             send, recv = _rotate(model, v_cur, tag + 2)
             sends.append(send)
-        e = ops.attention_weights(scores[t], row_max)
-        keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
-        l_parts.append(ops.sum(e, -1, partial=True))
-        o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
-        if t < P - 1:
+        if online:
+            v_cur = values[t]
+        with merge():
+            e = ops.attention_weights(scores[t], row_max)
+            keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
+            l_parts.append(ops.sum(e, -1, partial=True))
+            o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
+        if t < P - 1 and not online:
             v_cur = yield recv
     if sends:
         yield sends
@@ -164,15 +181,16 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
             sk, rk = _rotate(model, kv[0], tag + 1)
             sv, rv = _rotate(model, kv[1], tag + 2)
             sends += [sk, sv]
-        e = ops.attention_weights(core["scores"][t], core["max"])
-        probs = ops.attention_probs(e, l_sum) if ops.mode is not Mode.FAST else ops.div(e, ops.expand_last(l_sum))
-        keep = model.block_keep(f"attn.{core['layer']}", tuple(e.shape), core["step"], core["where"], rows,
-                                _positions(model, o))
-        dv_t = ops.einsum("bask,basd->bakd", _drop(model, probs, keep), dout, partial=True)
-        dp = _drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
-        ds = ops.mul(probs, ops.sub(dp, delta))
-        dq_parts.append(ops.einsum("bask,bakd->basd", ds, kv[0], partial=True))
-        dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
+        with flash.backward(ops, m, core["q"], kv[0]):  # (a block's backward as one fused kernel, with flash)
+            e = ops.attention_weights(core["scores"][t], core["max"])
+            probs = ops.attention_probs(e, l_sum) if ops.mode is not Mode.FAST else ops.div(e, ops.expand_last(l_sum))
+            keep = model.block_keep(f"attn.{core['layer']}", tuple(e.shape), core["step"], core["where"], rows,
+                                    _positions(model, o))
+            dv_t = ops.einsum("bask,basd->bakd", _drop(model, probs, keep), dout, partial=True)
+            dp = _drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
+            ds = ops.mul(probs, ops.sub(dp, delta))
+            dq_parts.append(ops.einsum("bask,bakd->basd", ds, kv[0], partial=True))
+            dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
         dk_acc = dk_t if dk_acc is None else ops.add_partial(dk_acc, dk_t)
         dv_acc = dv_t if dv_acc is None else ops.add_partial(dv_acc, dv_t)
         if P == 1:
