@@ -17,6 +17,8 @@ Print a schedule with `describe`, draw a run of it with the timeline.
 
 from __future__ import annotations
 
+import functools
+
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -60,17 +62,16 @@ class Placement:
         return len(self.stage)
 
     def prev(self, g: int) -> int | None:
-        chain = self._chain(g)
-        i = chain.index(g)
-        return chain[i - 1] if i else None
+        return self._neighbours[g][0]
 
     def next(self, g: int) -> int | None:
-        chain = self._chain(g)
-        i = chain.index(g)
-        return chain[i + 1] if i + 1 < len(chain) else None
+        return self._neighbours[g][1]
 
-    def _chain(self, g: int) -> tuple[int, ...]:
-        return next(c for c in self.chains if g in c)
+    @functools.cached_property
+    def _neighbours(self) -> dict[int, tuple[int | None, int | None]]:
+        """Each chunk's (previous, next) chunk on its chain (found once: a pipeline asks per pass)."""
+        return {g: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else None)
+                for chain in self.chains for i, g in enumerate(chain)}
 
     def on(self, stage: int) -> list[int]:
         """The chunks a stage holds, in chunk order."""
