@@ -12,8 +12,9 @@ Two stages, as an engineer would search:
    passes' times taken equal (T_F = T_B = T_W), (p-1)(T_F + T_B - T_W) / 3m T_F = (p-1)/3m for ZB-H1
    and (p-1) T_F/2 / 3m T_F = (p-1)/6m for ZB-V (Qi et al. 2023; tests/test_pipeline.py checks
    those bubbles on the simulator), plus the tensor-parallel collectives that sit
-   on the critical path, ZeRO-3's gathers and what the data-parallel gradient reduction leaves
-   exposed after the backward pass). Layouts whose estimate exceeds the device by more than
+   on the critical path, the context-parallel exchanges (Ulysses' all-to-alls, all-gather KV's
+   gathers, the ring's transfers beyond what each block's attention hides), ZeRO-3's gathers and
+   what the data-parallel gradient reduction leaves exposed after the backward pass). Layouts whose estimate exceeds the device by more than
    `MARGIN` are dropped; the rest are ranked by estimated time.
 2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
    peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
@@ -185,7 +186,50 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
         gathers = 2 * m * 2 * psi * (n - 1) / n / across
-    return Estimate(layout, memory, compute + tp_comm + gathers + _reduction(sc, layout, psi, n, m, across, compute))
+    # the context-parallel group (stride tp): inside a node while tp x cp fits one, else over k nodes
+    nodes = 1 if spec.torus or t * c <= spec.gpus_per_node else t * c // spec.gpus_per_node
+    exchange = _context_exchange(lsc.parallel["attention"], layout, model, spec, nvlink, nodes) * model.layers / p * m
+    return Estimate(layout, memory, compute + tp_comm + exchange + gathers
+                    + _reduction(sc, layout, psi, n, m, across, compute))
+
+
+def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvlink: float, nodes: int) -> float:
+    """The exposed time of one layer's context-parallel exchanges for one micro-batch (forward, its
+    recomputation under full recompute, backward), the cp group spread over `nodes` nodes (its ranks
+    talk over NVLink inside one, each over its own NIC between them). With x the bytes of this
+    rank's queries (b s/c h/t, 16-bit) and kv of its keys (or values): Ulysses all-to-alls q, k, v
+    and the output each way, (c-1)/c of 2x + 2kv, of which (k-1)/k leaves the node; all-gather KV
+    gathers (c-1) kv of keys and of values (hierarchically: (k-1) kv through each NIC, then the rest
+    inside the node) and reduce-scatters their gradients back; the ring passes keys and values c-1 steps (and their gradients'
+    accumulators too in the backward pass) at the slowest hop's rate, each hidden under that step's
+    block of attention at the device's GEMM rate and exposed only beyond it; RSA passes them like the
+    ring but with all of its backward's two whole-sequence all-reduces exposed."""
+    c, t, k = layout.cp, layout.tp, nodes
+    if c == 1:
+        return 0.0
+    nic = spec.nic_bytes_per_ns * 1e9
+
+    def gather(v: float) -> float:  # an all-gather (or reduce-scatter) of c blocks of v bytes
+        # hierarchical over k nodes (topology/plans.py): a ring per local index across the nodes,
+        # then one inside each node on the k blocks each member has
+        return (k - 1) * v / nic + (c // k - 1) * k * v / nvlink
+
+    b, s, d = layout.micro_batch, model.seq // c, model.head_dim
+    x = b * s * model.heads // t * d * 2
+    kv = b * s * max(model.kv_heads // t, 1) * d * 2
+    passes = (2 if layout.recompute == "full" else 1) + 1  # forwards and the backward
+    if attention == "ulysses":
+        local = 2 * x + 2 * kv
+        return passes * max((c // k - 1) / c * local / nvlink, (k - 1) / k * local / nic)
+    if attention == "allgather":
+        return passes * 2 * gather(kv)
+    # a block: this rank's queries against one rank's keys, two products (half of them when causal)
+    block = 2 * 2 * b * model.heads // t * s * s * d * (0.5 if model.causal else 1.0)
+    rate, hop = spec.peak_tflops * 1e12 * spec.matmul_efficiency, nic if k > 1 else nvlink
+    forward = (c - 1) * max(0.0, 2 * kv / hop - block / rate)
+    if attention == "ring":
+        return (passes - 1) * forward + (c - 1) * max(0.0, 4 * kv / hop - 2.5 * block / rate)
+    return (passes - 1) * forward + (c - 1) * 2 * kv / hop + 2 * 2 * gather(kv)
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:
