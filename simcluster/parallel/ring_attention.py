@@ -4,10 +4,14 @@ Each of P ranks holds the queries, keys and values of its own tokens (the zigzag
 attention: rank r holds chunks r and 2P-1-r of 2P, so that every rank has the same work).
 
 ring, exact mode (two passes, as numerics rule 1 needs the row maximum before any exponential):
-  1. keys travel once around the ring; every rank scores its queries against each block as it
-     passes (the next block's send/recv runs while this block is scored) and takes the row maximum;
-  2. values travel once around; every rank adds sum_k e*v and sum_k e for each block, exactly;
+  1. keys and values travel once around the ring together (as ring-flash-attention sends them);
+     every rank scores its queries against each block as it passes (the next block's send/recv
+     runs while this block is scored) and takes the row maximum;
+  2. every rank adds sum_k e*v and sum_k e for each block it kept, exactly;
   out = round(sum e*v) / round(sum e), as on one device.
+With the model's flash kernel (the default), each block's forward and backward cost one fused
+kernel on the block's shapes (model/flash.py) and pass 2 one merge of the block's output, as
+ring-flash-attention runs; the numbers are the same.
 ring, fast mode: one pass with the online log-sum-exp merge (rescale the running sums when the
 maximum grows), keys and values travelling together.
 backward: keys and values travel around again; each rank adds its part of the block's dK and dV to
@@ -83,14 +87,15 @@ def online_merge(ops: Any, state: tuple[Any, Any, Any], scores: Any, v: Any, kep
 
 
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any,
-            online: bool = True) -> Generator[Any, Any, Any]:
+            ring: bool = True) -> Generator[Any, Any, Any]:
+    """Ring attention's forward pass (`ring`), or RSA's RingQK and RingAV (not `ring`)."""
     ops, P, r = model.ops, model.P, model.r
     scale = 1.0 / np.sqrt(model.m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
     tag = layer * 16
     scores, sends = [], []
-    if ops.mode is Mode.FAST and online:  # one pass: the online log-sum-exp merge
+    if ops.mode is Mode.FAST and ring:  # one pass: the online log-sum-exp merge
         m = l_sum = o_sum = None  # running max, sum of weights, sum of weighted values
         kv = (k, v)
         for t, o in enumerate(owners):
@@ -116,12 +121,12 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     # is what such a kernel's output update does); RSA's go round in pass 2 (RingAV).
     k_cur, v_cur = k, v
     maxes, values = [], []
-    fused = (lambda *a: flash.forward(ops, model.m, *a)) if online else (lambda *a: nullcontext())
+    fused = (lambda *a: flash.forward(ops, model.m, *a)) if ring else (lambda *a: nullcontext())
     for t, o in enumerate(owners):
         if t < P - 1:
             send, recv = _rotate(model, k_cur, tag + 1)
             sends.append(send)
-            if online:
+            if ring:
                 send_v, recv_v = _rotate(model, v_cur, tag + 2)
                 sends.append(send_v)
         with fused(q, k_cur):
@@ -130,27 +135,27 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
             maxes.append(ops.max(s, -1))
         values.append(v_cur)
         if t < P - 1:
-            if online:
+            if ring:
                 k_cur, v_cur = yield [recv, recv_v]
             else:
                 k_cur = yield recv
     row_max = ops.max(ops.concat(maxes, -1), -1)  # exact in any order
     # pass 2: exact sums of weights and weighted values (RSA: values around the ring now)
-    merge = (lambda: flash.merge(ops, model.m, q)) if online else nullcontext
+    merge = (lambda: flash.merge(ops, model.m, q)) if ring else nullcontext
     v_cur = v
     l_parts, o_parts = [], []
     for t, o in enumerate(owners):
-        if t < P - 1 and not online:
+        if t < P - 1 and not ring:
             send, recv = _rotate(model, v_cur, tag + 2)
             sends.append(send)
-        if online:
+        if ring:
             v_cur = values[t]
         with merge():
             e = ops.attention_weights(scores[t], row_max)
             keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
             l_parts.append(ops.sum(e, -1, partial=True))
             o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
-        if t < P - 1 and not online:
+        if t < P - 1 and not ring:
             v_cur = yield recv
     if sends:
         yield sends
@@ -247,7 +252,7 @@ def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator
 
 def rsa_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
     """RingQK then RingAV: the two passes of `forward` in every mode (the score rows are materialised)."""
-    return (yield from forward(model, q, k, v, layer, step, where, online=False))
+    return (yield from forward(model, q, k, v, layer, step, where, ring=False))
 
 
 def _own_rows(ops: Any, full: Any, P: int, r: int) -> Any:

@@ -182,7 +182,7 @@ class Tapes:
         own = st.label
         relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
         kernel, kernels, issue = st.kernel, st.kernels, comm._issue
-        alone = getattr(comm, "issue_alone", None)  # (folded: a call of this rank's alone completes at once)
+        alone = comm.issue_alone  # (folded: a call of this rank's alone completes at once)
         shared = tape.ops
         works: list[Any] = []
         try:
