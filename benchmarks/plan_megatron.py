@@ -8,7 +8,7 @@ prints the plan's best simulated layout beside Megatron's own, simulated the sam
 choice is recovered when it is the best or within 3 % of the best's step time. Ends with the
 estimate's rate (layouts a minute, the whole space, one core).
 
-    python benchmarks/plan_megatron.py [--rows 4-7] [--simulate 3]
+    python benchmarks/plan_megatron.py [--rows 4-7] [--simulate 3] [--set cluster.profile=a100.toml]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from simcluster.planner import search
 from simcluster.runner import run_scenario
-from simcluster.scenario import load
+from simcluster.scenario import ScenarioError, load
 
 TABLE = Path(__file__).with_name("megatron_table1.toml")
 MEGATRON_2021 = {"cp": (1,), "zero": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved")}
@@ -29,9 +29,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="4-10", help="rows to run, e.g. 4-7 (default: 4-10)")
     p.add_argument("--simulate", type=int, default=3, help="layouts the plan simulates per row (default 3)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key in every row, e.g. cluster.profile=a100.toml (measured by `simcluster calibrate`)")
     args = p.parse_args()
     first, _, last = args.rows.partition("-")
-    sc = load(str(TABLE))
+    try:
+        sc = load(str(TABLE), args.set)
+    except ScenarioError as e:
+        raise SystemExit(f"{Path(__file__).name}: {e}") from None
+    if args.set:
+        print("with " + ", ".join(args.set))
     print(f"{'row':>3} {'Megatron':<24} {'step s':>7} {'plan best':<24} {'step s':>7} {'Megatron/best':>13} "
           f"{'recovered':>9} {'wall s':>6}")
     for i in range(int(first), int(last or first) + 1):
