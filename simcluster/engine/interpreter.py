@@ -346,7 +346,8 @@ class Interpreter:
         ch = self.by_id.get(id(op.group))
         if ch is None or ch.live != 1:
             return None
-        self._images(ch)  # (checks, once, that the group holds its members' representative)
+        if id(ch) not in self.images:
+            self._images(ch)  # (checks, once, that the group holds its members' representative)
         pos = ch.position[op.rank]
         seq = ch.issued[pos]
         ch.issued[pos] = seq + 1

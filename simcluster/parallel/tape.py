@@ -210,10 +210,12 @@ class Tapes:
                     st.label = own
                     at, many = event[1], event[2]
                     chosen = [works[k] for k in at] if many else [works[at]]
-                    if all(w.done for w in chosen):  # what yielding them would do, without the round trip
+                    for w in chosen:
+                        if not w.done:
+                            yield chosen if many else chosen[0]
+                            break
+                    else:  # all complete: what yielding them would do, without the round trip
                         st.waited(chosen)
-                    else:
-                        yield chosen if many else chosen[0]
         finally:
             st.label = own
         if grads is not None:
