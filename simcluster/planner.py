@@ -14,8 +14,9 @@ Two stages, as an engineer would search:
    those bubbles on the simulator), plus the tensor-parallel collectives that sit
    on the critical path, the context-parallel exchanges (Ulysses' all-to-alls, all-gather KV's
    gathers, the ring's transfers beyond what each block's attention hides), ZeRO-3's gathers and
-   what the data-parallel gradient reduction leaves exposed after the backward pass). Layouts whose estimate exceeds the device by more than
-   `MARGIN` are dropped; the rest are ranked by estimated time.
+   what the data-parallel gradient reduction leaves exposed after the backward pass). Layouts whose
+   estimate exceeds the device by more than `MARGIN` are dropped; the rest are ranked by estimated
+   time.
 2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
    peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
 The estimate only chooses what to simulate: every figure in the table is the simulator's.
@@ -200,10 +201,11 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     rank's queries (b s/c h/t, 16-bit) and kv of its keys (or values): Ulysses all-to-alls q, k, v
     and the output each way, (c-1)/c of 2x + 2kv, of which (k-1)/k leaves the node; all-gather KV
     gathers (c-1) kv of keys and of values (hierarchically: (k-1) kv through each NIC, then the rest
-    inside the node) and reduce-scatters their gradients back; the ring passes keys and values c-1 steps (and their gradients'
-    accumulators too in the backward pass) at the slowest hop's rate, each hidden under that step's
-    block of attention at the device's GEMM rate and exposed only beyond it; RSA passes them like the
-    ring but with all of its backward's two whole-sequence all-reduces exposed."""
+    inside the node) and reduce-scatters their gradients back; the ring passes keys and values c-1
+    steps (and their gradients' accumulators too in the backward pass) at the slowest hop's rate,
+    each hidden under that step's block of attention at the device's GEMM rate and exposed only
+    beyond it; RSA's forward passes hide as the ring's, and its backward's passes and two
+    whole-sequence all-reduces are exposed."""
     c, t, k = layout.cp, layout.tp, nodes
     if c == 1:
         return 0.0

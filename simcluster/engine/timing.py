@@ -193,8 +193,8 @@ class Replay:
                         if total is None:
                             total = durations[(item[3], item[4])] = kernel_ns(item[3], item[4], dtype)
                     else:
-                        run = item[3]
-                        n, total = len(run), runs.get(id(run))  # (the run is the tape's: one object, alive while items hold it)
+                        run = item[3]  # (the tape's: one object, alive while items hold it, so its id is its own)
+                        n, total = len(run), runs.get(id(run))
                         if total is None:
                             total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
                     busy += total
@@ -367,7 +367,8 @@ class Replay:
         assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
         call.steps, call.sent, alone, links = self._routes(call)
         ch = call.channel
-        if alone is not None and self.fast and ch.group is not None and not ch.mixed and self._claim(call, links, alone):
+        if (alone is not None and self.fast and ch.group is not None and not ch.mixed
+                and self._claim(call, links, alone)):
             call.end = call.start + alone
             waiting, call.done = call.done, None  # (members' clocks run ahead of SimPy's: wake them now)
             self.runnable.extend(waiting)
