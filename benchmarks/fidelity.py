@@ -18,30 +18,18 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-from pathlib import Path
 
 from simcluster.runner import run_scenario
-from simcluster.scenario import ScenarioError, load
+from table1 import arguments, table
 
-TABLE = Path(__file__).with_name("megatron_table1.toml")
 PAPER = [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]  # TFLOP/s per GPU, Table 1
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1-10", help="rows to run, e.g. 1-4 (default: all ten)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key in every row, e.g. cluster.profile=a100.toml (a profile that "
-                        "`simcluster calibrate` measured on an A100) or model.attention_kernel=flash")
+    arguments(p, "1-10")
     args = p.parse_args()
-    first, _, last = args.rows.partition("-")
-    rows = range(int(first), int(last or first) + 1)
-    try:
-        sc = load(str(TABLE), args.set)
-    except ScenarioError as e:
-        raise SystemExit(f"{Path(__file__).name}: {e}") from None
-    if args.set:
-        print("with " + ", ".join(args.set))
+    sc, rows = table(args, __file__)
     print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'paper':>6} {'error':>7} {'MFU':>6} "
           f"{'memory/GPU':>10} {'sim s':>6} {'sim GB':>7}")
     errors = []

@@ -15,33 +15,23 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from simcluster.planner import search
 from simcluster.runner import run_scenario
-from simcluster.scenario import ScenarioError, load
+from table1 import arguments, table
 
-TABLE = Path(__file__).with_name("megatron_table1.toml")
 MEGATRON_2021 = {"cp": (1,), "zero": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved")}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="4-10", help="rows to run, e.g. 4-7 (default: 4-10)")
+    arguments(p, "4-10")
     p.add_argument("--simulate", type=int, default=3, help="layouts the plan simulates per row (default 3)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key in every row, e.g. cluster.profile=a100.toml (measured by `simcluster calibrate`)")
     args = p.parse_args()
-    first, _, last = args.rows.partition("-")
-    try:
-        sc = load(str(TABLE), args.set)
-    except ScenarioError as e:
-        raise SystemExit(f"{Path(__file__).name}: {e}") from None
-    if args.set:
-        print("with " + ", ".join(args.set))
+    sc, rows = table(args, __file__)
     print(f"{'row':>3} {'Megatron':<24} {'step s':>7} {'plan best':<24} {'step s':>7} {'Megatron/best':>13} "
           f"{'recovered':>9} {'wall s':>6}")
-    for i in range(int(first), int(last or first) + 1):
+    for i in rows:
         _, v = sc.variants[i - 1]
         t = time.perf_counter()
         found = search(v, simulate=args.simulate, fixed=MEGATRON_2021 | {"micro_batch": (v.model["micro_batch"],)})

@@ -1,0 +1,30 @@
+"""Megatron-LM's Table 1 (megatron_table1.toml) as the benchmarks that compare against it load it:
+fidelity.py and plan_megatron.py, with `--rows` and `--set` overrides for every row."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from simcluster.scenario import Scenario, ScenarioError, load
+
+TABLE = Path(__file__).with_name("megatron_table1.toml")
+
+
+def arguments(p: argparse.ArgumentParser, rows: str) -> None:
+    p.add_argument("--rows", default=rows, help=f"rows to run, e.g. 4-7 (default: {rows})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key in every row, e.g. cluster.profile=a100.toml (a profile that "
+                        "`simcluster calibrate` measured on an A100) or model.attention_kernel=flash")
+
+
+def table(args: argparse.Namespace, script: str) -> tuple[Scenario, range]:
+    """The table with the overrides, and the rows asked for; a bad key ends the script in one line."""
+    try:
+        sc = load(str(TABLE), args.set)
+    except ScenarioError as e:
+        raise SystemExit(f"{Path(script).name}: {e}") from None
+    if args.set:
+        print("with " + ", ".join(args.set))
+    first, _, last = args.rows.partition("-")
+    return sc, range(int(first), int(last or first) + 1)
