@@ -19,40 +19,21 @@ from typing import Any, Callable, Iterator
 
 import simpy
 
-from simcluster.engine.errors import DeadlockError
-from simcluster.engine.faults import Faults, Hang, Stuck
+from simcluster.engine.calls import Call
+from simcluster.engine.faults import Faults, Hang
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
-from simcluster.engine.interpreter import Call
-from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
+from simcluster.engine.hung import deadlock, watchdog
 from simcluster.engine.network import Network
+from simcluster.engine.routes import routes
+from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.totals import LaneSums, Totals
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
-from simcluster.numerics.tensor import ITEMSIZE
-from simcluster.program.comm import CommKind
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
-from simcluster.topology.plans import plan, semantic_bytes
 
 
 class _Shared(Exception):
     """A call ended at once (`Replay._claim`) would have shared a link with another transfer."""
-
-
-def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> tuple[list[tuple[int, Any]], list[int], int | None,
-                                                                 frozenset[int]]:
-    """A plan's route: its steps, the bytes each member sends, how long it takes on idle links
-    where no two of a phase's flows share a link (each then runs alone at its slowest link's rate,
-    and the phase ends with the last; None otherwise), and every link it crosses."""
-    alone: int | None = 0
-    links: set[int] = set()
-    for latency, flows in steps:
-        crossed = [link for f in flows for link in f[0]]
-        if alone is not None and len(set(crossed)) == len(crossed):
-            alone += latency + max((f[3] for f in flows), default=0)
-        else:
-            alone = None
-        links.update(crossed)
-    return steps, sent, alone, frozenset(links)
 
 
 class Replay:
@@ -110,8 +91,8 @@ class Replay:
                 lists, sums = self._attempt(streams)
             if self.finished != len(streams):
                 if not self.faults.failed:
-                    self._report_stuck(streams)
-                self.hang = self._watchdog(streams, lists)
+                    raise deadlock(streams)
+                self.hang = watchdog(self.faults, streams, lists)
             # A replay runs once: let its input go now, by reference counting, rather than have
             # the collector walk it when the pause ends and free it later.
             for s in streams:
@@ -311,61 +292,12 @@ class Replay:
         if call.arrived == call.live:
             self._launch(call)
 
-    def _routes(self, call: Call) -> tuple[list[tuple[int, list]], list[int], int | None, frozenset[int]]:
-        """The call's phases as (latency to wait, flows over links), bytes sent per member, how long
-        it takes on links it has to itself (None where a phase's flows share a link), and the links.
-
-        Calls of the same kind, group and signature move the same bytes: computed once per
-        channel, then shared.
-        """
-        op = call.ops[0]
-        routes = call.channel.routes
-        # first by the signature object itself (a taped block's calls share theirs; the entry holds
-        # it, so its id is its own while the entry lives), then by its value
-        seen = routes.get(id(op.sig))
-        if seen is not None and seen[0] is op.sig and seen[1] is call.kind and seen[2] == op.peer:
-            return seen[3]
-        key = (call.kind._value_, op.sig, op.peer)
-        cached = routes.get(key)
-        if cached is not None:
-            routes[id(op.sig)] = (op.sig, call.kind, op.peer, cached)
-            return cached
-        if cached is None and call.kind is CommKind.COPY:  # one flow over the rank's PCIe link, or NVMe drives
-            size = math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
-            links = self.cluster.copy_route(op.rank, *op.tiers)
-            cached = routes[key] = _timed([(self.cluster.spec.pcie_latency_ns, self.network.prepare([(links, size)]))],
-                                          [size])
-        if cached is None:
-            size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
-            nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
-            steps: list[tuple[int, list]] = []
-            sent: dict[int, float] = {}
-            phases = plan(call.kind, call.members, nbytes, self.cluster, peer=op.peer)
-            fold = self.fold
-            if fold is not None and call.live < len(call.members):
-                fold.check_plan(call.members, phases, call.where, call.kind.value)
-            for phase in phases:
-                flows = []
-                latency = 0
-                for src, dst, b in phase.flows:
-                    links, lat = self.cluster.route(src, dst)
-                    latency = max(latency, lat)
-                    sent[src] = sent.get(src, 0.0) + b
-                    if fold is None:
-                        flows.append((links, b))
-                    elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
-                        rep = fold.rep(dst)  # into the port of its destination's representative
-                        flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
-                steps.append((phase.steps * latency, self.network.prepare(flows)))
-            cached = routes[key] = _timed(steps, [int(round(sent.get(r, 0.0))) for r in call.members])
-        return cached
-
     def _launch(self, call: Call) -> None:
         """Run the call's plan from call.start: phase after phase, each after its latency. A call that
         finds its links idle (`_claim`) ends at once, at the time its plan takes there: its members go
         on from then without waiting for SimPy's clock (as they do after a kernel)."""
         assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
-        call.steps, call.sent, alone, links = self._routes(call)
+        call.steps, call.sent, alone, links = routes(call, self.cluster, self.network, self.fold)
         ch = call.channel
         if (alone is not None and self.fast and ch.group is not None and not ch.mixed
                 and self._claim(call, links, alone)):
@@ -441,49 +373,3 @@ class Replay:
         waiting, call.done = call.done, None
         self.runnable.extend(waiting)
         self._drain()
-
-    def _watchdog(self, streams: list[Stream], lists: list[list[TraceEvent]]) -> Hang:
-        """After a rank failed: each call some members joined and never finished, as the waiting ranks'
-        watchdogs report it, and the stall drawn on their lanes until the timeout."""
-        failed, at = self.faults.failed
-        timeout = self.faults.watchdog_ns
-        waiting: dict[int, list[tuple[Stream, list, Call, int]]] = {}  # call id -> its stuck members
-        calls: dict[int, Call] = {}
-        for s, events in zip(streams, lists):
-            done = next((i for i, e in enumerate(s.end_times) if e is None), len(s.items))
-            if s.rank == failed or done == len(s.items) or s.items[done][0] != COMM:
-                continue
-            _, call, kind, label, position, dep, j, where = s.items[done]
-            if dep is not None and dep.end_times[j] is None:
-                continue  # never joined: its input waits on work stuck elsewhere
-            began = max(s.end_times[done - 1] if done else 0, 0 if dep is None else dep.end_times[j])
-            waiting.setdefault(id(call), []).append((s, events, call, began))
-            calls[id(call)] = call
-        first: dict[int, Stuck] = {}
-        for key, members in waiting.items():
-            call = calls[key]
-            joined = tuple(sorted({s.rank for s, _, _, _ in members}))
-            missing = tuple(r for r in call.members if r not in joined)
-            op = call.ops[call.channel.position[joined[0]]]
-            what = op.describe() if op is not None else call.kind.value
-            group = f" on group ({', '.join(map(str, call.members))})" if not call.is_message else ""
-            for s, events, _, began in members:
-                item = s.items[next(i for i, e in enumerate(s.end_times) if e is None)]
-                events.append(TraceEvent(s.rank, s.name, item[2], f"{item[3] or item[2]} (hung: watchdog)", began,
-                                         began + timeout, 0, item[7]))
-                stuck = Stuck(s.rank, what + group, call.seq + 1, joined, missing, began, timeout)
-                if s.rank not in first or began < first[s.rank].began_ns:
-                    first[s.rank] = stuck
-        return Hang(failed, at, tuple(first[r] for r in sorted(first)))
-
-    def _report_stuck(self, streams: list[Stream]) -> None:
-        lines = ["deadlock in the timed replay (streams wait on each other in a cycle):"]
-        for s in streams:
-            done = sum(1 for e in s.end_times if e is not None)
-            if done < len(s.items):
-                item = s.items[done]
-                what = "a wait on another stream" if item[0] == WAIT else (
-                    f"{item[1].describe(s.rank)}" if item[0] == COMM else "a kernel")
-                lines.append(f"  rank {s.rank} stream {s.name!r} is stuck at item {done}: {what}")
-        raise DeadlockError("\n".join(lines))
-

@@ -1,0 +1,85 @@
+"""What a call moves over which links: its plan's phases (topology/plans.py) as flows on the
+network's links, the bytes each member sends, and how long it takes where it has its links to
+itself. Computed once per channel and call shape, then shared (the timed replay asks per call)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from simcluster.engine.calls import Call
+from simcluster.engine.fold import Fold
+from simcluster.engine.network import Network
+from simcluster.numerics.tensor import ITEMSIZE
+from simcluster.program.comm import CommKind
+from simcluster.topology.cluster import Cluster
+from simcluster.topology.plans import plan, semantic_bytes
+
+# (latency, flows) per phase; bytes sent per member; ns on links of its own (None: its flows share
+# one); every link it crosses
+Route = tuple[list[tuple[int, Any]], list[int], "int | None", frozenset[int]]
+
+
+def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> Route:
+    """A plan's route: its steps, the bytes each member sends, how long it takes on idle links
+    where no two of a phase's flows share a link (each then runs alone at its slowest link's rate,
+    and the phase ends with the last; None otherwise), and every link it crosses."""
+    alone: int | None = 0
+    links: set[int] = set()
+    for latency, flows in steps:
+        crossed = [link for f in flows for link in f[0]]
+        if alone is not None and len(set(crossed)) == len(crossed):
+            alone += latency + max((f[3] for f in flows), default=0)
+        else:
+            alone = None
+        links.update(crossed)
+    return steps, sent, alone, frozenset(links)
+
+
+def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) -> Route:
+    """The call's phases as (latency to wait, flows over links), bytes sent per member, how long
+    it takes on links it has to itself (None where a phase's flows share a link), and the links.
+
+    Calls of the same kind, group and signature move the same bytes: computed once per
+    channel, then shared.
+    """
+    op = call.ops[0]
+    routes = call.channel.routes
+    # first by the signature object itself (a taped block's calls share theirs; the entry holds
+    # it, so its id is its own while the entry lives), then by its value
+    seen = routes.get(id(op.sig))
+    if seen is not None and seen[0] is op.sig and seen[1] is call.kind and seen[2] == op.peer:
+        return seen[3]
+    key = (call.kind._value_, op.sig, op.peer)
+    cached = routes.get(key)
+    if cached is not None:
+        routes[id(op.sig)] = (op.sig, call.kind, op.peer, cached)
+        return cached
+    if cached is None and call.kind is CommKind.COPY:  # one flow over the rank's PCIe link, or NVMe drives
+        size = math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
+        links = cluster.copy_route(op.rank, *op.tiers)
+        cached = routes[key] = _timed([(cluster.spec.pcie_latency_ns, network.prepare([(links, size)]))],
+                                      [size])
+    if cached is None:
+        size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
+        nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
+        steps: list[tuple[int, list]] = []
+        sent: dict[int, float] = {}
+        phases = plan(call.kind, call.members, nbytes, cluster, peer=op.peer)
+        if fold is not None and call.live < len(call.members):
+            fold.check_plan(call.members, phases, call.where, call.kind.value)
+        for phase in phases:
+            flows = []
+            latency = 0
+            for src, dst, b in phase.flows:
+                links, lat = cluster.route(src, dst)
+                latency = max(latency, lat)
+                sent[src] = sent.get(src, 0.0) + b
+                if fold is None:
+                    flows.append((links, b))
+                elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
+                    rep = fold.rep(dst)  # into the port of its destination's representative
+                    flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
+            steps.append((phase.steps * latency, network.prepare(flows)))
+        cached = routes[key] = _timed(steps, [int(round(sent.get(r, 0.0))) for r in call.members])
+    return cached
