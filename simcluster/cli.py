@@ -362,7 +362,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     if args.command == "timeline":
         result = outcome.result
-        if result.repeated:
+        if result.repeated or result.micro:
             out.print(f"({repeated(outcome).lstrip('; ')})", markup=False)
         if result.fold is not None and ranks is None:  # the representatives, each standing for its peers
             out.print(f"(folded: {result.fold.describe()}; --ranks draws any rank)", markup=False)

@@ -6,10 +6,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
-from simcluster import batch, budget, checkpoint, goodput, steady
+from simcluster import batch, budget, checkpoint, goodput, pipeline_steady, steady
 from simcluster import report as _report
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
+from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.totals import Totals
 from simcluster.model.flops import step_flops
 from simcluster.model.gpt import GPTConfig
@@ -242,6 +243,9 @@ def run_scenario(sc: Scenario, *, fold: bool = True, trace: bool = True) -> Outc
     aims = _aims(sc)
     job = job_of(sc, fold=fold)
     result, totals = _steady(sc, fold) if _repeats(sc, faults) else (None, None)
+    if result is None and _rounds(sc, faults):
+        with gc_paused():  # (one pause over the three runs and their comparison: engine/gcpause.py)
+            result, totals = _steady_micro(sc, fold)
     if result is None:
         budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
         result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
@@ -295,6 +299,39 @@ def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
     more = sc.run["steps"] - steady.SIMULATED
     totals = Totals.of(three.trace).extended(Totals.of(two.trace), more)
     return replace(three, repeated=(more, p)), totals
+
+
+def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None:
+    """The micro-batch counts a one-step meta-mode pipeline run may simulate instead of all of them
+    (pipeline_steady.py); None where it may not (a fault, a checkpoint, or nothing to gain)."""
+    r = sc.run
+    if r["numerics"] != "meta" or r["program"] != "gpt" or faults is not None or r["steps"] != 1 \
+            or r["save_checkpoint"] or r["resume"]:
+        return None
+    return pipeline_steady.plan(sc.model, sc.parallel)
+
+
+def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
+    """Runs of m0 and m0 + u micro-batches (and m0 + 2u, ... while the last round does not repeat the
+    one before and the runs stay cheap); when it does, the totals of all m and the last run (what
+    views draw). (None, None) when it does not."""
+    micro = _rounds(sc, None)
+    assert micro is not None
+    d, b = sc.parallel["dp"], sc.model["micro_batch"]
+    counts, runs = list(micro.counts), []
+    while True:
+        for m in counts[len(runs):]:
+            short = replace(sc, model=dict(sc.model, global_batch=d * b * m))
+            job = job_of(short, fold=fold)
+            runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
+                                 cost_dtype=sc.model["dtype"], fold=job.fold))
+        p = pipeline_steady.period(runs[-2].trace, runs[-1].trace)
+        if p is not None:
+            two, three = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
+            return replace(runs[-1], micro=(counts[-1], micro.m, p)), three.extended(two, micro.more(counts[-1]))
+        if len(counts) == 2 + pipeline_steady.MOVES or not micro.affordable(counts + [counts[-1] + micro.unit]):
+            return None, None
+        counts.append(counts[-1] + micro.unit)
 
 
 def checkpoints(sc: Scenario, job: Job, results: list[Any]) -> dict[str, Any]:

@@ -30,6 +30,8 @@ class RunResult:
     unfolded_because: str = ""  # why a fold that was asked for could not be used
     hang: Hang | None = None  # a failed rank's: what the other ranks waited on (engine/faults.py)
     repeated: tuple[int, int] | None = None  # (steps after the trace's, repeating its last; their period ns)
+    # (micro-batches the trace's step has, those the report counts, a round's period ns: pipeline_steady.py)
+    micro: tuple[int, int, int] | None = None
 
     def full_trace(self, ranks: Sequence[int] | None = None) -> Trace:
         """Every rank's trace, or `ranks`' (rebuilt from the simulated ranks' when folded)."""

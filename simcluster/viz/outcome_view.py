@@ -42,14 +42,20 @@ def comparison(outcome: Outcome) -> Table:
 
 
 def repeated(outcome: Outcome) -> str:
-    """'; steps 4-N repeat step 3 ...' for a run whose identical steps were simulated once (steady.py)."""
-    r = outcome.result.repeated
-    if not r:
-        return ""
-    more, period = r
-    shown = outcome.scenario.run["steps"] - more
-    return (f"; steps {shown + 1}-{shown + more} repeat step {shown} every {format_ns(period)}: drawn are the first "
-            f"{shown}, the report counts all {shown + more}")
+    """'; steps 4-N repeat step 3 ...' for a run whose identical steps were simulated once (steady.py),
+    '; micro-batches 69-512 repeat ...' for one whose pipeline rounds were (pipeline_steady.py)."""
+    r, micro = outcome.result.repeated, outcome.result.micro
+    out = ""
+    if r:
+        more, period = r
+        shown = outcome.scenario.run["steps"] - more
+        out += (f"; steps {shown + 1}-{shown + more} repeat step {shown} every {format_ns(period)}: drawn are the "
+                f"first {shown}, the report counts all {shown + more}")
+    if micro:
+        shown, m, period = micro
+        out += (f"; micro-batches {shown + 1}-{m} each add the pipeline's steady round of {format_ns(period)}: "
+                f"drawn is the step with {shown}, the report counts all {m}")
+    return out
 
 
 def render(outcome: Outcome, console: Console, width: int = 100) -> None:

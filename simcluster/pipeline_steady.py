@@ -1,0 +1,183 @@
+"""Meta mode at any micro-batch count: a pipeline's steady rounds are simulated twice, not m times.
+
+A pipelined step of m micro-batches (1F1B, interleaved, zero-bubble, DualPipe) is a warm-up, rounds
+of the same steady work, and a cool-down. One more micro-batch (for the interleaved schedule one more
+group of p, for DualPipe two) puts one more round in the middle: every stage does one more block of
+work, and everything after it happens one period P later. So a meta-mode step of m micro-batches
+simulates m0 and m0 + u (`Micro.counts`). When, on every lane (rank and stream), the second run is
+the first with a block of events put in at one place that repeats the block before it P later, and
+every later event P later -- labels and message tags aside, which name the micro-batch -- (memory
+events likewise, the block releasing what it holds), the state that starts the next round is the
+state that started this one, shifted, and the simulation is deterministic (as steady.py argues for
+steps): the run of m is the second with n = (m - m0 - u) / u more such blocks. Its report follows:
+makespan E2 + nP; every per-rank sum (busy time, calls, bytes and time per collective, events,
+overlap) extended by n times its increment; memory peaks the second run's.
+Byte for byte the report of simulating all m (tests/test_pipeline_steady.py): Megatron's 1T model
+(64 stages, 512 micro-batches) costs two runs of 67 and 68.
+Where the rounds do not repeat yet (the pipeline's start still shows), the window moves up a round,
+at most MOVES times and while the runs cost at most half of m; where they never do (a backlog that
+grows with m: ZeRO-3's per-micro-batch reduce-scatters behind a pipeline), all m are simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from simcluster.engine.trace import Trace
+
+# Where each schedule's rounds repeat exactly, measured (tests/test_pipeline_steady.py; 1F1B over 64
+# stages of Megatron's 1T model: from m = p + 3): (m0 as a multiple of p, then rounds of u more).
+START = {"1f1b": (1, 3), "interleaved": (1, 3), "zb-h1": (2, 4), "zb-v": (2, 3), "dualpipe": (2, 3)}
+MOVES = 2  # how many times the window may move up a round before the m micro-batches are simulated
+
+
+@dataclass(frozen=True)
+class Micro:
+    """The micro-batch counts a run of `m` simulates instead: `first`, then up in steps of `unit`."""
+
+    first: int
+    unit: int
+    m: int
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return self.first, self.first + self.unit
+
+    def more(self, simulated: int) -> int:
+        """Blocks a run of `m` has beyond the run of `simulated` micro-batches."""
+        return (self.m - simulated) // self.unit
+
+    def affordable(self, counts: list[int]) -> bool:
+        """Whether runs of these counts together cost at most half of the whole run."""
+        return 2 * sum(counts) <= self.m
+
+
+def plan(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
+    """The counts for a GPT step of this model and layout, or None where simulating all m micro-batches
+    costs no more (or the schedule does not settle into rounds: GPipe holds every micro-batch)."""
+    p, schedule = parallel["pp"], parallel["schedule"]
+    if p < 2 or schedule not in START or not model["micro_batch"]:
+        return None
+    m = model["global_batch"] // parallel["dp"] // model["micro_batch"]
+    unit = p if schedule == "interleaved" else 2 if schedule == "dualpipe" else 1
+    stages, rounds = START[schedule]
+    micro = Micro(stages * p + rounds * unit, unit, m)
+    if not micro.affordable(list(micro.counts)) or (m - micro.first) % unit:
+        return None
+    return micro
+
+
+def period(b: Trace, c: Trace) -> int | None:
+    """P when a run of m + u micro-batches (`c`) is that of m (`b`) with one more round, the same as
+    the one before it, P later (the module's docstring); None otherwise."""
+    p = c.end - b.end
+    if p <= 0 or b.lanes != c.lanes:
+        return None
+    codes: dict[Any, int] = {}
+    events = [_Columns.of_events(t, codes) for t in (b, c)]
+    memory = [_Columns.of_memory(t, codes) for t in (b, c)]
+    if set(events[0].lanes) != set(events[1].lanes) or set(memory[0].lanes) != set(memory[1].lanes):
+        return None
+    if all(_grows(*events, lane, p) for lane in events[0].lanes) and all(
+            _grows(*memory, lane, p, net=True) for lane in memory[0].lanes):
+        return p
+    return None
+
+
+class _Columns:
+    """Events as arrays, lane after lane: when they start and end, their bytes, and what they are (a
+    number for the kind and group, a message's tag aside; a memory event's category)."""
+
+    def __init__(self, lanes: dict[Any, tuple[int, int]], start: np.ndarray, end: np.ndarray,
+                 nbytes: np.ndarray, what: np.ndarray) -> None:
+        self.lanes, self.start, self.end, self.bytes, self.what = lanes, start, end, nbytes, what
+
+    @classmethod
+    def of_events(cls, trace: Trace, codes: dict[Any, int]) -> "_Columns":
+        ev = trace.events  # (sorted lane by lane)
+        lanes: dict[Any, tuple[int, int]] = {}
+        i = 0
+        for lane, group in groupby(map(attrgetter("rank", "stream"), ev)):
+            n = sum(1 for _ in group)
+            lanes[lane] = (i, i + n)
+            i += n
+        keys = list(map(attrgetter("kind", "group"), ev))
+        number = {key: codes.setdefault((key[0], key[1].split(" tag ", 1)[0]), len(codes))
+                  for key in dict.fromkeys(keys)}
+        what = np.fromiter(map(number.__getitem__, keys), np.int64, len(ev))
+        return cls(lanes, *_ints(ev, "start", "end", "bytes"), what)
+
+    @classmethod
+    def of_memory(cls, trace: Trace, codes: dict[Any, int]) -> "_Columns":
+        by_rank: dict[int, list] = {}
+        for e in trace.memory:
+            by_rank.setdefault(e.rank, []).append(e)
+        ev = [e for rank in sorted(by_rank) for e in by_rank[rank]]
+        lanes, i = {}, 0
+        for rank in sorted(by_rank):
+            lanes[rank] = (i, i + len(by_rank[rank]))
+            i += len(by_rank[rank])
+        at, nbytes = _ints(ev, "at", "bytes")
+        what = np.array([codes.setdefault(("memory", e.category), len(codes)) for e in ev], np.int64)
+        return cls(lanes, at, at, nbytes, what)
+
+    def rows(self, lane: Any, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, ...]:
+        """The lane's events lo..hi (indices within the lane), column by column."""
+        first, last = self.lanes[lane]
+        hi = last - first if hi is None else hi
+        s = slice(first + lo, first + hi)
+        return self.start[s], self.end[s], self.bytes[s], self.what[s]
+
+    def size(self, lane: Any) -> int:
+        first, last = self.lanes[lane]
+        return last - first
+
+
+def _ints(events: list, *fields: str) -> list[np.ndarray]:
+    return [np.fromiter(map(attrgetter(f), events), np.int64, len(events)) for f in fields]
+
+
+def _same(x: tuple[np.ndarray, ...], y: tuple[np.ndarray, ...], p: int = 0) -> bool:
+    """Whether events `y` are events `x` P later."""
+    return (len(x[0]) == len(y[0]) and np.array_equal(x[0] + p, y[0]) and np.array_equal(x[1] + p, y[1])
+            and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]))
+
+
+def _inserted(old: _Columns, new: _Columns, lane: Any, p: int) -> tuple[int, int] | None:
+    """(k, n) when `new`'s lane is `old`'s with n events put in at index k and `old`'s events from k on
+    P later; None when it is not."""
+    size = old.size(lane)
+    n = new.size(lane) - size
+    if n < 0:
+        return None
+    a, b = old.rows(lane), new.rows(lane, 0, size)
+    differ = np.zeros(size, bool)
+    for x, y in zip(a, b):
+        differ |= x != y
+    k = int(np.argmax(differ)) if differ.any() else size
+    return (k, n) if _same(old.rows(lane, k), new.rows(lane, k + n), p) else None
+
+
+def _grows(b: _Columns, c: _Columns, lane: Any, p: int, net: bool = False) -> bool:
+    """Whether lane `c` is lane `b` with a block put in that repeats the block before it P later, and
+    `b`'s later events P later (`net`: memory events, the block releasing what it holds)."""
+    found = _inserted(b, c, lane, p)
+    if found is None:
+        return False
+    k, n = found
+    if not n:
+        return True
+    block = c.rows(lane, k, k + n)
+    if k < n or not _same(c.rows(lane, k - n, k), block, p):
+        return False
+    if not net:
+        return True
+    held: dict[int, int] = {}
+    for what, nbytes in zip(block[3].tolist(), block[2].tolist()):
+        held[what] = held.get(what, 0) + nbytes
+    return not any(held.values())

@@ -1,0 +1,133 @@
+"""Meta mode at any micro-batch count (simcluster/pipeline_steady.py): a pipeline's steady rounds
+simulated twice give the report of simulating every micro-batch, byte for byte; a step's cost does not
+grow with its micro-batches."""
+
+import json
+from unittest import mock
+
+import pytest
+
+from simcluster import pipeline_steady, runner
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
+from simcluster.scenario import build
+
+M = 48  # micro-batches a step, each rank: enough for every schedule's two short runs to cost half
+BASE = ["run.numerics=meta", "run.steps=1", "model.micro_batch=1", "model.tied_head=false", "model.layers=4",
+        "parallel.zero=1", "parallel.pp=2"]
+LAYOUTS = [
+    ["parallel.dp=4"],
+    ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.overlap_grad_reduce=false",
+     "parallel.recompute=full", "model.dropout=0.1"],
+    ["parallel.dp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+    ["parallel.dp=4", "parallel.schedule=zb-h1"],
+    ["parallel.dp=4", "parallel.schedule=zb-v"],
+    ["parallel.dp=4", "parallel.schedule=dualpipe"],
+    ["parallel.dp=1", "parallel.pp=4", "parallel.cp=2", "parallel.attention=ring", "model.layers=8"],
+    ["model.arch=llama", "model.kv_heads=2", "parallel.dp=1", "parallel.tp=4", "parallel.recompute=selective"],
+    ["cluster.nodes=2", "cluster.gpus_per_node=4", "parallel.dp=2", "parallel.tp=2", "parallel.zero=0"],
+]
+
+
+def scenario(sets, m=M):
+    sc = build({}, [*BASE, *sets])
+    return build({}, [*BASE, *sets, f"model.global_batch={sc.parallel['dp'] * m}"])
+
+
+def every_micro_batch(sc):
+    with mock.patch.object(runner, "_rounds", lambda sc, faults: None):
+        return runner.run_scenario(sc)
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_repeated_rounds_give_the_report_of_simulating_every_micro_batch(layout):
+    """Every schedule that settles into rounds, and hybrids of it: the same report JSON as simulating all
+    M micro-batches, from two runs of fewer."""
+    sc = scenario(LAYOUTS[layout])
+    once, every = runner.run_scenario(sc), every_micro_batch(sc)
+    assert once.result.micro is not None and once.result.micro[1] == M and once.result.micro[0] < M // 2
+    assert every.result.micro is None and len(every.result.trace) > len(once.result.trace)
+    assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
+
+
+def test_a_million_micro_batches_cost_two_short_runs(monkeypatch):
+    """Only two short runs are simulated, whatever the micro-batch count; the report counts them all."""
+    simulated = []
+    real = runner.simulate
+
+    def counting(program, plan, **kwargs):
+        simulated.append(plan.data.micro_batches)
+        return real(program, plan, **kwargs)
+    monkeypatch.setattr(runner, "simulate", counting)
+    small, million = runner.run_scenario(scenario(LAYOUTS[0])), runner.run_scenario(scenario(LAYOUTS[0], 10**6))
+    first, unit = pipeline_steady.plan(small.scenario.model, small.scenario.parallel).counts
+    assert simulated == [first, unit, first, unit]
+    shown, m, period = million.result.micro
+    assert m == 10**6 and million.report["trace_events"] > 10**6
+    assert million.report["total_time_ns"] == small.report["total_time_ns"] + (10**6 - M) * period
+    assert million.report["memory_peak_bytes"] == small.report["memory_peak_bytes"]
+
+
+def test_rounds_that_never_repeat_are_all_simulated():
+    """ZeRO-3 behind a pipeline reduce-scatters every micro-batch's gradients on a stream that falls
+    further behind each round: no two rounds are alike, so every micro-batch is simulated -- and the
+    report is still the full simulation's."""
+    sc = scenario(["parallel.dp=4", "parallel.zero=3"])
+    once, every = runner.run_scenario(sc), every_micro_batch(sc)
+    assert once.result.micro is None
+    assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
+
+
+def test_only_what_gains_is_planned():
+    """No plan where the two short runs would cost more than half the step, for GPipe (which holds
+    every micro-batch), without a pipeline, or with a count the unit does not divide."""
+    model = {"global_batch": 64, "micro_batch": 1}
+    one_f_one_b = {"pp": 4, "dp": 1, "schedule": "1f1b"}
+    assert pipeline_steady.plan(model, one_f_one_b).counts == (7, 8)
+    assert pipeline_steady.plan(dict(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
+    assert pipeline_steady.plan(model, dict(one_f_one_b, schedule="gpipe")) is None
+    assert pipeline_steady.plan(model, dict(one_f_one_b, pp=1)) is None
+    assert pipeline_steady.plan(model, dict(one_f_one_b, schedule="interleaved")) is None  # 16 + 20 > 32
+    assert pipeline_steady.plan(dict(model, global_batch=80), dict(one_f_one_b, schedule="interleaved")).counts \
+        == (16, 20)
+
+
+def ev(start, end, name="k", group=""):
+    return TraceEvent(0, "compute", "forward", name, start, end, 0, group)
+
+
+def trace(events, memory=()):
+    t = Trace(events, [(0, "compute")])
+    t.memory = tuple(memory)
+    return t
+
+
+def test_the_period_is_found_only_when_the_new_round_repeats_the_last():
+    """Round i: [10i, 10i + 5]; a warm-up event at 0 and a cool-down event after the rounds."""
+    def run(rounds, last=None, tag=""):
+        body = [ev(10 * i, 10 * i + 5, f"F{i}", f"p2p[0->1] tag {i}" if tag else "") for i in range(1, rounds + 1)]
+        if last is not None:
+            body[-1] = last
+        return trace([ev(0, 2), *body, ev(10 * rounds + 10, 10 * rounds + 12, "B")])
+
+    assert pipeline_steady.period(run(3), run(4)) == 10  # (labels may name the micro-batch)
+    assert pipeline_steady.period(run(3, tag="y"), run(4, tag="y")) == 10  # (and a message's tag)
+    assert pipeline_steady.period(run(3), run(4, last=ev(40, 46))) is None  # the new round took longer
+    assert pipeline_steady.period(run(3), trace([*list(run(4))[:4], ev(40, 45), ev(51, 53)])) is None  # the end moved
+    held = [MemoryEvent(0, 10, "activations", "a", 8), MemoryEvent(0, 15, "activations", "a", -8)]
+    b = trace(list(run(3)), held)
+    c = trace(list(run(4)), [*held, MemoryEvent(0, 20, "activations", "a", 8)])
+    assert pipeline_steady.period(b, c) is None  # the new round holds memory the last one did not
+
+
+@pytest.mark.slow
+def test_megatrons_1t_row_from_two_short_runs():
+    """benchmarks/megatron_table1.toml row 10 (64 stages, 512 micro-batches): two runs of 67 and 68 give
+    the report of simulating all 512."""
+    from pathlib import Path
+
+    from simcluster.scenario import load
+
+    sc = load(Path(__file__).parent.parent / "benchmarks" / "megatron_table1.toml").variants[9][1]
+    once, every = runner.run_scenario(sc, trace=False), every_micro_batch(sc)
+    assert once.result.micro[:2] == (68, 512)
+    assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
