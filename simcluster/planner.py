@@ -1,9 +1,9 @@
 """`simcluster plan`: the layouts of one model on one cluster, best first.
 
 Two stages, as an engineer would search:
-1. Every combination of TP (inside a node), PP (1F1B, interleaved over two virtual stages, ZB-H1 or
-   ZB-V), CP,
-   DP, ZeRO stage, micro-batch size and recomputation that the plan's checks accept is estimated in
+1. Every combination of TP (inside a node, sequence-parallel unless `--fix sp=0`), PP (1F1B,
+   interleaved over two virtual stages, ZB-H1 or ZB-V), CP, DP, ZeRO stage, micro-batch size and
+   recomputation that the plan's checks accept is estimated in
    closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
    Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
    interleaved, Narayanan et al. 2021; or, if more, the optimizer step's fp32 copy of the gradients
@@ -56,17 +56,19 @@ class Layout:
     recompute: str
     schedule: str
     virtual: int
+    sp: int = 1  # sequence parallelism with tp (1: on; 0: off, as Megatron-LM before 2022)
 
     def label(self) -> str:
         sched = "" if self.pp == 1 else (f" interleaved v{self.virtual}" if self.schedule == "interleaved" else
                                          " " + self.schedule.upper())
-        return f"TP{self.tp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
+        sp = " no-SP" if self.tp > 1 and not self.sp else ""
+        return f"TP{self.tp}{sp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
         return replace(sc, variants=(), model={**sc.model, "micro_batch": self.micro_batch},
                        parallel={**sc.parallel, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
                                  "zero": self.zero, "recompute": self.recompute, "schedule": self.schedule,
-                                 "virtual_stages": self.virtual, "sp": self.tp > 1})
+                                 "virtual_stages": self.virtual, "sp": self.tp > 1 and bool(self.sp)})
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,23 @@ def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
             fixed[name] = tuple(FIELDS[name](v.strip()) for v in values.split(","))
         except ValueError:
             raise ScenarioError(f"--fix {item!r}: {name} takes {FIELDS[name].__name__} values") from None
+        if name == "sp" and not set(fixed[name]) <= {0, 1}:
+            raise ScenarioError(f"--fix {item!r}: sp is 1 (sequence parallelism with tp) or 0 (without)")
     return fixed
 
 
 def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> Iterator[Layout]:
     """Every combination the search considers (not all valid: `estimate` checks), or those whose
-    fields take the `fixed` values."""
+    fields take the `fixed` values. With tp, sequence parallelism is on (it saves memory and the
+    replicated elementwise work at no cost in communication) unless `fixed` names sp."""
     if fixed:
-        yield from (lay for lay in layouts(sc) if all(getattr(lay, f) in vs for f, vs in fixed.items()))
+        sps = tuple(sorted(set(fixed.get("sp", (1,))), reverse=True))
+        yield from (lay for lay in _every(sc, sps) if all(getattr(lay, f) in vs for f, vs in fixed.items()))
         return
+    yield from _every(sc, (1,))
+
+
+def _every(sc: Scenario, sps: tuple[int, ...]) -> Iterator[Layout]:
     gpn = sc.cluster["gpus_per_node"]
     world = sc.cluster["nodes"] * gpn
     for tp in _divisors(gpn):
@@ -143,7 +153,8 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
                     for mb in MICRO_BATCHES:
                         for recompute in RECOMPUTE:
                             for schedule, virtual in schedules:
-                                yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual)
+                                for sp in (sps if tp > 1 else sps[:1]):  # (tp 1: no sp either way)
+                                    yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp)
 
 
 def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
@@ -165,7 +176,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     state = model_state_bytes(1, data.precision)
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
     states = psi * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
-    act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t, sp=t > 1,
+    act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
+                      sp=t > 1 and bool(layout.sp),
                       recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
     in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
     # the larger of the backward's activations and the optimizer step's fp32 gradients (dp_wrap.py)

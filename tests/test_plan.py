@@ -1,6 +1,7 @@
 """`simcluster plan`: every layout it prints is one `simcluster run` would run, best first."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from simcluster.cli import main
@@ -66,7 +67,7 @@ def test_fixed_fields_narrow_the_search_and_a_bad_fix_is_one_line(capsys):
     assert narrowed == [lay for lay in every if lay.pp == 1 and lay.zero in (0, 1) and lay.recompute == "full"]
     assert (found.rows[0].layout.pp, found.rows[0].layout.recompute) == (1, "full")
     base = ["plan", "--simulate", "1"] + [x for kv in SMALL for x in ("--set", kv)]
-    for bad in ("pp", "pp=two", "colour=red"):
+    for bad in ("pp", "pp=two", "colour=red", "sp=2"):
         assert main(base + ["--fix", bad]) == 2
         err = capsys.readouterr().err
         assert "--fix" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -155,3 +156,37 @@ def test_the_estimate_charges_context_parallel_exchanges_as_the_simulator_times_
             busy = max(lanes.get("comm:cp", 0) for lanes in
                        run_scenario(lay.scenario(sc), trace=False).report["busy_ns"].values()) / 1e9
             assert abs(charged / busy - 1) < 0.05, (cluster, attention, charged, busy)
+
+
+def test_sequence_parallelism_is_searched_on_unless_fixed():
+    """With tp, layouts run sequence-parallel; `--fix sp=0` searches them as Megatron-LM ran before 2022
+    (and sp=0,1 both), each labelled and run as it says."""
+    sc = load(None, SMALL)
+    default = [lay for lay in layouts(sc) if lay.tp > 1]
+    assert default and all(lay.sp == 1 for lay in default)
+    off = [lay for lay in layouts(sc, {"sp": (0,)}) if lay.tp > 1]
+    both = [lay for lay in layouts(sc, {"sp": (0, 1)}) if lay.tp > 1]
+    assert len(off) == len(default) and len(both) == 2 * len(default)
+    assert all("no-SP" in lay.label() and lay.scenario(sc).parallel["sp"] is False for lay in off)
+    assert all(lay.scenario(sc).parallel["sp"] is True for lay in default)
+    big = max((lay for lay in off if lay.recompute == "none" and estimate(sc, lay)), key=lambda lay: lay.micro_batch)
+    assert estimate(sc, big).memory_bytes > estimate(sc, replace(big, sp=1)).memory_bytes  # (whole activations)
+
+
+def test_the_plan_recovers_megatrons_tp_and_pp_for_table1_row_4():
+    """Row 4: an 18B GPT on 256 A100s, TP 8 x PP 1 x DP 32. Among the layouts Megatron-LM had in 2021 (no
+    CP, ZeRO or sequence parallelism, full recomputation, micro-batch 8), each with the DDP it then ran
+    (PyTorch's, overlapped, without a pipeline; its own local DDP, after the backward pass, with one:
+    run_table_1.sh), TP 8 x PP 1 is within 3 % of the best simulated layout."""
+    sc = load(str(Path(__file__).parents[1] / "benchmarks" / "megatron_table1.toml"))
+    _, row = sc.variants[3]
+    assert (row.parallel["tp"], row.parallel["pp"]) == (8, 1) and row.parallel["overlap_grad_reduce"]
+    fixed = {"cp": (1,), "zero": (0,), "sp": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved"),
+             "micro_batch": (8,)}
+    rows = search(row, simulate=3, fixed=fixed | {"pp": (1,)}).rows + search(
+        replace(row, parallel=dict(row.parallel, overlap_grad_reduce=False)), simulate=3,
+        fixed=fixed | {"pp": (2, 4, 8)}).rows
+    fits = [r for r in rows if r.report["memory"]["fits"]]
+    best = min(r.report["step_time_ns"] for r in fits)
+    megatron = [r.report["step_time_ns"] for r in fits if (r.layout.tp, r.layout.pp) == (8, 1)]
+    assert megatron and min(megatron) <= 1.03 * best
