@@ -15,8 +15,9 @@ overlap) extended by n times its increment; memory peaks the second run's.
 Byte for byte the report of simulating all m (tests/test_pipeline_steady.py): Megatron's 1T model
 (64 stages, 512 micro-batches) costs two runs of 67 and 68.
 Where the rounds do not repeat yet (the pipeline's start still shows), the window moves up a round,
-at most MOVES times and while the runs cost at most half of m; where they never do (a backlog that
-grows with m: ZeRO-3's per-micro-batch reduce-scatters behind a pipeline), all m are simulated.
+at most MOVES times and while the runs cost at most half of m; where they never do, all m are
+simulated. ZeRO-2/3 is not tried: its per-micro-batch reduce-scatters fall further behind each round
+(DeepSpeed refuses them with a pipeline; Megatron-LM pairs pipelines with ZeRO-1).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from simcluster.engine.trace import Trace
 # Where each schedule's rounds repeat exactly, measured (tests/test_pipeline_steady.py; 1F1B over 64
 # stages of Megatron's 1T model: from m = p + 3): (m0 as a multiple of p, then rounds of u more).
 START = {"1f1b": (1, 3), "interleaved": (1, 3), "zb-h1": (2, 4), "zb-v": (2, 3), "dualpipe": (2, 3)}
-MOVES = 2  # how many times the window may move up a round before the m micro-batches are simulated
+MOVES = 4  # how many times the window may move up a round before the m micro-batches are simulated
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ def plan(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
     """The counts for a GPT step of this model and layout, or None where simulating all m micro-batches
     costs no more (or the schedule does not settle into rounds: GPipe holds every micro-batch)."""
     p, schedule = parallel["pp"], parallel["schedule"]
-    if p < 2 or schedule not in START or not model["micro_batch"]:
-        return None
+    if p < 2 or schedule not in START or not model["micro_batch"] or parallel["zero"] >= 2:
+        return None  # (ZeRO-2/3 reduce-scatter every micro-batch: behind a pipeline their backlog grows)
     m = model["global_batch"] // parallel["dp"] // model["micro_batch"]
     unit = p if schedule == "interleaved" else 2 if schedule == "dualpipe" else 1
     stages, rounds = START[schedule]

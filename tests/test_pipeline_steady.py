@@ -67,12 +67,16 @@ def test_a_million_micro_batches_cost_two_short_runs(monkeypatch):
     assert million.report["memory_peak_bytes"] == small.report["memory_peak_bytes"]
 
 
-def test_rounds_that_never_repeat_are_all_simulated():
+def test_rounds_that_never_repeat_are_all_simulated(monkeypatch):
     """ZeRO-3 behind a pipeline reduce-scatters every micro-batch's gradients on a stream that falls
-    further behind each round: no two rounds are alike, so every micro-batch is simulated -- and the
-    report is still the full simulation's."""
+    further behind each round: no two rounds are alike. Not even tried (no plan); and tried, the short
+    runs are refused, every micro-batch is simulated, and the report is the full simulation's."""
     sc = scenario(["parallel.dp=4", "parallel.zero=3"])
-    once, every = runner.run_scenario(sc), every_micro_batch(sc)
+    assert pipeline_steady.plan(sc.model, sc.parallel) is None
+    every = every_micro_batch(sc)
+    tried = pipeline_steady.plan(sc.model, dict(sc.parallel, zero=1))
+    monkeypatch.setattr(pipeline_steady, "plan", lambda model, parallel: tried)
+    once = runner.run_scenario(sc)
     assert once.result.micro is None
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
 
@@ -81,7 +85,7 @@ def test_only_what_gains_is_planned():
     """No plan where the two short runs would cost more than half the step, for GPipe (which holds
     every micro-batch), without a pipeline, or with a count the unit does not divide."""
     model = {"global_batch": 64, "micro_batch": 1}
-    one_f_one_b = {"pp": 4, "dp": 1, "schedule": "1f1b"}
+    one_f_one_b = {"pp": 4, "dp": 1, "schedule": "1f1b", "zero": 1}
     assert pipeline_steady.plan(model, one_f_one_b).counts == (7, 8)
     assert pipeline_steady.plan(dict(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
     assert pipeline_steady.plan(model, dict(one_f_one_b, schedule="gpipe")) is None
