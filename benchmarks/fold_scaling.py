@@ -6,8 +6,12 @@ peak memory (the process's maximum resident set, interpreter and imports include
   replica, d = 1 .. 16: unfolded (every rank runs) against folded (one replica and one tp rank of
   each group run, engine/fold.py); the growth exponent is the slope of log(seconds) on log(ranks);
 - Llama 3 405B on TP 8 x PP 16 x DP d as the paper ran it (d = 64: 8,192 H100s, 32 sequences per
-  replica; d = 128: 16,384 H100s, 16 per replica; Dubey et al. 2024, Table 4), folded.
-Folded and unfolded runs give the same report (tests/test_fold.py); only the cost differs.
+  replica; d = 128: 16,384 H100s, 16 per replica; Dubey et al. 2024, Table 4), folded;
+- the same at d = 64 with more micro-batches a step (m = 128 .. 4,096 per replica), whose pipeline
+  rounds are simulated twice (simcluster/pipeline_steady.py), and m = 128 with every micro-batch
+  simulated, for comparison.
+Folded and unfolded runs, and rounds simulated twice or all, give the same report (tests/test_fold.py,
+tests/test_pipeline_steady.py); only the cost differs.
 
     python benchmarks/fold_scaling.py [--quick]
 """
@@ -22,9 +26,12 @@ import sys
 
 CHILD = """
 import json, resource, sys, time
+from simcluster import runner
 from simcluster.runner import run_all
 from simcluster.scenario import load
-name, fold, overrides = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+name, fold, rounds, overrides = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
+if not rounds:
+    runner._rounds = lambda sc, faults: None  # (every micro-batch simulated)
 t = time.perf_counter()
 sc = load(name, overrides, at_scale=True)
 o = run_all(sc.variants[0][1] if sc.variants else sc, fold=fold)
@@ -35,8 +42,8 @@ print(json.dumps({"seconds": s, "rss_kb": resource.getrusage(resource.RUSAGE_SEL
 """
 
 
-def measure(name: str, fold: bool, overrides: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, name, "1" if fold else "0", *overrides],
+def measure(name: str, fold: bool, overrides: list[str], rounds: bool = True) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, name, "1" if fold else "0", "1" if rounds else "0", *overrides],
                          capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} {' '.join(overrides)} failed:\n{out.stderr}")
@@ -54,7 +61,7 @@ def llama(dp: int, per_replica: int) -> list[str]:
 
 
 def row(label: str, m: dict) -> None:
-    print(f"{label:<44} {m['world']:>6} {m['simulated']:>9} {m['seconds']:>8.1f} {m['rss_kb'] / 2**20:>8.2f} "
+    print(f"{label:<50} {m['world']:>6} {m['simulated']:>9} {m['seconds']:>8.1f} {m['rss_kb'] / 2**20:>8.2f} "
           f"{m['step_ms']:>10.1f}")
 
 
@@ -68,7 +75,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the GPT series only, up to DP 4")
     args = p.parse_args()
-    print(f"{'run':<44} {'GPUs':>6} {'simulated':>9} {'seconds':>8} {'GB':>8} {'step ms':>10}")
+    print(f"{'run':<50} {'GPUs':>6} {'simulated':>9} {'seconds':>8} {'GB':>8} {'step ms':>10}")
     degrees = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16]
     series: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
     for fold in (False, True):
@@ -82,6 +89,9 @@ def main() -> None:
         for dp, per in ((64, 32), (128, 16)):
             m = measure("llama3_4d", True, llama(dp, per))
             row(f"Llama 3 405B TP8 x PP16 x DP{dp}, {per} seq/replica", m)
+        for per, rounds in ((128, False), (128, True), (512, True), (4096, True)):
+            m = measure("llama3_4d", True, llama(64, per), rounds)
+            row(f"Llama 3 405B DP64, {per} seq/replica, " + ("rounds twice" if rounds else "every one"), m)
 
 
 if __name__ == "__main__":
