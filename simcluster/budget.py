@@ -85,7 +85,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
         copies = p["cp"] * (1 if fold and not faulty and not cluster else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
-        rounds = pipeline_steady.plan(m, p) if repeat and not faulty and sc.run["steps"] == 1 else None
+        rounds = pipeline_steady.plan(m, p) if repeat and not faulty else None
         if rounds is not None:  # (three short runs: pipeline_steady.py)
             micro = sum(rounds.counts)
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies

@@ -3,17 +3,19 @@
 A pipelined step of m micro-batches (1F1B, interleaved, zero-bubble, DualPipe) is a warm-up, rounds
 of the same steady work, and a cool-down. One more micro-batch (for the interleaved schedule one more
 group of p, for DualPipe two) puts one more round in the middle: every stage does one more block of
-work, and everything after it happens one period P later. So a meta-mode step of m micro-batches
-simulates m0 and m0 + u (`Micro.counts`). When, on every lane (rank and stream), the second run is
-the first with a block of events put in at one place that repeats the block before it P later, and
-every later event P later -- labels and message tags aside, which name the micro-batch -- (memory
-events likewise, the block releasing what it holds), the state that starts the next round is the
-state that started this one, shifted, and the simulation is deterministic (as steady.py argues for
-steps): the run of m is the second with n = (m - m0 - u) / u more such blocks. Its report follows:
-makespan E2 + nP; every per-rank sum (busy time, calls, bytes and time per collective, events,
-overlap) extended by n times its increment; memory peaks the second run's.
-Byte for byte the report of simulating all m (tests/test_pipeline_steady.py): Megatron's 1T model
-(64 stages, 512 micro-batches) costs two runs of 67 and 68.
+work, and everything after it happens one period P later. So a meta-mode run of m micro-batches a
+step simulates m0 and m0 + u (`Micro.counts`). When, on every lane (rank and stream), the second run
+is the first with, in each of its S steps, a block of events put in that repeats the block before it
+P later, and every later event P later for each block put in before it -- labels and message tags
+aside, which name the micro-batch -- (memory events likewise, each block releasing what it holds),
+the state that starts the next round is the state that started this one, shifted, and the simulation
+is deterministic (as steady.py argues for steps): the run of m is the second with n = (m - m0 - u) / u
+more such blocks a step. Its report follows: makespan E2 + nSP; every per-rank sum (busy time,
+calls, bytes and time per collective, events, overlap) extended by n times its increment; memory
+peaks the second run's. A run of more than 5 steps (steady.py) does this for its 2-step and 3-step
+runs.
+Byte for byte the report of simulating every micro-batch (tests/test_pipeline_steady.py): Megatron's
+1T model (64 stages, 512 micro-batches) costs two runs of 67 and 68.
 Where the rounds do not repeat yet (the pipeline's start still shows), the window moves up a round,
 at most MOVES times and while the runs cost at most half of m; where they never do, all m are
 simulated. ZeRO-2/3 is not tried: its per-micro-batch reduce-scatters fall further behind each round
@@ -73,10 +75,13 @@ def plan(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
     return micro
 
 
-def period(b: Trace, c: Trace) -> int | None:
-    """P when a run of m + u micro-batches (`c`) is that of m (`b`) with one more round, the same as
-    the one before it, P later (the module's docstring); None otherwise."""
-    p = c.end - b.end
+def period(b: Trace, c: Trace, steps: int = 1) -> int | None:
+    """P when a run of m + u micro-batches (`c`) is that of m (`b`) with one more round in each of its
+    `steps` steps, the same as the round before it, and every later event P later for each round put
+    in before it (the module's docstring); None otherwise."""
+    if (c.end - b.end) % steps:
+        return None
+    p = (c.end - b.end) // steps
     if p <= 0 or b.lanes != c.lanes:
         return None
     codes: dict[Any, int] = {}
@@ -84,8 +89,8 @@ def period(b: Trace, c: Trace) -> int | None:
     memory = [_Columns.of_memory(t, codes) for t in (b, c)]
     if set(events[0].lanes) != set(events[1].lanes) or set(memory[0].lanes) != set(memory[1].lanes):
         return None
-    if all(_grows(*events, lane, p) for lane in events[0].lanes) and all(
-            _grows(*memory, lane, p, net=True) for lane in memory[0].lanes):
+    if all(_grows(*events, lane, p, steps) for lane in events[0].lanes) and all(
+            _grows(*memory, lane, p, steps, net=True) for lane in memory[0].lanes):
         return p
     return None
 
@@ -149,36 +154,39 @@ def _same(x: tuple[np.ndarray, ...], y: tuple[np.ndarray, ...], p: int = 0) -> b
             and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]))
 
 
-def _inserted(old: _Columns, new: _Columns, lane: Any, p: int) -> tuple[int, int] | None:
-    """(k, n) when `new`'s lane is `old`'s with n events put in at index k and `old`'s events from k on
-    P later; None when it is not."""
-    size = old.size(lane)
-    n = new.size(lane) - size
-    if n < 0:
-        return None
-    a, b = old.rows(lane), new.rows(lane, 0, size)
-    differ = np.zeros(size, bool)
-    for x, y in zip(a, b):
-        differ |= x != y
-    k = int(np.argmax(differ)) if differ.any() else size
-    return (k, n) if _same(old.rows(lane, k), new.rows(lane, k + n), p) else None
+def _grows(b: _Columns, c: _Columns, lane: Any, p: int, steps: int, net: bool = False) -> bool:
+    """Whether lane `c` is lane `b` with, in each step, a block of events put in that repeats the block
+    before it P later, every later event P later for each block before it (a lane with no blocks: its
+    events step by step P, 2P, ... later); `net`: memory events, each block releasing what it holds."""
+    old, new = b.size(lane), c.size(lane)
+    if new < old or (new - old) % steps:
+        return False
+    n = (new - old) // steps  # events a block
+    i = j = shift = 0  # where `b` and `c` are, and how many periods `c` is behind
+    moved = False  # (a shift without a block must be followed by a match)
+    while True:
+        left = old - i
+        x, y = b.rows(lane, i, old), c.rows(lane, j, j + left)
+        differ = np.zeros(left, bool)
+        for u, v, w in zip(x, y, (shift * p, shift * p, 0, 0)):
+            differ |= u + w != v
+        d = int(np.argmax(differ)) if differ.any() else left
+        i, j = i + d, j + d
+        if i == old and j == new:
+            return shift == steps or n == 0
+        if shift == steps or (moved and d == 0):
+            return False
+        shift, moved = shift + 1, n == 0
+        if n:  # a block here, repeating the n events before it
+            block = c.rows(lane, j, j + n)
+            if j < n or j + n > new or not _same(c.rows(lane, j - n, j), block, p) or (net and _holds(block)):
+                return False
+            j += n
 
 
-def _grows(b: _Columns, c: _Columns, lane: Any, p: int, net: bool = False) -> bool:
-    """Whether lane `c` is lane `b` with a block put in that repeats the block before it P later, and
-    `b`'s later events P later (`net`: memory events, the block releasing what it holds)."""
-    found = _inserted(b, c, lane, p)
-    if found is None:
-        return False
-    k, n = found
-    if not n:
-        return True
-    block = c.rows(lane, k, k + n)
-    if k < n or not _same(c.rows(lane, k - n, k), block, p):
-        return False
-    if not net:
-        return True
+def _holds(block: tuple[np.ndarray, ...]) -> bool:
+    """Whether memory events `block` hold more of some category than they release."""
     held: dict[int, int] = {}
     for what, nbytes in zip(block[3].tolist(), block[2].tolist()):
         held[what] = held.get(what, 0) + nbytes
-    return not any(held.values())
+    return any(held.values())

@@ -244,7 +244,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True, trace: bool = True) -> Outc
     job = job_of(sc, fold=fold)
     result, totals = _steady(sc, fold) if _repeats(sc, faults) else (None, None)
     if result is None and _rounds(sc, faults):
-        with gc_paused():  # (one pause over the three runs and their comparison: engine/gcpause.py)
+        with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
             result, totals = _steady_micro(sc, fold)
     if result is None:
         budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
@@ -284,29 +284,39 @@ def _repeats(sc: Scenario, faults: Faults | None) -> bool:
 
 
 def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
-    """Steps 1-2 and 1-3 simulated; when the third repeats the second, the run's totals over all its
-    steps, and the 3-step result (whose trace is what views draw). (None, None) when it does not."""
-    runs = []
-    for steps in (steady.SIMULATED - 1, steady.SIMULATED):
-        short = replace(sc, run=dict(sc.run, steps=steps))
-        job = job_of(short, fold=fold)
-        runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                             cost_dtype=sc.model["dtype"], fold=job.fold))
-    two, three = runs
-    p = steady.period(two.trace, three.trace)
-    if p is None:
+    """Steps 1-2 and 1-3 simulated (each with its pipeline rounds simulated twice where they repeat:
+    `_as_is`); when the third step repeats the second, the run's totals over all its steps, and the
+    3-step result (whose trace is what views draw). (None, None) when it does not."""
+    runs = [_as_is(replace(sc, run=dict(sc.run, steps=steps)), fold)
+            for steps in (steady.SIMULATED - 1, steady.SIMULATED)]
+    (two, two_totals), (three, three_totals) = runs
+    if steady.period(two.trace, three.trace) is None:
         return None, None
     more = sc.run["steps"] - steady.SIMULATED
-    totals = Totals.of(three.trace).extended(Totals.of(two.trace), more)
-    return replace(three, repeated=(more, p)), totals
+    return (replace(three, repeated=(more, three_totals.end - two_totals.end)),
+            three_totals.extended(two_totals, more))
+
+
+def _as_is(sc: Scenario, fold: bool) -> tuple[RunResult, Totals]:
+    """A meta-mode run of `sc` and its totals: its pipeline rounds simulated twice where they repeat
+    (pipeline_steady.py), else every micro-batch."""
+    if _rounds(sc, None):
+        with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
+            result, totals = _steady_micro(sc, fold)
+        if result is not None:
+            return result, totals
+    job = job_of(sc, fold=fold)
+    result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
+                      cost_dtype=sc.model["dtype"], fold=job.fold)
+    return result, Totals.of(result.trace)
 
 
 def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None:
-    """The micro-batch counts a one-step meta-mode pipeline run may simulate instead of all of them
+    """The micro-batch counts a meta-mode pipeline run may simulate instead of all of them
     (pipeline_steady.py); None where it may not (a fault, a checkpoint, or nothing to gain)."""
     r = sc.run
-    if r["numerics"] != "meta" or r["program"] != "gpt" or faults is not None or r["steps"] != 1 \
-            or r["save_checkpoint"] or r["resume"]:
+    if r["numerics"] != "meta" or r["program"] != "gpt" or faults is not None or r["save_checkpoint"] \
+            or r["resume"]:
         return None
     return pipeline_steady.plan(sc.model, sc.parallel)
 
@@ -325,7 +335,7 @@ def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | 
             job = job_of(short, fold=fold)
             runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
                                  cost_dtype=sc.model["dtype"], fold=job.fold))
-        p = pipeline_steady.period(runs[-2].trace, runs[-1].trace)
+        p = pipeline_steady.period(runs[-2].trace, runs[-1].trace, sc.run["steps"])
         if p is not None:
             two, three = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
             return replace(runs[-1], micro=(counts[-1], micro.m, p)), three.extended(two, micro.more(counts[-1]))

@@ -38,14 +38,28 @@ def every_micro_batch(sc):
         return runner.run_scenario(sc)
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
-def test_repeated_rounds_give_the_report_of_simulating_every_micro_batch(layout):
-    """Every schedule that settles into rounds, and hybrids of it: the same report JSON as simulating all
-    M micro-batches, from two runs of fewer."""
-    sc = scenario(LAYOUTS[layout])
+def test_repeated_rounds_give_the_report_of_simulating_every_micro_batch(layout, steps):
+    """Every schedule that settles into rounds, and hybrids of it, in one step or two (a round more in
+    each): the same report JSON as simulating all M micro-batches, from two runs of fewer."""
+    sc = scenario([*LAYOUTS[layout], f"run.steps={steps}"])
     once, every = runner.run_scenario(sc), every_micro_batch(sc)
     assert once.result.micro is not None and once.result.micro[1] == M and once.result.micro[0] < M // 2
     assert every.result.micro is None and len(every.result.trace) > len(once.result.trace)
+    assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
+
+
+@pytest.mark.parametrize("layout", [0, 2, 5])
+def test_repeated_rounds_of_repeated_steps(layout):
+    """Seven steps: steps 1-2 and 1-3 (steady.py), each from two short runs; the report of simulating
+    every micro-batch of every step."""
+    sc = scenario([*LAYOUTS[layout], "run.steps=7"])
+    once = runner.run_scenario(sc)
+    with mock.patch.object(runner, "_rounds", lambda sc, faults: None), \
+            mock.patch.object(runner, "_repeats", lambda sc, faults: False):
+        every = runner.run_scenario(sc)
+    assert once.result.micro is not None and once.result.repeated[0] == 4 and every.result.repeated is None
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
 
 
@@ -135,3 +149,23 @@ def test_megatrons_1t_row_from_two_short_runs():
     once, every = runner.run_scenario(sc, trace=False), every_micro_batch(sc)
     assert once.result.micro[:2] == (68, 512)
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
+
+
+def test_each_step_puts_its_round_in_and_everything_after_moves_one_period_more():
+    """Two steps of [warm-up, rounds, cool-down], each followed by a reduction on another lane (no
+    rounds there: P later in step 1's wake, 2P in step 2's)."""
+    def run(rounds, steps=2, late=0):
+        events, t = [], 0
+        for s in range(steps):
+            events.append(ev(t, t + 2))
+            events += [ev(t + 10 * i, t + 10 * i + 5, f"F{i}") for i in range(1, rounds + 1)]
+            end = t + 10 * rounds + 12
+            events.append(ev(t + 10 * rounds + 10, end, "B"))
+            lag = late if s == 0 else 0
+            events.append(TraceEvent(0, "comm:dp", "all_reduce", "", end + lag, end + 3 + lag, 64, "dp"))
+            t = end + 3
+        return Trace(events, [(0, "compute"), (0, "comm:dp")])
+
+    assert pipeline_steady.period(run(3), run(4), steps=2) == 10
+    assert pipeline_steady.period(run(3), run(4), steps=1) is None  # (two rounds put in, not one)
+    assert pipeline_steady.period(run(3), run(4, late=1), steps=2) is None  # step 1's reduction moved P + 1

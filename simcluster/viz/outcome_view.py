@@ -53,8 +53,10 @@ def repeated(outcome: Outcome) -> str:
                 f"first {shown}, the report counts all {shown + more}")
     if micro:
         shown, m, period = micro
-        out += (f"; micro-batches {shown + 1}-{m} each add the pipeline's steady round of {format_ns(period)}: "
-                f"drawn is the step with {shown}, the report counts all {m}")
+        one = outcome.scenario.run["steps"] == 1
+        out += (f"; micro-batches {shown + 1}-{m} each add the pipeline's steady round of {format_ns(period)}"
+                f"{'' if one else ' a step'}: drawn {'is the step' if one else 'are the steps'} with {shown}, "
+                f"the report counts all {m}")
     return out
 
 
