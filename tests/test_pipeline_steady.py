@@ -38,8 +38,7 @@ def every_micro_batch(sc):
         return runner.run_scenario(sc)
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+@pytest.mark.parametrize("layout,steps", [(i, 1) for i in range(len(LAYOUTS))] + [(1, 2), (3, 2), (8, 2)])
 def test_repeated_rounds_give_the_report_of_simulating_every_micro_batch(layout, steps):
     """Every schedule that settles into rounds, and hybrids of it, in one step or two (a round more in
     each): the same report JSON as simulating all M micro-batches, from two runs of fewer."""
@@ -50,7 +49,7 @@ def test_repeated_rounds_give_the_report_of_simulating_every_micro_batch(layout,
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
 
 
-@pytest.mark.parametrize("layout", [0, 2, 5])
+@pytest.mark.parametrize("layout", [2, 5])
 def test_repeated_rounds_of_repeated_steps(layout):
     """Seven steps: steps 1-2 and 1-3 (steady.py), each from two short runs; the report of simulating
     every micro-batch of every step."""
