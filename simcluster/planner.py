@@ -7,8 +7,9 @@ Two stages, as an engineer would search:
    closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
    Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
    interleaved, Narayanan et al. 2021; or, if more, the optimizer step's fp32 copy of the gradients
-   it updates, 4 bytes each in mixed precision) and time (the step's hardware FLOPs at the device's achievable
-   rate, stretched by the pipeline bubble: (p-1)/m for 1F1B, (p-1)/(mv) interleaved, and with the
+   it updates, 4 bytes each in mixed precision) and time (the busiest stage's hardware FLOPs -- its
+   layers, the last one's LM head too -- at the device's achievable rate, stretched by the pipeline
+   bubble: (p-1)/m for 1F1B, (p-1)/(mv) interleaved, and with the
    passes' times taken equal (T_F = T_B = T_W), (p-1)(T_F + T_B - T_W) / 3m T_F = (p-1)/3m for ZB-H1
    and (p-1) T_F/2 / 3m T_F = (p-1)/6m for ZB-V (Qi et al. 2023; tests/test_pipeline.py checks
    those bubbles on the simulator), plus the tensor-parallel collectives that sit
@@ -24,14 +25,18 @@ The estimate only chooses what to simulate: every figure in the table is the sim
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
 from simcluster.model.activations import layer_bytes
-from simcluster.model.flops import step_flops
+from simcluster.model.config import Recompute
+from simcluster.model.flops import forward_per_token, step_flops
 from simcluster.model.precision import model_state_bytes
+from simcluster.parallel.pipeline import partition
+from simcluster.parallel.pipeline_schedules import placement
 from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import Outcome, plan_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
@@ -187,7 +192,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
-    compute = hardware / (spec.world_size * rate) * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
+    compute = hardware * p * _busiest(model, plan.schedule, plan.shape(p)) / (spec.world_size * rate) \
+        * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
     if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (plans.py)
         nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
@@ -204,6 +210,24 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     exchange = _context_exchange(lsc.parallel["attention"], layout, model, spec, nvlink, nodes) * model.layers / p * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers
                     + _reduction(sc, layout, psi, n, m, across, compute))
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest(model: Any, schedule: Any, shape: Any) -> float:
+    """The busiest pipeline stage's share of a step's hardware FLOPs (1/p where the layers and the head
+    split evenly): its chunks' layers (the first chunks take one more: pipeline.py's partition) and,
+    on the last chunk's stage, the LM head. A pipeline runs at its busiest stage's pace."""
+    layers, core, head = forward_per_token(model)
+    again = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: layers + core}[model.recompute]
+    per_layer = (3 * (layers + core) + again) / model.layers
+    place = placement(schedule, shape)
+    sizes = [len(r) for r in partition(model.layers, place.pieces)]
+    work = [0.0] * shape.stages
+    for g in range(place.chunks):  # (DualPipe holds each piece twice, each copy for half the micro-batches)
+        piece = place.piece[g]
+        chunk = sizes[piece] * per_layer + (3 * head if piece == place.pieces - 1 else 0.0)
+        work[place.stage[g]] += chunk * place.pieces / place.chunks
+    return max(work) / sum(work)
 
 
 def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvlink: float, nodes: int) -> float:

@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from simcluster.cli import main
-from simcluster.planner import estimate, layouts, search
+from simcluster.planner import Layout, estimate, layouts, search
 from simcluster.runner import run_scenario
 from simcluster.scenario import load
 
@@ -190,3 +190,17 @@ def test_the_plan_recovers_megatrons_tp_and_pp_for_table1_row_4():
     best = min(r.report["step_time_ns"] for r in fits)
     megatron = [r.report["step_time_ns"] for r in fits if (r.layout.tp, r.layout.pp) == (8, 1)]
     assert megatron and min(megatron) <= 1.03 * best
+
+
+def test_the_estimate_runs_a_pipeline_at_its_busiest_stages_pace():
+    """4 stages of 4, 5 and 8 layers: the busiest stage has 1, 2 and 2 layers (the 8-layer one's last
+    stage the head too), so 5 layers are estimated nearly as slow as 8, not 5/8 of them -- in the
+    simulator's order."""
+    lay = Layout(tp=1, pp=4, cp=1, dp=2, zero=0, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
+    est, sim = {}, {}
+    for layers in (4, 5, 8):
+        sc = load(None, SMALL + [f"model.layers={layers}"])
+        est[layers] = estimate(sc, lay).seconds
+        sim[layers] = run_scenario(lay.scenario(sc), trace=False).report["step_time_ns"]
+    assert est[4] < est[5] <= est[8] and est[5] > 0.9 * est[8]
+    assert sim[4] < sim[5] < sim[8]
