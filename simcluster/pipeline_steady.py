@@ -33,8 +33,8 @@ import numpy as np
 
 from simcluster.engine.trace import Trace
 
-# Where each schedule's rounds repeat exactly, measured (tests/test_pipeline_steady.py; 1F1B over 64
-# stages of Megatron's 1T model: from m = p + 3): (m0 as a multiple of p, then rounds of u more).
+# Where each schedule's rounds first repeat exactly, as measured on GPT layouts of 2 to 8 stages and on
+# Megatron's 1T model (1F1B over 64 stages: from m = p + 3): m0 as (a multiple of p, rounds of u more).
 START = {"1f1b": (1, 3), "interleaved": (1, 3), "zb-h1": (2, 4), "zb-v": (2, 3), "dualpipe": (2, 3)}
 MOVES = 4  # how many times the window may move up a round before the m micro-batches are simulated
 

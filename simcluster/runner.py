@@ -244,8 +244,7 @@ def run_scenario(sc: Scenario, *, fold: bool = True, trace: bool = True) -> Outc
     job = job_of(sc, fold=fold)
     result, totals = _steady(sc, fold) if _repeats(sc, faults) else (None, None)
     if result is None and _rounds(sc, faults):
-        with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
-            result, totals = _steady_micro(sc, fold)
+        result, totals = _steady_micro(sc, fold)
     if result is None:
         budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
         result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
@@ -300,11 +299,9 @@ def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
 def _as_is(sc: Scenario, fold: bool) -> tuple[RunResult, Totals]:
     """A meta-mode run of `sc` and its totals: its pipeline rounds simulated twice where they repeat
     (pipeline_steady.py), else every micro-batch."""
-    if _rounds(sc, None):
-        with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
-            result, totals = _steady_micro(sc, fold)
-        if result is not None:
-            return result, totals
+    result, totals = _steady_micro(sc, fold) if _rounds(sc, None) else (None, None)
+    if result is not None and totals is not None:
+        return result, totals
     job = job_of(sc, fold=fold)
     result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
                       cost_dtype=sc.model["dtype"], fold=job.fold)
@@ -322,26 +319,26 @@ def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None
 
 
 def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
-    """Runs of m0 and m0 + u micro-batches (and m0 + 2u, ... while the last round does not repeat the
-    one before and the runs stay cheap); when it does, the totals of all m and the last run (what
-    views draw). (None, None) when it does not."""
+    """Runs of m0 and m0 + u micro-batches a step (and m0 + 2u, ... while the last one's new rounds do
+    not repeat those before and the runs stay cheap); when they do, the totals of all m and the last
+    run (what views draw). (None, None) when they do not."""
     micro = _rounds(sc, None)
     assert micro is not None
     d, b = sc.parallel["dp"], sc.model["micro_batch"]
     counts, runs = list(micro.counts), []
-    while True:
-        for m in counts[len(runs):]:
-            short = replace(sc, model=dict(sc.model, global_batch=d * b * m))
-            job = job_of(short, fold=fold)
-            runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                                 cost_dtype=sc.model["dtype"], fold=job.fold))
-        p = pipeline_steady.period(runs[-2].trace, runs[-1].trace, sc.run["steps"])
-        if p is not None:
-            two, three = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
-            return replace(runs[-1], micro=(counts[-1], micro.m, p)), three.extended(two, micro.more(counts[-1]))
-        if len(counts) == 2 + pipeline_steady.MOVES or not micro.affordable(counts + [counts[-1] + micro.unit]):
-            return None, None
-        counts.append(counts[-1] + micro.unit)
+    with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
+        while True:
+            for m in counts[len(runs):]:
+                job = job_of(replace(sc, model=dict(sc.model, global_batch=d * b * m)), fold=fold)
+                runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(),
+                                     mode=job.mode, cost_dtype=sc.model["dtype"], fold=job.fold))
+            p = pipeline_steady.period(runs[-2].trace, runs[-1].trace, sc.run["steps"])
+            if p is not None:
+                before, last = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
+                return replace(runs[-1], micro=(counts[-1], micro.m, p)), last.extended(before, micro.more(counts[-1]))
+            if len(counts) == 2 + pipeline_steady.MOVES or not micro.affordable(counts + [counts[-1] + micro.unit]):
+                return None, None
+            counts.append(counts[-1] + micro.unit)
 
 
 def checkpoints(sc: Scenario, job: Job, results: list[Any]) -> dict[str, Any]:
