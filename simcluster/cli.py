@@ -128,8 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUES",
                       help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
                            "--fix cp=1 --fix zero=0,1 --fix recompute=full; fields: tp, pp, cp, dp, zero, "
-                           "micro_batch, recompute, schedule, virtual, sp (1: sequence parallelism with tp, the default; 0: "
-                           "without, as Megatron-LM before 2022)")
+                           "micro_batch, recompute, schedule, virtual (the interleaved schedule's chunks a "
+                           "stage; 2 unless fixed), sp (1: sequence parallelism with tp, the default; 0: without, "
+                           "as Megatron-LM before 2022)")
     cal = sub.add_parser("calibrate", help="measure this machine and write a hardware profile for cluster.profile",
                          description="Measure the machine this runs on with torch (its GPU if it has one, else the "
                                      "CPU): GEMM throughput on a grid of shapes per dtype, attention's batched "

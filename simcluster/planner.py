@@ -136,15 +136,18 @@ def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
 def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> Iterator[Layout]:
     """Every combination the search considers (not all valid: `estimate` checks), or those whose
     fields take the `fixed` values. With tp, sequence parallelism is on (it saves memory and the
-    replicated elementwise work at no cost in communication) unless `fixed` names sp."""
+    replicated elementwise work at no cost in communication) unless `fixed` names sp; the interleaved
+    schedule runs two chunks a stage unless `fixed` names other virtual counts."""
     if fixed:
         sps = tuple(sorted(set(fixed.get("sp", (1,))), reverse=True))
-        yield from (lay for lay in _every(sc, sps) if all(getattr(lay, f) in vs for f, vs in fixed.items()))
+        virtual = tuple(sorted({v for v in fixed.get("virtual", (2,)) if v > 1})) or (2,)
+        yield from (lay for lay in _every(sc, sps, virtual)
+                    if all(getattr(lay, f) in vs for f, vs in fixed.items()))
         return
-    yield from _every(sc, (1,))
+    yield from _every(sc, (1,), (2,))
 
 
-def _every(sc: Scenario, sps: tuple[int, ...]) -> Iterator[Layout]:
+def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:
     gpn = sc.cluster["gpus_per_node"]
     world = sc.cluster["nodes"] * gpn
     for tp in _divisors(gpn):
@@ -153,7 +156,8 @@ def _every(sc: Scenario, sps: tuple[int, ...]) -> Iterator[Layout]:
                 continue
             for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
                 dp = world // (tp * pp * cp)
-                schedules = [("1f1b", 1)] if pp == 1 else [(s, 2 if s == "interleaved" else 1) for s in BUBBLE]
+                schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s in BUBBLE
+                                                           for v in (chunks if s == "interleaved" else (1,))]
                 for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
                     for mb in MICRO_BATCHES:
                         for recompute in RECOMPUTE:

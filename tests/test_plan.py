@@ -204,3 +204,13 @@ def test_the_estimate_runs_a_pipeline_at_its_busiest_stages_pace():
         sim[layers] = run_scenario(lay.scenario(sc), trace=False).report["step_time_ns"]
     assert est[4] < est[5] <= est[8] and est[5] > 0.9 * est[8]
     assert sim[4] < sim[5] < sim[8]
+
+
+def test_fixing_the_virtual_stages_searches_that_many():
+    """The interleaved schedule is searched with two chunks a stage; `--fix virtual=4` searches four
+    (and only layouts with four: not an empty search)."""
+    sc = load(None, SMALL + ["model.layers=8"])
+    assert {lay.virtual for lay in layouts(sc) if lay.schedule == "interleaved"} == {2}
+    four = list(layouts(sc, {"virtual": (4,)}))
+    assert four and all(lay.schedule == "interleaved" and lay.virtual == 4 for lay in four)
+    assert any(estimate(sc, lay) for lay in four)
