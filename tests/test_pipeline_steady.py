@@ -72,8 +72,8 @@ def test_a_million_micro_batches_cost_two_short_runs(monkeypatch):
         return real(program, plan, **kwargs)
     monkeypatch.setattr(runner, "simulate", counting)
     small, million = runner.run_scenario(scenario(LAYOUTS[0])), runner.run_scenario(scenario(LAYOUTS[0], 10**6))
-    first, unit = pipeline_steady.plan(small.scenario.model, small.scenario.parallel).counts
-    assert simulated == [first, unit, first, unit]
+    first, second = pipeline_steady.plan(small.scenario.model, small.scenario.parallel).counts
+    assert simulated == [first, second, first, second]
     shown, m, period = million.result.micro
     assert m == 10**6 and million.report["trace_events"] > 10**6
     assert million.report["total_time_ns"] == small.report["total_time_ns"] + (10**6 - M) * period
