@@ -332,7 +332,7 @@ def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | 
                 job = job_of(replace(sc, model=dict(sc.model, global_batch=d * b * m)), fold=fold)
                 runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(),
                                      mode=job.mode, cost_dtype=sc.model["dtype"], fold=job.fold))
-            p = pipeline_steady.period(runs[-2].trace, runs[-1].trace, sc.run["steps"])
+            p = steady.grown(runs[-2].trace, runs[-1].trace, sc.run["steps"])
             if p is not None:
                 before, last = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
                 return replace(runs[-1], micro=(counts[-1], micro.m, p)), last.extended(before, micro.more(counts[-1]))

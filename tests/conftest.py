@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Derandomized everywhere: the same examples on every run, so a failure is never a lucky draw.
@@ -32,3 +33,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA (a `gpu` test; its CPU twin runs on gloo)"))
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """The plans (their DPConfig: steps, micro-batches) of every simulation the runner starts, in order."""
+    from simcluster import runner
+
+    seen = []
+    real = runner.simulate
+
+    def counting(program, plan, **kwargs):
+        seen.append(plan.data)
+        return real(program, plan, **kwargs)
+    monkeypatch.setattr(runner, "simulate", counting)
+    return seen

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from simcluster import pipeline_steady, runner
+from simcluster import pipeline_steady, runner, steady
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.scenario import build
 
@@ -62,18 +62,11 @@ def test_repeated_rounds_of_repeated_steps(layout):
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
 
 
-def test_a_million_micro_batches_cost_two_short_runs(monkeypatch):
+def test_a_million_micro_batches_cost_two_short_runs(simulated):
     """Only two short runs are simulated, whatever the micro-batch count; the report counts them all."""
-    simulated = []
-    real = runner.simulate
-
-    def counting(program, plan, **kwargs):
-        simulated.append(plan.data.micro_batches)
-        return real(program, plan, **kwargs)
-    monkeypatch.setattr(runner, "simulate", counting)
     small, million = runner.run_scenario(scenario(LAYOUTS[0])), runner.run_scenario(scenario(LAYOUTS[0], 10**6))
     first, second = pipeline_steady.plan(small.scenario.model, small.scenario.parallel).counts
-    assert simulated == [first, second, first, second]
+    assert [data.micro_batches for data in simulated] == [first, second, first, second]
     shown, m, period = million.result.micro
     assert m == 10**6 and million.report["trace_events"] > 10**6
     assert million.report["total_time_ns"] == small.report["total_time_ns"] + (10**6 - M) * period
@@ -126,14 +119,14 @@ def test_the_period_is_found_only_when_the_new_round_repeats_the_last():
             body[-1] = last
         return trace([ev(0, 2), *body, ev(10 * rounds + 10, 10 * rounds + 12, "B")])
 
-    assert pipeline_steady.period(run(3), run(4)) == 10  # (labels may name the micro-batch)
-    assert pipeline_steady.period(run(3, tag="y"), run(4, tag="y")) == 10  # (and a message's tag)
-    assert pipeline_steady.period(run(3), run(4, last=ev(40, 46))) is None  # the new round took longer
-    assert pipeline_steady.period(run(3), trace([*list(run(4))[:4], ev(40, 45), ev(51, 53)])) is None  # the end moved
+    assert steady.grown(run(3), run(4)) == 10  # (labels may name the micro-batch)
+    assert steady.grown(run(3, tag="y"), run(4, tag="y")) == 10  # (and a message's tag)
+    assert steady.grown(run(3), run(4, last=ev(40, 46))) is None  # the new round took longer
+    assert steady.grown(run(3), trace([*list(run(4))[:4], ev(40, 45), ev(51, 53)])) is None  # the end moved
     held = [MemoryEvent(0, 10, "activations", "a", 8), MemoryEvent(0, 15, "activations", "a", -8)]
     b = trace(list(run(3)), held)
     c = trace(list(run(4)), [*held, MemoryEvent(0, 20, "activations", "a", 8)])
-    assert pipeline_steady.period(b, c) is None  # the new round holds memory the last one did not
+    assert steady.grown(b, c) is None  # the new round holds memory the last one did not
 
 
 @pytest.mark.slow
@@ -165,6 +158,6 @@ def test_each_step_puts_its_round_in_and_everything_after_moves_one_period_more(
             t = end + 3
         return Trace(events, [(0, "compute"), (0, "comm:dp")])
 
-    assert pipeline_steady.period(run(3), run(4), steps=2) == 10
-    assert pipeline_steady.period(run(3), run(4), steps=1) is None  # (two rounds put in, not one)
-    assert pipeline_steady.period(run(3), run(4, late=1), steps=2) is None  # step 1's reduction moved P + 1
+    assert steady.grown(run(3), run(4), steps=2) == 10
+    assert steady.grown(run(3), run(4), steps=1) is None  # (two rounds put in, not one)
+    assert steady.grown(run(3), run(4, late=1), steps=2) is None  # step 1's reduction moved P + 1
