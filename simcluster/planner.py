@@ -37,9 +37,11 @@ from simcluster.model.flops import forward_per_token, step_flops
 from simcluster.model.precision import model_state_bytes
 from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import placement
+from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import Outcome, plan_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
+from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
 from simcluster.valid import divisors
 
@@ -203,7 +205,9 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
-    tp_comm = 0.0 if t == 1 else passes * 2 * 2 * (t - 1) / t * message / nvlink * model.layers / p * m
+    calls = passes * 2 * math.ceil(model.layers / p) * m  # two all-reduces a layer a pass, on the busiest stage
+    tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],
+                                               2 * (t - 1) / t * message / nvlink, 1, t)
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
     across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
     gathers = 0.0
@@ -260,11 +264,14 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     x = b * s * model.heads // t * d * 2
     kv = b * s * max(model.kv_heads // t, 1) * d * 2
     passes = (2 if layout.recompute == "full" else 1) + 1  # forwards and the backward
-    if attention == "ulysses":
-        local = 2 * x + 2 * kv
-        return passes * max((c // k - 1) / c * local / nvlink, (k - 1) / k * local / nic)
-    if attention == "allgather":
-        return passes * 2 * gather(kv)
+    link = nccl.NET if k > 1 else nccl.NVLINK
+    if attention == "ulysses":  # q, k, v and the output: four all-to-alls a pass
+        return passes * sum(_call(spec, CommKind.ALL_TO_ALL, [(1, link)], max((c // k - 1) / c * size / nvlink,
+                                                                              (k - 1) / k * size / nic), k, c / k)
+                            for size in (x, x, kv, kv))
+    if attention == "allgather":  # keys and values, each all-gathered (their gradients reduce-scattered)
+        steps = [(k - 1, nccl.NET), (c // k - 1, nccl.NVLINK)] if k > 1 else [(c - 1, nccl.NVLINK)]
+        return passes * 2 * _call(spec, CommKind.ALL_GATHER, steps, gather(kv), k, c / k)
     # a block: this rank's queries against one rank's keys, two products (half of them when causal)
     block = 2 * 2 * b * model.heads // t * s * s * d * (0.5 if model.causal else 1.0)
     rate, hop = spec.peak_tflops * 1e12 * spec.matmul_efficiency, nic if k > 1 else nvlink
@@ -272,6 +279,16 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     if attention == "ring":
         return (passes - 1) * forward + (c - 1) * max(0.0, 4 * kv / hop - 2.5 * block / rate)
     return (passes - 1) * forward + (c - 1) * 2 * kv / hop + 2 * 2 * gather(kv)
+
+
+def _call(spec: Any, kind: CommKind, steps: list[tuple[int, str]], seconds: float, nodes: int,
+          per_node: float) -> float:
+    """A collective's seconds: its bytes' `seconds` at the links' full rate, and with NCCL's protocols
+    (topology/nccl.py) the latency and rate of the one it picks; the textbook model's few us of latency
+    are left out."""
+    if spec.collectives != "nccl" or spec.torus:
+        return seconds
+    return nccl.closed_ns(kind, steps, seconds * 1e9, nodes, per_node) / 1e9
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:

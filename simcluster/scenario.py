@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from simcluster.topology import profile
-from simcluster.topology.presets import PRESETS, ClusterSpec
+from simcluster.topology.presets import COLLECTIVES, PRESETS, ClusterSpec
 
 
 class ScenarioError(ValueError):
@@ -30,7 +30,8 @@ class Key:
     minimum: float | None = None
 
 
-_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec) if f.name not in ("preset", "device", "nodes", "gpus_per_node", "profile", "torus")}
+_CLUSTER_FIGURES = {f.name: f for f in fields(ClusterSpec)
+                    if f.name not in ("preset", "device", "nodes", "gpus_per_node", "profile", "torus", "collectives")}
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -70,6 +71,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "profile": Key(str, None, "a hardware profile measured by `simcluster calibrate` (a TOML file, relative to "
                        "the scenario's folder or the working directory): its figures replace the preset's, and "
                        "each GEMM is timed at the rate measured for the shape nearest it"),
+        "collectives": Key(str, None, "how collectives are timed: 'nccl', NCCL's protocols (LL, LL128, Simple) "
+                           "picked by message size with its own latencies; 'alpha-beta', a fixed latency a ring step "
+                           "at the links' full rate (default: the preset's, nccl; a profile's measured link: "
+                           "alpha-beta)", choices=COLLECTIVES),
         **{name: Key(float if f.type in ("float", float) else int, None, f"override of the preset's {name}", minimum=0)
            for name, f in _CLUSTER_FIGURES.items()},
     },
@@ -252,7 +257,7 @@ class Scenario:
 
     def cluster_spec(self) -> ClusterSpec:
         c = self.cluster
-        figures = {k: v for k, v in c.items() if k in _CLUSTER_FIGURES and v is not None}
+        figures = {k: v for k, v in c.items() if (k in _CLUSTER_FIGURES or k == "collectives") and v is not None}
         try:
             shape = {} if c.get("torus") is None else {"torus": c["torus"]}
             spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], **shape)

@@ -26,9 +26,11 @@ def exported(overrides):
 
 
 def slices_at(events, pid, tid, ts):
-    """The slices enclosing `ts` on a thread (half-open: a slice that ends at ts does not)."""
+    """The slices enclosing `ts` on a thread (half-open: a slice that ends at ts does not), compared in
+    whole ns (the export's us with three decimals: their float sums may land a hair past an end)."""
+    ns = lambda us: round(us * 1000)  # noqa: E731
     return [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == tid
-            and (e["ts"] <= ts < e["ts"] + e["dur"] or e["ts"] == ts)]
+            and (ns(e["ts"]) <= ns(ts) < ns(e["ts"]) + ns(e["dur"]) or e["ts"] == ts)]
 
 
 def arrows(events):

@@ -140,8 +140,8 @@ def test_the_estimate_charges_context_parallel_exchanges_as_the_simulator_times_
     """Ulysses' all-to-alls and all-gather KV's gathers and reduce-scatters sit on the critical path.
     What the estimate charges a cp = 8 layout for them (its estimate less that of dp = 8 without cp,
     the same work and the same gradient reduction) is the time the simulator's cp stream is busy on
-    a rank, within 5 % (the estimate leaves out each call's few us of latency): inside one node, and
-    across two, where each rank's NIC carries the share that leaves its node."""
+    a rank, within 5 %, latencies included (NCCL's, by the protocol each call's size picks): inside one
+    node, and across two, where each rank's NIC carries the share that leaves its node."""
     from simcluster.planner import Layout
 
     base = ["run.numerics=meta", "run.steps=1", "model.layers=2", "model.hidden=1024", "model.heads=8",

@@ -28,7 +28,7 @@ def everyone_to_everyone(ctx):
 
 
 def time_of(program, *args, over, kind):
-    spec = preset("dgx-a100", nodes=2, oversubscription=over)
+    spec = preset("dgx-a100", nodes=2, oversubscription=over, collectives="alpha-beta")
     run = simulate(program, *args, mesh=DeviceMesh(dp=16), cluster=spec, mode="meta")
     return max(e.end - e.start for e in run.trace if e.rank == 0 and e.kind == kind), spec
 

@@ -12,7 +12,12 @@ from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
-A100 = preset("dgx-a100")
+def a100(**kw):
+    """A DGX A100 cluster whose collectives take the textbook forms (NCCL's protocols: test_nccl_protocols.py)."""
+    return preset("dgx-a100", **({"collectives": "alpha-beta"} | kw))
+
+
+A100 = a100()
 ALPHA_NVL, ALPHA_IB = A100.nvlink_latency_ns, A100.nic_latency_ns
 B_NVL, B_IB = A100.nvlink_bytes_per_ns, A100.nic_bytes_per_ns  # as NCCL gets them
 
@@ -20,7 +25,7 @@ B_NVL, B_IB = A100.nvlink_bytes_per_ns, A100.nic_bytes_per_ns  # as NCCL gets th
 def lone(kind, n, nbytes, *, nodes=1, per_node=None, cluster_kw=None, **kw):
     """Time of one collective over all n ranks (fp32 meta tensor of nbytes per rank)."""
     per_node = per_node or n // nodes
-    spec = preset("dgx-a100", nodes=nodes, gpus_per_node=per_node, **(cluster_kw or {}))
+    spec = a100(nodes=nodes, gpus_per_node=per_node, **(cluster_kw or {}))
 
     def prog(ctx):
         x = MetaTensor((nbytes // 4,), "fp32")
@@ -98,7 +103,7 @@ def test_concurrent_transfers_share_a_link():
         else:
             return None
 
-    spec = preset("dgx-a100", gpus_per_node=3)
+    spec = a100(gpus_per_node=3)
     one = simulate(prog, False, mesh=DeviceMesh(dp=3), cluster=spec, mode="meta").trace.end
     two = simulate(prog, True, mesh=DeviceMesh(dp=3), cluster=spec, mode="meta").trace.end
     assert one == ALPHA_NVL + math.ceil(S / B_NVL)
@@ -121,7 +126,7 @@ def test_a_transfer_starting_mid_flight_halves_the_rate_of_the_one_running():
         else:
             yield ctx.comm.recv(src=0, like=x)
 
-    trace = simulate(prog, mesh=DeviceMesh(dp=3), cluster=preset("dgx-a100", gpus_per_node=3), mode="meta").trace
+    trace = simulate(prog, mesh=DeviceMesh(dp=3), cluster=a100(gpus_per_node=3), mode="meta").trace
     (kernel,) = [e for e in trace if e.kind == "compute"]
     sends = {e.group: e for e in trace if e.kind == "send"}
     T = kernel.end
@@ -132,7 +137,7 @@ def test_a_transfer_starting_mid_flight_halves_the_rate_of_the_one_running():
 
 
 def test_kernel_time_is_the_roofline_plus_overhead():
-    spec = preset("dgx-a100", gpus_per_node=1)
+    spec = a100(gpus_per_node=1)
 
     def prog(ctx):
         ctx.ops.kernel("big", flops=1e12, nbytes=1e6)  # compute bound
@@ -159,7 +164,7 @@ def test_async_communication_overlaps_compute_and_sync_does_not():
         if async_op:
             yield h
 
-    spec = preset("dgx-a100", gpus_per_node=2)
+    spec = a100(gpus_per_node=2)
     over = simulate(prog, True, mesh=DeviceMesh(dp=2), cluster=spec, mode="meta").trace
     serial = simulate(prog, False, mesh=DeviceMesh(dp=2), cluster=spec, mode="meta").trace
     comm = next(e for e in over if e.kind == "all_reduce")
@@ -177,7 +182,7 @@ def test_a_stream_waits_for_the_data_it_uses():
         ctx.ops.kernel("consume", flops=1e9, nbytes=0)
         return got
 
-    trace = simulate(prog, mesh=DeviceMesh(dp=2), cluster=preset("dgx-a100", gpus_per_node=2), mode="meta").trace
+    trace = simulate(prog, mesh=DeviceMesh(dp=2), cluster=a100(gpus_per_node=2), mode="meta").trace
     for r in range(2):
         produce, consume = trace.lane(r, "compute")
         (ar,) = trace.lane(r, "comm:world")
@@ -235,7 +240,7 @@ def test_a_call_on_links_of_its_own_ends_at_the_networks_time_and_company_sends_
         if works:
             yield works
 
-    spec = preset("dgx-a100", gpus_per_node=4)
+    spec = a100(gpus_per_node=4)
     runs = {}
     for allow in (True, False):
         seen = _claims(monkeypatch, allow)

@@ -12,6 +12,7 @@ from simcluster.engine.fold import Fold
 from simcluster.engine.network import Network
 from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
+from simcluster.topology import nccl
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.plans import plan, semantic_bytes
 
@@ -34,6 +35,25 @@ def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> Route:
             alone = None
         links.update(crossed)
     return steps, sent, alone, frozenset(links)
+
+
+def _protocol(call: Call, phases: list[Any], raw: list[Any], cluster: Cluster,
+              network: Network) -> tuple[list[int], float]:
+    """The NCCL protocol's phase latencies and share of the links' rate (topology/nccl.py): a phase's
+    steps cross the network if any of its flows leaves a node; its bytes take what its busiest link
+    needs for them."""
+    steps = [(phase.steps, nccl.NVLINK if all(cluster.same_node(a, b) for a, b, _ in phase.flows) else nccl.NET)
+             for phase in phases]
+    simple_ns = 0.0
+    for flows in raw:
+        load: dict[int, float] = {}
+        for links, b in flows:
+            for link in links:
+                load[link] = load.get(link, 0.0) + b
+        simple_ns += max((b / network.capacity[link] for link, b in load.items()), default=0.0)
+    nodes = len({cluster.node_of(r) for r in call.members})
+    protocol, rate = nccl.choose(call.kind, steps, simple_ns, nodes, len(call.members) / nodes)
+    return nccl.latency_ns(protocol, call.kind, steps, nodes), rate
 
 
 def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) -> Route:
@@ -63,11 +83,12 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
     if cached is None:
         size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
         nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
-        steps: list[tuple[int, list]] = []
-        sent: dict[int, float] = {}
         phases = plan(call.kind, call.members, nbytes, cluster, peer=op.peer)
         if fold is not None and call.live < len(call.members):
             fold.check_plan(call.members, phases, call.where, call.kind.value)
+        raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)
+        alpha: list[int] = []  # each phase's latency in the textbook model
+        sent: dict[int, float] = {}
         for phase in phases:
             flows = []
             latency = 0
@@ -80,6 +101,14 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
                 elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
                     rep = fold.rep(dst)  # into the port of its destination's representative
                     flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
-            steps.append((phase.steps * latency, network.prepare(flows)))
-        cached = routes[key] = _timed(steps, [int(round(sent.get(r, 0.0))) for r in call.members])
+            raw.append(flows)
+            alpha.append(phase.steps * latency)
+        prepared = [network.prepare(flows) for flows in raw]
+        latencies = alpha
+        if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
+            latencies, rate = _protocol(call, phases, raw, cluster, network)
+            if rate != 1.0:  # the protocol's share of the links' rate: its bytes take that much longer
+                prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
+        cached = routes[key] = _timed(list(zip(latencies, prepared)),
+                                      [int(round(sent.get(r, 0.0))) for r in call.members])
     return cached

@@ -186,7 +186,7 @@ def uniform_cluster(stages: int, **overrides: Any) -> Any:
     from simcluster.topology.presets import preset
 
     return preset("dgx-a100", gpus_per_node=stages, peak_tflops=1.0, peak_tflops_fp32=1.0, compute_efficiency=1.0,
-                  kernel_overhead_ns=0, nvlink_latency_ns=0, **overrides)
+                  kernel_overhead_ns=0, nvlink_latency_ns=0, collectives="alpha-beta", **overrides)
 
 
 def pipeline_uniform(ctx: Context, cfg: UniformPipeline) -> Generator[Any, Any, None]:

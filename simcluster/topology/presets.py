@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from simcluster.topology.profile import Profile
 
 
+COLLECTIVES = ("nccl", "alpha-beta")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     preset: str
@@ -46,8 +49,12 @@ class ClusterSpec:
     torus: str = ""
     ici_gbyte_per_s: float = 100.0  # one inter-chip link, each way (TPU v5p: 1,200 GB/s bidirectional per chip over 6 links)
     ici_latency_ns: int = 1000  # per hop; assumption
-    nvlink_latency_ns: int = 1000  # per ring step; assumption
-    nic_latency_ns: int = 3000  # per ring step; assumption
+    # How a collective's latency and rate are modelled (topology/nccl.py): "nccl", NCCL's protocols (LL,
+    # LL128, Simple) chosen by message size with its tuning constants; "alpha-beta", the textbook form
+    # with the two latencies below a ring step at the link's full rate (what a measured profile fits)
+    collectives: str = "nccl"
+    nvlink_latency_ns: int = 1000  # per ring step, "alpha-beta" only; assumption
+    nic_latency_ns: int = 3000  # per ring step, "alpha-beta" only; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
     compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s for kernels other than GEMMs; assumption
     # GEMMs (matmul, einsum, attention's batched products): the maximum achievable matmul FLOP/s of
@@ -84,6 +91,11 @@ class ClusterSpec:
                 continue
             if f.name == "torus":
                 self.torus_dims  # (raises on a bad shape or a chip count other than the world's)
+                continue
+            if f.name == "collectives":
+                if v not in COLLECTIVES:
+                    raise ValueError(f"cluster.collectives must be one of {', '.join(map(repr, COLLECTIVES))}, "
+                                     f"got {v!r}")
                 continue
             if f.name in ("preset", "device"):
                 if not isinstance(v, str) or not v:

@@ -149,7 +149,7 @@ def apply(spec: Any, profile: Profile) -> Any:
         kernel_overhead_ns=profile.kernel_overhead_ns, profile=profile)
     if profile.link_gbyte_per_s is not None:
         figures.update(nvlink_gbyte_per_s=profile.link_gbyte_per_s, nvlink_efficiency=1.0,
-                       nvlink_latency_ns=profile.link_latency_ns)
+                       nvlink_latency_ns=profile.link_latency_ns, collectives="alpha-beta")
     if profile.memory_gbyte is not None:
         figures["memory_gbyte"] = profile.memory_gbyte
     return replace(spec, **figures)
