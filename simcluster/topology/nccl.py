@@ -19,7 +19,9 @@ latency and each ring step's latency over NVLink and over the network, in micros
 and a multi-node Simple all-reduce's latency times 1.4 (the "plateau effect of ring", Ampere and
 later). Not modelled: the per-channel bandwidth caps (we do not count channels: a protocol gets its
 share of whatever rate the links give, engine/network.py), the network post overhead that NCCL
-adds to a multi-node ring's intra-node steps (1-2 us, by CPU vendor), the tree algorithm.
+adds to a multi-node ring's intra-node steps (1-2 us, by CPU vendor), the tree algorithm. All-to-all
+and point-to-point sends, which NCCL runs as grouped sends and receives outside this model, are
+charged by it all the same (one step); an assumption.
 
 With `cluster.collectives = "alpha-beta"` a call instead pays `nvlink_latency_ns` or
 `nic_latency_ns` a step at the full rate: the textbook model, which a measured profile fits.
