@@ -288,7 +288,7 @@ def _call(spec: Any, kind: CommKind, steps: list[tuple[int, str]], seconds: floa
     are left out."""
     if spec.collectives != "nccl" or spec.torus:
         return seconds
-    return nccl.closed_ns(kind, steps, seconds * 1e9, nodes, per_node) / 1e9
+    return nccl.choose(kind, steps, seconds * 1e9, nodes, per_node)[2] / 1e9
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:

@@ -52,7 +52,7 @@ def _protocol(call: Call, phases: list[Any], raw: list[Any], cluster: Cluster,
                 load[link] = load.get(link, 0.0) + b
         simple_ns += max((b / network.capacity[link] for link, b in load.items()), default=0.0)
     nodes = len({cluster.node_of(r) for r in call.members})
-    protocol, rate = nccl.choose(call.kind, steps, simple_ns, nodes, len(call.members) / nodes)
+    protocol, rate, _ = nccl.choose(call.kind, steps, simple_ns, nodes, len(call.members) / nodes)
     return nccl.latency_ns(protocol, call.kind, steps, nodes), rate
 
 

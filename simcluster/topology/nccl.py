@@ -70,9 +70,10 @@ def latency_ns(protocol: Protocol, kind: CommKind, steps: list[tuple[int, str]],
 
 
 def choose(kind: CommKind, steps: list[tuple[int, str]], simple_ns: float, nodes: int,
-           per_node: float) -> tuple[Protocol, float]:
+           per_node: float) -> tuple[Protocol, float, float]:
     """The protocol NCCL's model picks for a call whose phases take `steps` link latencies and whose
-    bytes take `simple_ns` at the links' full rate, with its share of that rate."""
+    bytes take `simple_ns` at the links' full rate: with its share of that rate, and the call's time by
+    the model (what the planner's estimate charges, where no links are shared)."""
     best: tuple[float, Protocol, float] | None = None
     for p in PROTOCOLS:
         rate = share(p, kind, nodes, per_node)
@@ -80,11 +81,4 @@ def choose(kind: CommKind, steps: list[tuple[int, str]], simple_ns: float, nodes
         if best is None or t < best[0]:
             best = (t, p, rate)
     assert best is not None
-    return best[1], best[2]
-
-
-def closed_ns(kind: CommKind, steps: list[tuple[int, str]], simple_ns: float, nodes: int, per_node: float) -> float:
-    """A call's time by NCCL's model: its protocol's latencies and its bytes at that protocol's share of
-    the rate (`choose`'s arguments; the planner's estimate, where no links are shared)."""
-    protocol, rate = choose(kind, steps, simple_ns, nodes, per_node)
-    return sum(latency_ns(protocol, kind, steps, nodes)) + simple_ns / rate
+    return best[1], best[2], best[0]
