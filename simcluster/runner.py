@@ -110,7 +110,8 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "
                              f"micro_batch is a multiple of {p['pp']}")
         plan = Plan(data=cfg, sp=p["sp"], attention=p["attention"], schedule=p["schedule"],
-                    virtual=p["virtual_stages"], zero_over=p["zero_over"], checkpoint=checkpoint.of(sc))
+                    virtual=p["virtual_stages"], zero_over=p["zero_over"],
+                    scatter_gather=p["scatter_gather"], checkpoint=checkpoint.of(sc))
         plan.check(**{a: mesh.sizes[a] for a in ("dp", "pp", "cp", "tp")})
     return plan
 
@@ -166,7 +167,8 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
                    tuple(f * (cfg.steps - start) for f in step_flops(cfg.model, tokens)), tokens, outputs,
                    _verdict(sc, lambda results: _report.verification(mode, _from(start, reference(cfg, mode)),
                                                                      outputs(results), bounds)),
-                   plan.alike(mesh.sizes["tp"]) if fold and mode == "meta" else (), bounds, cfg.steps - start)
+                   plan.alike(mesh.sizes["tp"], mesh.sizes["cp"]) if fold and mode == "meta" else (), bounds,
+                   cfg.steps - start)
     if program == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)
         outputs = lambda results: assemble(results, coords)  # noqa: E731

@@ -112,6 +112,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "recompute": Key(str, "none", "activation recomputation", choices=("none", "selective", "full")),
         "schedule": Key(str, "1f1b", "pipeline schedule (pp > 1)", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe")),
         "virtual_stages": Key(int, 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),
+        "scatter_gather": Key(bool, False, "pp > 1 with tp > 1 and no sp: each tp rank sends only its 1/tp of a "
+                              "pipeline message and the receiving stage all-gathers the parts over tp, so a "
+                              "message crosses the network once, not tp times (Megatron-LM's "
+                              "--scatter-gather-tensors-in-pipeline, on by default in 2021)"),
     },
     "run": {
         "program": Key(str, "gpt", "what to run: gpt (the GPT model under the [parallel] layout), mlp (a TP x DP "

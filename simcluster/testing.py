@@ -223,7 +223,8 @@ class Layout:
         p, d = self.plan, self.plan.data
         degrees = ", ".join(f"{a}={n}" for a, n in self.mesh.sizes.items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
-                f"sp={p.sp}, zero={d.zero} over {p.zero_over}, micro_batches={d.micro_batches}, "
+                f"sp={p.sp}, scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
+                f"micro_batches={d.micro_batches}, "
                 f"global_batch={d.global_batch})")
 
     def assemble(self, results: list[Any], coords: list[dict[str, int]]) -> dict[str, Any]:
@@ -303,7 +304,7 @@ def layouts(model: GPTConfig, *, max_world: int = 16, global_batch: int | None =
         data = DPConfig(model=m, global_batch=batch, micro_batches=micro,
                         zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
         plan = Plan(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
-                    zero_over=d(st.sampled_from(ZERO_OVER)))
+                    zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()))
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp)
         try:
             plan.check(dp, pp, cp, tp)

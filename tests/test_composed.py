@@ -1,10 +1,11 @@
 """Every parallelism at once: the composed program against one device, byte for byte.
 
 The options are drawn as an all-pairs covering array (tests/pairwise.py): every pair of option values
-that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp,
-attention, ZeRO stage and what it shards over, micro-batches, recomputation, dropout, precision,
-tied head, causal mask, weight decay, clipping, architecture and grouped-query attention, ZeRO-Offload's
-tier, ZeRO-Infinity's parameter offload and the delayed update) is run at least once, whatever the draw; hypothesis draws the seed and the
+that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 ranks, schedule, sp, the
+pipeline messages' scatter/gather, attention, ZeRO stage and what it shards over, micro-batches,
+recomputation, dropout, precision, tied head, causal mask, weight decay, clipping, architecture and
+grouped-query attention, ZeRO-Offload's tier, ZeRO-Infinity's parameter offload and the delayed
+update) is run at least once, whatever the draw; hypothesis draws the seed and the
 layer count within each row.
 """
 
@@ -26,6 +27,7 @@ from plans import run_plan
 OPTIONS = {
     "dp": [1, 2, 3], "pp": [1, 2, 3], "cp": [1, 2, 3], "tp": [1, 2, 3],
     "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"], "sp": [False, True],
+    "scatter_gather": [False, True],
     "attention": ["ulysses", "ring", "allgather", "rsa"], "zero": [0, 1, 2, 3], "zero_over": ["dp_cp", "dp"],
     "micro_batches": [1, 2], "recompute": ["none", "selective", "full"], "dropout": [0.0, 0.1],
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
@@ -51,10 +53,11 @@ def valid(row):
 ROWS, PAIRS = covering_rows(OPTIONS, valid)
 # and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
-              micro_batches=1, recompute="selective", dropout=0.1, precision="bf16", tied_head=False, causal=True,
-              weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2, offload="cpu", offload_params=True,
-              delayed_update=True),
-         dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, attention="ulysses", zero=1, zero_over="dp",
+              scatter_gather=True, micro_batches=1, recompute="selective", dropout=0.1, precision="bf16",
+              tied_head=False, causal=True, weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2, offload="cpu",
+              offload_params=True, delayed_update=True),
+         dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, scatter_gather=True, attention="ulysses", zero=1,
+              zero_over="dp",
               micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
               weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1, offload="nvme", offload_params=False,
               delayed_update=False)]
@@ -90,7 +93,7 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                     offload_params=(row["offload"] if row["offload"] != "none" else "cpu") if row["offload_params"] else "none")
     layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Plan(
         data=data, sp=row["sp"], attention=row["attention"], schedule=row["schedule"], virtual=virtual,
-        zero_over=row["zero_over"]))
+        zero_over=row["zero_over"], scatter_gather=row["scatter_gather"]))
     want = reference(data)
     assert len(want) == 2 + 5 * len(model.parameter_shapes())  # losses; weights, gradients (last, first), moments
     assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble, reference=want)

@@ -18,10 +18,10 @@ ITEM = 2  # bf16
 ACT = b * (s // cp) * h * ITEM  # a micro-batch's activation on a cp rank, (b, s/cp, h)
 
 
-def run(zero=0, sp=False, attention="ulysses"):
+def run(zero=0, sp=False, attention="ulysses", scatter_gather=False):
     data = DPConfig(model=MODEL, global_batch=dp * m * b, micro_batches=m, steps=1, precision="bf16", zero=zero)
     return run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, mode="meta", sp=sp, attention=attention,
-                    schedule="1f1b")[1].trace
+                    schedule="1f1b", scatter_gather=scatter_gather)[1].trace
 
 
 def on(trace, rank, axis, kind=None):
@@ -80,6 +80,24 @@ def test_pipeline_point_to_point():
     last = 1 * cp * tp  # rank (dp 0, pp 1, cp 0, tp 0)
     back = [e for e in trace if e.rank == last and e.kind == "send"]
     assert len(back) == m and all(e.bytes == ACT for e in back)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_pipeline_scatter_gather(sp):
+    """Narayanan et al. 2021, section 4.1: each tp rank sends 1/t of a message and the receiving
+    stage all-gathers the t parts over tp; with SP the message is already a tp rank's tokens, and
+    nothing changes."""
+    trace = run(sp=sp, scatter_gather=True)
+    last = 1 * cp * tp
+    for rank in (0, last):  # stage 0 sends activations and gathers gradients; stage 1 the other way
+        sent = [e for e in trace if e.rank == rank and e.kind == "send"]
+        assert len(sent) == m and all(e.bytes == ACT // tp for e in sent)
+    if sp:
+        assert run(sp=True).events == trace.events
+        return
+    for rank in (0, last):
+        gathers = on(trace, rank, "tp", "all_gather")
+        assert len(gathers) == m and all(e.bytes == (tp - 1) * ACT // tp for e in gathers)
 
 
 @pytest.mark.parametrize("zero,volume", [(0, 2), (1, 2), (2, 1 + m), (3, 3 * m)])

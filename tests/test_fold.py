@@ -26,7 +26,9 @@ FOLDING = [
     ("llama3_4d", []),  # TP x CP x PP x DP, GQA, all-gather CP, ZeRO-3 over dp x cp
     ("llama3_4d", ["cluster.gpus_per_node=2", "cluster.nodes=8"]),  # the same, one tp group a node
     ("ring_long_sequence", ["parallel.dp=2", "cluster.nodes=2", "model.global_batch=2"]),  # ring CP
-    ("sequence_volume", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP+SP, Ulysses, ring
+    ("sequence_volume", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP+SP, Ulysses (cp in a node), ring
+    ("sequence_volume", ["cluster.gpus_per_node=2", "cluster.nodes=4"]),  # Ulysses' cp over two nodes
+    ("llama3_4d", ["parallel.attention=ulysses", "model.kv_heads=4"]),  # GQA, a cp rank's own kv heads
     ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
     ("tp_cliff", []),  # TP inside a node (folds), TP across nodes (does not)
 ]
@@ -135,3 +137,18 @@ def test_tp_peers_fold_when_a_node_holds_several_tp_groups():
     result = run_all(sc).result
     assert result.fold is not None and result.fold.tp and result.unfolded_because == ""
     assert len(result.fold.ranks) == 4  # one replica of tp 2 x pp 4, one rank of each tp pair
+
+
+def test_context_parallel_peers_fold_under_ulysses_and_only_there():
+    """Ulysses gives every cp rank the same shapes: with one cp group a node, one rank stands for its
+    node's four (and the other node's); ring attention gives each rank other blocks of the mask, and
+    its cp peers run. Where a ring through a node's tp and cp ranks cannot be its own image under
+    both rotations (llama3_4d's world all-reduce), the run folds dp and tp, and says why not cp."""
+    sc = load("sequence_volume", ["run.numerics=meta", "cluster.gpus_per_node=4", "cluster.nodes=2"])
+    runs = dict(run_all(sc, fold=True).variants)
+    ulysses, ring = (runs[f"tp=1, cp=4, sp=false, attention={a}"].result for a in ("ulysses", "ring"))
+    assert ulysses.fold.cp_local == 4 and ulysses.fold.copies == 8 and "context-parallel" in ulysses.fold.describe()
+    assert ring.fold.cp_local == 0 and ring.fold.copies == 2
+    mixed = run_all(load("llama3_4d", ["run.numerics=meta", "parallel.attention=ulysses", "model.kv_heads=4"]))
+    assert mixed.result.fold.tp and not mixed.result.fold.cp_local
+    assert "does not move the same bytes" in mixed.result.unfolded_because

@@ -186,10 +186,10 @@ def test_a_copy_between_one_tier_and_itself_is_refused():
 
 
 def test_nvme_offload_folds_data_parallel_replicas_only():
-    """A node's ranks share its drives: folding tp peers would leave their transfers out."""
+    """A node's ranks share its drives: folding tp (or cp) peers would leave their transfers out."""
     cfg = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8)
-    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="nvme")).alike(2) == ("dp",)
-    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="cpu")).alike(2) == ("dp", "tp")
+    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="nvme")).alike(2, 2) == ("dp",)
+    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="cpu")).alike(2, 2) == ("dp", "tp", "cp")
 
 
 def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_layout(tmp_path):

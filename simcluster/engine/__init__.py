@@ -82,8 +82,11 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
         if Mode(mode) is not Mode.META:
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
                              f"numbers)")
-        # Fold along every axis given; where the run is not symmetric along tp, along dp alone.
-        attempts = [fold] + ([("dp",)] if "tp" in fold and "dp" in fold else [])
+        # Fold along every axis given; where the run is not symmetric along cp (a ring through a node's
+        # tp and cp ranks cannot be its own image under both rotations), along dp and tp; where not
+        # along tp either, along dp alone.
+        attempts = [fold] + ([tuple(a for a in fold if a != "cp")] if "cp" in fold else []) \
+            + ([("dp",)] if "tp" in fold and "dp" in fold else [])
         for axes in attempts:
             plan = fold_for(mesh, spec, axes)
             if plan is None:

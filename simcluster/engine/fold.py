@@ -3,17 +3,19 @@
 In meta mode the data-parallel replicas of a layout run one program on the same shapes, and so do
 the tensor-parallel peers of a Megatron layout: their kernels, memory and waits are the same. The
 fold's symmetries are
-- a shift by `block` data-parallel replicas (a block being whole nodes), and
+- a shift by `block` data-parallel replicas (a block being whole nodes),
 - a rotation of the tp coordinate inside each tp group (a tp group being inside one node),
+- with Ulysses, a rotation of the cp coordinate: of a node's cp positions inside it, and of runs of
+  them, a node's worth each, across nodes (a cp x tp block being inside a node or whole nodes),
 and each is a symmetry of the whole run:
-- of the mesh: it changes only the dp (tp) coordinate, so a group is mapped onto a group, one that
-  spans dp (tp) onto itself;
+- of the mesh: it changes only the dp (tp, cp) coordinate, so a group is mapped onto a group, one
+  that spans dp (tp, cp) onto itself;
 - of the cluster: every link is one rank's port (cluster.py) and nodes are mapped onto nodes, so
   NVLink onto NVLink and NIC onto NIC;
 - of each collective's plan over a group it maps onto itself: its rings onto themselves (checked
   for every plan, `FoldError` otherwise: a chain from a root is not).
 So the unfolded run is symmetric at every instant, and only the representatives (dp index below
-`block`, tp index 0) run:
+`block`, tp index 0, cp index 0) run:
 - their programs run; a call completes when its simulated members have issued it (a folded member's
   data is its representative's, which is in the same group: in meta mode, a shape);
 - the replay moves, of each orbit of flows, the one that leaves a representative, into the port of
@@ -43,11 +45,16 @@ class Fold:
     mesh: DeviceMesh
     block: int  # data-parallel replicas simulated (all dp replicas: dp is not folded)
     tp: bool  # tp peers folded onto tp index 0
+    # cp peers folded onto cp index 0 (Ulysses: every cp rank runs the same shapes): 0, not folded; else
+    # the cp positions a node holds, rotated inside it, the runs of them rotated across nodes
+    cp_local: int = 0
 
     def __post_init__(self) -> None:
         sizes = self.mesh.sizes
         replica = self.mesh.world_size // sizes["dp"]
-        simulated = [r for r in range(self.block * replica) if not self.tp or r % sizes["tp"] == 0]
+        t, c = sizes["tp"], sizes["cp"]
+        simulated = [r for r in range(self.block * replica)
+                     if (not self.tp or r % t == 0) and (not self.cp_local or r // t % c == 0)]
         object.__setattr__(self, "replica", replica)
         object.__setattr__(self, "ranks", tuple(simulated))
         is_rep = bytearray(self.mesh.world_size)
@@ -69,24 +76,35 @@ class Fold:
             what.append(f"data-parallel replicas in blocks of {self.block}")
         if self.tp:
             what.append("tensor-parallel peers")
+        if self.cp_local:
+            what.append("context-parallel peers")
         return (f"{len(self.ranks)} of {self.world} ranks simulated, each standing for {self.copies} "
                 f"(folded: {' and '.join(what)})")
 
     # -- ranks and their images --------------------------------------------------------------
     def rep(self, rank: int) -> int:
         """The simulated rank that `rank` is an image of."""
-        span = self.block * self.replica
-        r = rank % span
-        return r - r % self.mesh.sizes["tp"] if self.tp else r
+        t, c = self.mesh.sizes["tp"], self.mesh.sizes["cp"]
+        r = rank % (self.block * self.replica)
+        if self.tp:
+            r -= r % t
+        if self.cp_local:
+            r -= r // t % c * t
+        return r
 
     def image(self, rank: int, of: int) -> int:
         """`rank` moved by the symmetry that takes rep(of) to `of`."""
-        t = self.mesh.sizes["tp"]
+        t, c = self.mesh.sizes["tp"], self.mesh.sizes["cp"]
         span = self.block * self.replica
         shift = of - of % span
         if self.tp:
             turn = of % t
             rank = rank - rank % t + (rank % t + turn) % t
+        if self.cp_local:  # the cp index as (run, position in it): both rotated by of's
+            near, runs = self.cp_local, c // self.cp_local
+            mine, turn = rank // t % c, of // t % c
+            moved = (mine // near + turn // near) % runs * near + (mine % near + turn % near) % near
+            rank += (moved - mine) * t
         return (rank + shift) % self.world
 
     def stream(self, name: str, of: int) -> str:
@@ -151,6 +169,10 @@ class Fold:
             movers.append(span)  # the dp shift: of = the first rank of the next block
         if self.tp:
             movers.append(1)  # the tp rotation by one
+        if self.cp_local:
+            t, c = self.mesh.sizes["tp"], self.mesh.sizes["cp"]
+            movers += [t] if self.cp_local > 1 else []  # the cp rotation by one inside a node
+            movers += [self.cp_local * t] if c > self.cp_local else []  # and by a node's worth
         for of in movers:
             if {self.image(m, of) for m in members} != group:
                 continue  # mapped onto another group: that one's call is not simulated
@@ -161,8 +183,10 @@ class Fold:
 
 
 def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",)) -> Fold | None:
-    """The fold of a layout along `axes` (those whose ranks the program treats alike: dp, tp):
-    blocks of whole replicas and whole nodes; tp groups inside a node. None if nothing folds."""
+    """The fold of a layout along `axes` (those whose ranks the program treats alike: dp, tp, cp):
+    blocks of whole replicas and whole nodes; tp groups inside a node; cp x tp blocks inside a node,
+    or of whole nodes (each node's cp positions rotated inside it, and the nodes among themselves).
+    None if nothing folds."""
     sizes, gpn = mesh.sizes, spec.gpus_per_node
     replica = mesh.world_size // sizes["dp"]
     block = sizes["dp"]
@@ -170,7 +194,11 @@ def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",
         least = math.lcm(replica, gpn) // replica
         if sizes["dp"] % least == 0:
             block = least
-    tp = "tp" in axes and sizes["tp"] > 1 and gpn % sizes["tp"] == 0
-    if block == sizes["dp"] and not tp:
+    t, c = sizes["tp"], sizes["cp"]
+    tp = "tp" in axes and t > 1 and gpn % t == 0
+    cp_local = 0
+    if "cp" in axes and c > 1 and gpn % t == 0:
+        cp_local = c if gpn % (c * t) == 0 else gpn // t if (c * t) % gpn == 0 else 0
+    if block == sizes["dp"] and not tp and not cp_local:
         return None
-    return Fold(mesh, block, tp)
+    return Fold(mesh, block, tp, cp_local)

@@ -28,7 +28,7 @@ import numpy as np
 from simcluster import checkpoint
 from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
 from simcluster.numerics.ops import Mode
-from simcluster.numerics.tensor import MetaTensor
+from simcluster.numerics.tensor import MetaTensor, split
 from simcluster.parallel.data_parallel import KINDS
 from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
@@ -66,6 +66,10 @@ class Stage:
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
         b = data.global_batch // (self.n * data.micro_batches)
         self.shape = (b, len(model.tokens), data.model.hidden)
+        # Megatron-LM's scatter/gather of pipeline messages: without sp every tp rank holds the whole
+        # activation, so each sends only its 1/tp of it (over its own NIC) and the receiving stage
+        # all-gathers the parts over tp (NVLink): a message crosses the network once, not tp times
+        self.scatter = plan.scatter_gather and model.t > 1 and not model.sp
         self.scale = LOSS_SCALE[data.precision]
         self.caches: dict[tuple[int, int], dict[str, Any]] = {}
         self.deferred: dict[tuple[int, int], list] = {}
@@ -86,7 +90,16 @@ class Stage:
         return (kind, weights, shape_key(inputs))
 
     def message(self) -> Any:
-        return MetaTensor(self.shape, self.plan.data.precision)
+        b, s, h = self.shape
+        return MetaTensor((b, s, h // self.model.t if self.scatter else h), self.plan.data.precision)
+
+    def pack(self, value: Any) -> Any:
+        return split(value, self.model.t, 2)[self.model.tr] if self.scatter else value
+
+    def unpack(self, message: Any) -> Generator[Any, Any, Any]:
+        if not self.scatter:
+            return message
+        return (yield self.ctx.comm.all_gather(message, group=self.model.tp, dim=2))
 
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
         model, dp, step = self.model, self.dp, self.step

@@ -15,7 +15,8 @@ Sends are asynchronous and the receive that the next pass needs is posted one pa
 transfers run on the point-to-point streams while the stage computes. Every message has its own tag
 (micro-batch, chunk, direction). What a pass computes is the stage's work (`StageWork`): the GPT's
 chunks under any plan (composed.py), or identical timed kernels (`UniformPipeline`, for the
-schedules' closed forms).
+schedules' closed forms); the work also says what of a message goes on the wire (`pack`; with
+Megatron's scatter/gather, a tp rank's 1/tp of it) and makes it whole on arrival (`unpack`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ class StageWork(Protocol):
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]: ...
 
-    def message(self) -> Any: ...  # what an activation or gradient message looks like (for recv)
+    def message(self) -> Any: ...  # what an activation or gradient message looks like on the wire (for recv)
+
+    def pack(self, value: Any) -> Any: ...  # what of an activation or gradient goes on the wire
+
+    def unpack(self, message: Any) -> Generator[Any, Any, Any]: ...  # the activation or gradient again
 
 
 def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement, stages: Any,
@@ -93,13 +98,13 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement,
     def receive(key: tuple[str, int, int]) -> Generator[Any, Any, Any]:
         if key in local:
             return local.pop(key)
-        return (yield posted.pop(key))
+        return (yield from work.unpack((yield posted.pop(key))))
 
     def deliver(value: Any, key: tuple[str, int, int], dst: int, tag: int) -> None:
         if dst == ctx.rank:
             local[key] = value
         else:
-            sends.append(ctx.comm.send(value, dst=dst, tag=tag, async_op=True))
+            sends.append(ctx.comm.send(work.pack(value), dst=dst, tag=tag, async_op=True))
 
     if passes:
         post(passes[0])
@@ -160,6 +165,13 @@ class UniformStage:
 
     def message(self) -> Any:
         return MetaTensor((0,), "bf16")
+
+    def pack(self, value: Any) -> Any:
+        return value
+
+    def unpack(self, message: Any) -> Generator[Any, Any, Any]:
+        return message
+        yield
 
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
         self._kernel("F", self.cfg.t_f)

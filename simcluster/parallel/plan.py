@@ -39,6 +39,9 @@ class Plan:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)
     zero_over: str = "dp_cp"
+    # pp > 1 with tp > 1 and no sp: each tp rank sends 1/tp of a pipeline message and the receiving
+    # stage all-gathers the parts over tp (Narayanan et al. 2021, section 4.1)
+    scatter_gather: bool = False
     checkpoint: Any = None  # checkpoint.Checkpointing: save after a step, or resume (exact and fast modes)
 
     def __post_init__(self) -> None:
@@ -57,16 +60,21 @@ class Plan:
         computes whole score rows on contiguous chunks: nothing to balance)."""
         return cp > 1 and self.attention in ("ring", "allgather") and self.model.causal
 
-    def alike(self, tp: int) -> tuple[str, ...]:
+    def alike(self, tp: int, cp: int = 1) -> tuple[str, ...]:
         """The mesh axes along which ranks run the same kernels on the same shapes, differing only
         in their data: what a meta-mode simulation may fold (engine/fold.py). dp always; tp unless
         kv heads are replicated over tp ranks (one of each kv head's copies adds its input gradient),
         or something is offloaded to NVMe (a node's ranks share its drives: folding dp keeps whole
-        nodes, folding tp would leave a node's tp peers' transfers out)."""
+        nodes, folding tp would leave a node's tp peers' transfers out); cp with Ulysses where tp
+        folds and each cp rank gets its own kv heads (the ring and all-gather attention give each
+        rank other blocks of a causal mask; RSA's rings are its own)."""
         kv, d = self.model.kv_heads, self.data
         if "nvme" in (d.offload_optimizer, d.offload_params):
             return ("dp",)
-        return ("dp", "tp") if self.model.arch != "llama" or kv is None or tp <= kv else ("dp",)
+        if self.model.arch == "llama" and kv is not None and tp > kv:
+            return ("dp",)
+        own = self.model.arch != "llama" or kv is None or (kv // tp) % cp == 0
+        return ("dp", "tp", "cp") if self.attention == "ulysses" and own else ("dp", "tp")
 
     def shape(self, pp: int) -> PipelineShape:
         return PipelineShape(pp, self.data.micro_batches, self.virtual)
