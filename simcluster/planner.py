@@ -207,7 +207,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     calls = passes * 2 * math.ceil(model.layers / p) * m  # two all-reduces a layer a pass, on the busiest stage
     tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],
-                                               2 * (t - 1) / t * message / nvlink, 1, t)
+                                               2 * (t - 1) / t * message / nvlink, 1, t, message)
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
     across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
     gathers = 0.0
@@ -282,13 +282,13 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
 
 
 def _call(spec: Any, kind: CommKind, steps: list[tuple[int, str]], seconds: float, nodes: int,
-          per_node: float) -> float:
+          per_node: float, nbytes: float | None = None) -> float:
     """A collective's seconds: its bytes' `seconds` at the links' full rate, and with NCCL's protocols
-    (topology/nccl.py) the latency and rate of the one it picks; the textbook model's few us of latency
-    are left out."""
+    (topology/nccl.py) the latency and rate of the one it picks (an all-reduce of `nbytes`: of the
+    ring's or the tree's); the textbook model's few us of latency are left out."""
     if spec.collectives != "nccl" or spec.torus:
         return seconds
-    return nccl.choose(kind, steps, seconds * 1e9, nodes, per_node)[2] / 1e9
+    return nccl.choose(kind, steps, seconds * 1e9, nodes, per_node, nbytes)[2] / 1e9
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:

@@ -75,3 +75,58 @@ def test_the_textbook_model_is_a_scenario_key_and_a_wrong_value_is_one_line():
     with pytest.raises(ScenarioError, match="cluster.collectives") as e:
         load(None, sets + ["cluster.collectives=ring"]).cluster_spec()
     assert "\n" not in str(e.value)
+
+
+# tuning.cc (2.19/2.20), the tree (all-reduce only): base latency, a hop's over NVLink (the chain through
+# a node's GPUs) and over the network (the double binary tree between nodes), in us; its bus bandwidth
+# times 0.92 (LL: / 3.8; LL128: x 120/128 across nodes), half of it an algorithm's, and by message size
+# (powers of two from 64 B) treeCorrectionFactor
+TREE_BASE = {"LL": 6.8, "LL128": 14.0, "Simple": 0.0}
+TREE_NVLINK = {"LL": 0.6, "LL128": 1.25, "Simple": 28.0}
+TREE_NET = {"LL": 5.0, "LL128": 8.5, "Simple": 28.0}
+TREE_SHARE = {"LL": 0.92 / 3.8, "LL128": 0.92 * 120 / 128, "Simple": 0.92}
+CORRECTION = {
+    "LL": [1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0],
+    "LL128": [1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0],
+    "Simple": [.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9],
+}
+
+
+def across_nodes(k, m, S):
+    """(time in ns, algorithm, protocol) for an all-reduce of S bytes over m nodes of k GPUs: the
+    hierarchical ring (plans.py; the test above) by each protocol, and the tree by each, whose bytes
+    NCCL's model times at 0.5 x its share x the correction where the ring's at n/2(n-1): the ring's
+    time for them times n/(n-1) over share x correction."""
+    n = k * m
+    ring_bytes = 2 * (k - 1) * S / (k * B_NVL) + 2 * (m - 1) * (S / k) / (m * B_IB)
+    share = {"LL": 1 / 4, "LL128": 0.92, "Simple": 1.0}
+    options = [((1.4 if p == "Simple" else 1.0) * (BASE[p] + 2 * (k - 1) * NVLINK_STEP[p]
+                                                   + 2 * (m - 1) * NET_STEP[p]) * 1000 + ring_bytes / share[p], "ring", p)
+               for p in BASE]
+    size = max((S >> 6).bit_length() - 1, 0)
+    for p in BASE:
+        correction = CORRECTION[p][size] if size < 23 else 1.0
+        hops = (k - 1) * TREE_NVLINK[p] + (m.bit_length() - 1) * TREE_NET[p]
+        options.append(((TREE_BASE[p] + 2 * hops) * 1000 + ring_bytes * n / (n - 1) / (TREE_SHARE[p] * correction),
+                        "tree", p))
+    return min(options)
+
+
+@pytest.mark.parametrize("S,algorithm,protocol", [(64, "tree", "LL"), (64 * 2**10, "tree", "LL"),
+                                                  (2 * 2**20, "tree", "LL128"), (512 * 2**20, "ring", "Simple")])
+def test_an_all_reduce_over_many_nodes_goes_by_the_tree_until_it_is_large(S, algorithm, protocol):
+    """16 nodes of 8: 64 bytes pay the tree's 6.8 + 2 (7 x 0.6 + 4 x 5.0) = 55.2 us of LL latency, not
+    the ring's 2 x 15 network steps; medium sizes take the tree at its corrected rate; 512 MiB the ring."""
+    k, m = 8, 16
+    want, algo, proto = across_nodes(k, m, S)
+    assert (algo, proto) == (algorithm, protocol)
+    assert abs(nccl_lone("all_reduce", k * m, S, nodes=m, per_node=k) - want) <= 3
+    if S == 64:
+        assert abs(want - 55_200) < 10
+
+
+def test_reduce_scatter_and_all_gather_never_go_by_the_tree():
+    """NCCL's tree is an all-reduce's: a tiny all-gather over 16 nodes still pays the ring's steps."""
+    k, m, S = 8, 16, 64 * 16 * 8
+    got = nccl_lone("all_gather", k * m, S, nodes=m, per_node=k)
+    assert got > (BASE["LL"] + (m - 1) * NET_STEP["LL"]) * 1000

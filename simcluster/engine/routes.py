@@ -37,11 +37,11 @@ def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> Route:
     return steps, sent, alone, frozenset(links)
 
 
-def _protocol(call: Call, phases: list[Any], raw: list[Any], cluster: Cluster,
-              network: Network) -> tuple[list[int], float]:
-    """The NCCL protocol's phase latencies and share of the links' rate (topology/nccl.py): a phase's
-    steps cross the network if any of its flows leaves a node; its bytes take what its busiest link
-    needs for them."""
+def _protocol(call: Call, phases: list[Any], raw: list[Any], cluster: Cluster, network: Network,
+              nbytes: float) -> tuple[list[int], float]:
+    """The NCCL algorithm and protocol's phase latencies and share of the links' rate
+    (topology/nccl.py) for a call of `nbytes`: a phase's steps cross the network if any of its flows
+    leaves a node; its bytes take what its busiest link needs for them."""
     steps = [(phase.steps, nccl.NVLINK if all(cluster.same_node(a, b) for a, b, _ in phase.flows) else nccl.NET)
              for phase in phases]
     simple_ns = 0.0
@@ -52,8 +52,9 @@ def _protocol(call: Call, phases: list[Any], raw: list[Any], cluster: Cluster,
                 load[link] = load.get(link, 0.0) + b
         simple_ns += max((b / network.capacity[link] for link, b in load.items()), default=0.0)
     nodes = len({cluster.node_of(r) for r in call.members})
-    protocol, rate, _ = nccl.choose(call.kind, steps, simple_ns, nodes, len(call.members) / nodes)
-    return nccl.latency_ns(protocol, call.kind, steps, nodes), rate
+    per_node = len(call.members) / nodes
+    protocol, rate, _ = nccl.choose(call.kind, steps, simple_ns, nodes, per_node, nbytes)
+    return nccl.latency_ns(protocol, call.kind, steps, nodes, per_node), rate
 
 
 def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) -> Route:
@@ -106,7 +107,7 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
         prepared = [network.prepare(flows) for flows in raw]
         latencies = alpha
         if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
-            latencies, rate = _protocol(call, phases, raw, cluster, network)
+            latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
             if rate != 1.0:  # the protocol's share of the links' rate: its bytes take that much longer
                 prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
         cached = routes[key] = _timed(list(zip(latencies, prepared)),
