@@ -79,11 +79,13 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
             return
         share = max(1, m["global_batch"] // sc.parallel["dp"])  # sequences a step, a data-parallel rank
         micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
-        # one replica's kernels; every cp rank runs, and unfolded every dp and tp rank too
+        # one replica's kernels; every cp rank runs (but with Ulysses, which may fold them), and
+        # unfolded every dp and tp rank too
         p = sc.parallel
         faulty = faults_of(sc) is not None
         cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
-        copies = p["cp"] * (1 if fold and not faulty and not cluster else p["dp"] * p["tp"])
+        folds = fold and not faulty and not cluster
+        copies = (1 if folds and p["attention"] == "ulysses" else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
         steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
         rounds = pipeline_steady.plan(m, p) if repeat and not faulty else None
         if rounds is not None:  # (three short runs: pipeline_steady.py)
@@ -91,7 +93,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
         seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
         if seconds > LIMIT_S or nbytes > memory:
-            why = "" if copies == p["cp"] else (
+            why = "" if folds else (
                 f" x {copies:,} copies: every dp and tp rank runs, " + (
                     "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster
                     else "--no-fold"))
@@ -100,7 +102,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                 f"{micro} micro-batches x "
                 f"{m['layers']:,} layers{why}): at least {_duration(seconds)} and {_bytes(nbytes)} here (this machine "
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
-                (", or the mesh" if copies > p["cp"] else ""))
+                ("" if folds else ", or the mesh"))
         return
     p = sc.parallel
     v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1

@@ -256,7 +256,8 @@ def _status(outcome: Outcome, err: Console) -> int:
 
 
 def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -> int:
-    """`simcluster plan`: the search, with a bar over the simulations on an interactive stderr."""
+    """`simcluster plan`: the search, with a bar over the simulations on an interactive stderr (a line
+    for each elsewhere)."""
     from simcluster.planner import parse_fixed, search
     from simcluster.viz.plan_view import plan_data, plan_table
 
@@ -274,8 +275,11 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
                 progress.update(task, total=n, completed=i, description=f"simulating {layout.label()}")
 
             found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed)
-    else:
-        found = search(scenario, simulate=args.simulate, fold=args.fold, fixed=fixed)
+    else:  # (a log or a pipe: a line a simulation, which may take minutes at scale)
+        def on_simulate(i: int, n: int, layout: Any) -> None:
+            err.print(f"simulating {i + 1} of {n}: {layout.label()}", highlight=False, soft_wrap=True)
+
+        found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed)
     if not found.rows:
         if not found.valid:
             err.print(f"[bold red]error:[/] no valid layout of {scenario.name!r} among the {found.examined} "

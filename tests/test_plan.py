@@ -47,9 +47,10 @@ def test_the_estimate_refuses_what_the_plan_refuses():
 def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
     args = ["plan", "--simulate", "1", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
     assert main(args) == 0
-    first = capsys.readouterr().out
+    first, progress = capsys.readouterr()
     assert main(args) == 0
     assert capsys.readouterr().out == first
+    assert progress.startswith("simulating 1 of 1: TP")  # (stderr is no terminal: a line a simulation)
     rows = json.loads(first)["rows"]
     assert len(rows) == 1 and rows[0]["memory"]["fits"]
     assert main(args + ["--set", "cluster.memory_gbyte=0.001"]) == 3  # 1 MB GPUs: nothing fits
