@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -124,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     scenario_arguments(plan)
     plan.add_argument("--simulate", type=int, default=8, metavar="K",
                       help="how many of the best estimated layouts to simulate (default 8)")
+    plan.add_argument("--jobs", type=int, default=None, metavar="N",
+                      help="simulations run at a time, each in a process of its own with its own memory (default: "
+                           f"the CPUs, at most {JOBS}); the same table whatever N")
     plan.add_argument("--json", action="store_true", help="print the search as one JSON document instead")
     plan.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUES",
                       help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
@@ -195,6 +199,7 @@ def torch_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --backend torch: report a collective not finished after S seconds (default 120)")
 
 
+JOBS = 4  # plan's default simulations at a time (at most): each holds a simulation's memory
 EXPORT_EVENTS = 10_000_000  # beyond this, `export` of a folded run writes the simulated ranks only
 
 
@@ -263,6 +268,9 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
 
     if args.simulate < 1:
         raise ScenarioError(f"--simulate must be at least 1, got {args.simulate}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ScenarioError(f"--jobs must be at least 1, got {args.jobs}")
+    jobs = args.jobs or min(os.cpu_count() or 1, JOBS)
     fixed = parse_fixed(args.fix)
     if err.is_terminal:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -274,12 +282,14 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
             def on_simulate(i: int, n: int, layout: Any) -> None:
                 progress.update(task, total=n, completed=i, description=f"simulating {layout.label()}")
 
-            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed)
+            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed,
+                           jobs=jobs)
     else:  # (a log or a pipe: a line a simulation, which may take minutes at scale)
         def on_simulate(i: int, n: int, layout: Any) -> None:
             err.print(f"simulating {i + 1} of {n}: {layout.label()}", highlight=False, soft_wrap=True)
 
-        found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed)
+        found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed,
+                       jobs=jobs)
     if not found.rows:
         if not found.valid:
             err.print(f"[bold red]error:[/] no valid layout of {scenario.name!r} among the {found.examined} "

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
@@ -39,7 +41,7 @@ from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import Outcome, plan_of, run_scenario
+from simcluster.runner import plan_of, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
@@ -89,11 +91,7 @@ class Estimate:
 class Row:
     layout: Layout
     estimate: Estimate
-    outcome: Outcome
-
-    @property
-    def report(self) -> dict[str, Any]:
-        return self.outcome.report
+    report: dict[str, Any]  # the simulation's (runner.run_scenario, meta mode)
 
 
 @dataclass(frozen=True)
@@ -326,9 +324,10 @@ def bottleneck(report: dict[str, Any]) -> str:
 
 
 def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, Layout], None] | None = None,
-           fold: bool = True, fixed: dict[str, tuple[Any, ...]] | None = None) -> Search:
+           fold: bool = True, fixed: dict[str, tuple[Any, ...]] | None = None, jobs: int = 1) -> Search:
     """Estimate every layout (those with the `fixed` values), simulate the `simulate` best that fit,
-    best first."""
+    best first; `jobs` simulations at a time, each in a process of its own (the same rows, in the same
+    order, however many)."""
     if sc.run["program"] != "gpt":
         raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run['program']!r}")
     base = replace(sc, run={**sc.run, "numerics": "meta", "verify": False, "steps": 1})
@@ -344,13 +343,40 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
                      key=lambda e: (e.seconds, e.memory_bytes, e.layout.label(), e.layout.zero,
                                     e.layout.micro_batch, e.layout.recompute))
     stage1 = time.perf_counter() - start
-    rows = []
-    for i, e in enumerate(fitting[:simulate]):
-        if on_simulate is not None:
-            on_simulate(i, min(simulate, len(fitting)), e.layout)
-        rows.append(Row(e.layout, e, run_scenario(e.layout.scenario(base), fold=fold, trace=False)))
+    chosen = fitting[:simulate]
+    scenarios = [e.layout.scenario(base) for e in chosen]
+    announce = None if on_simulate is None else lambda i: on_simulate(i, len(chosen), chosen[i].layout)
+    reports = _simulated(scenarios, fold, jobs, announce)
+    rows = [Row(e.layout, e, r) for e, r in zip(chosen, reports)]
     rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
     return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
+
+
+def _report(sc: Scenario, fold: bool) -> dict[str, Any]:
+    return run_scenario(sc, fold=fold, trace=False).report
+
+
+def _simulated(scenarios: list[Scenario], fold: bool, jobs: int,
+               announce: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    """Each scenario's report: one after the other, or `jobs` worker processes at a time (taken in
+    order: `announce(i)` as the i-th is waited for)."""
+    if jobs <= 1 or len(scenarios) <= 1:
+        reports = []
+        for i, one in enumerate(scenarios):
+            if announce is not None:
+                announce(i)
+            reports.append(_report(one, fold))
+        return reports
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)  # (no re-import where it can)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(scenarios)), mp_context=context) as pool:
+        futures = [pool.submit(_report, one, fold) for one in scenarios]
+        reports = []
+        for i, future in enumerate(futures):
+            if announce is not None:
+                announce(i)
+            reports.append(future.result())
+        return reports
 
 
 def _capacity(sc: Scenario) -> float:

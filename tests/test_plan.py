@@ -44,6 +44,22 @@ def test_the_estimate_refuses_what_the_plan_refuses():
             assert per % lay.pp == 0
 
 
+def test_simulations_in_worker_processes_give_the_same_table_and_progress(capsys):
+    """--jobs 3 runs the three simulations side by side, each in its own process: the same JSON, and
+    the same progress lines in the same order, as one after the other; --jobs 0 is one line."""
+    args = ["plan", "--simulate", "3", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
+    assert main(args + ["--jobs", "1"]) == 0
+    alone = capsys.readouterr()
+    assert main(args + ["--jobs", "3"]) == 0
+    together = capsys.readouterr()
+    assert together.out == alone.out
+    assert together.err.splitlines()[:-1] == alone.err.splitlines()[:-1]  # (the last: the estimate's rate)
+    assert len(alone.err.splitlines()) == 4 and len(json.loads(alone.out)["rows"]) == 3
+    assert main(args + ["--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
     args = ["plan", "--simulate", "1", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
     assert main(args) == 0
