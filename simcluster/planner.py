@@ -38,7 +38,8 @@ from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
 from simcluster.model.precision import model_state_bytes
 from simcluster.parallel.pipeline import partition
-from simcluster.parallel.pipeline_schedules import placement
+from simcluster.numerics.tensor import ITEMSIZE
+from simcluster.parallel.pipeline_schedules import deferred, passes as stage_passes, placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import plan_of, run_scenario
@@ -52,6 +53,7 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = ("none", "selective", "full")
 # The pipeline schedules searched, each with its bubble as a share of (p-1)/(mv) (the module docstring)
 BUBBLE = {"1f1b": 1, "interleaved": 1, "zb-h1": 3, "zb-v": 6}
+DEFERRING = ("zb-h1", "zb-v")  # schedules whose W passes hold a micro-batch's activations after its B
 
 
 @dataclass(frozen=True)
@@ -181,17 +183,28 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     per_layer = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0.")) / t
     edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last; one stage: both)
     psi = math.ceil(model.layers / p) * per_layer + edge * (2 if p == 1 and not model.tied_head else 1)
+    # what the fullest stage holds: ZB-V's first stage has the embedding and the head (its V's two ends)
+    held_psi = psi + (edge if layout.schedule == "zb-v" and p > 1 and not model.tied_head else 0.0)
     n = layout.dp * c  # ZeRO shards over dp x cp
     state = model_state_bytes(1, data.precision)
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
-    states = psi * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
+    states = held_psi * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
     act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                       sp=t > 1 and bool(layout.sp),
                       recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
-    in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
+    if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
+        place = placement(plan.schedule, plan.shape(p))
+        sizes = [len(r) for r in partition(model.layers, place.pieces)]
+        # the LM head's cache: its logits' exponentials (b, s/c, V/t) and its input before and after the norm
+        head = layout.micro_batch * model.seq / c * (model.vocab / t + 2 * model.hidden) * ITEMSIZE[model.dtype]
+        held = max(sum(n * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0)) for piece, n in stage)
+                   for stage in _held(plan.schedule, plan.shape(p)))
+    else:
+        in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
+        held = act * math.ceil(model.layers / p) * in_flight
     # the larger of the backward's activations and the optimizer step's fp32 gradients (dp_wrap.py)
-    step = 0.0 if data.precision == "fp32" else 4 * psi / shard[2]
-    memory = states + max(act * math.ceil(model.layers / p) * in_flight, step)
+    step = 0.0 if data.precision == "fp32" else 4 * held_psi / shard[2]
+    memory = states + max(held, step)
 
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
@@ -216,6 +229,29 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     exchange = _context_exchange(lsc.parallel["attention"], layout, model, spec, nvlink, nodes) * model.layers / p * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers
                     + _reduction(sc, layout, psi, n, m, across, compute))
+
+
+@functools.lru_cache(maxsize=1024)
+def _held(schedule: Any, shape: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, (piece, the most micro-batches of it that the stage holds at once), a micro-batch
+    held from its F pass to its B pass, or to its W pass where the schedule defers that (zero-bubble
+    schedules: the piece's activations wait for the weight gradients, the last piece's LM head too)."""
+    place = placement(schedule, shape)
+    out = []
+    for stage in range(shape.stages):
+        mine = stage_passes(schedule, shape, stage)
+        split = deferred(mine)
+        now: dict[int, int] = {}
+        most: dict[int, int] = {}
+        for kind, j, g in mine:
+            piece = place.piece[g]
+            if kind == "F":
+                now[piece] = now.get(piece, 0) + 1
+                most[piece] = max(most.get(piece, 0), now[piece])
+            elif kind == "W" or (j, g) not in split:
+                now[piece] -= 1
+        out.append(tuple(sorted(most.items())))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)

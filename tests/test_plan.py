@@ -95,7 +95,10 @@ def test_fixed_fields_narrow_the_search_and_a_bad_fix_is_one_line(capsys):
 def test_the_zero_bubble_schedules_are_searched_and_estimated_below_1f1b():
     """The same pipeline under 1F1B, ZB-H1 and ZB-V: the estimate's bubble shrinks (p-1)/m, /3, /6;
     ZB-V (two chunks a stage) is refused where 2 pp > layers, as the plan refuses it; and the
-    simulator agrees on the order (its bubbles are test_pipeline's closed forms)."""
+    simulator agrees on the order (its bubbles are test_pipeline's closed forms). Memory: the
+    zero-bubble schedules hold a micro-batch until its W pass (the last stage's LM head cache too),
+    and ZB-V's first stage holds the embedding and the head: each estimate within 4 % of the peak
+    simulated, ZB-H1's and ZB-V's above 1F1B's."""
     from dataclasses import replace
 
     sc = load(None, SMALL)
@@ -103,12 +106,15 @@ def test_the_zero_bubble_schedules_are_searched_and_estimated_below_1f1b():
                  == (1, 2, 1, 0, 1, "none")]
     assert [lay.schedule for lay in pipelined] == ["1f1b", "interleaved", "zb-h1", "zb-v"]
     one, _, h1, v = (estimate(sc, lay) for lay in pipelined)
-    assert v.seconds < h1.seconds < one.seconds and v.memory_bytes == h1.memory_bytes == one.memory_bytes
+    assert v.seconds < h1.seconds < one.seconds and v.memory_bytes > h1.memory_bytes > one.memory_bytes
     deep = next(lay for lay in layouts(sc) if lay.pp == 4 and lay.schedule == "zb-v")
     assert estimate(sc, deep) is None  # 2 x 4 chunks of a 4-layer model
     assert estimate(sc, replace(deep, schedule="zb-h1")) is not None
-    steps = [run_scenario(lay.scenario(sc)).report["step_time_ns"] for lay in (pipelined[0], pipelined[2], pipelined[3])]
+    reports = [run_scenario(lay.scenario(sc)).report for lay in (pipelined[0], pipelined[2], pipelined[3])]
+    steps = [r["step_time_ns"] for r in reports]
     assert steps[2] < steps[1] < steps[0]
+    for e, r in zip((one, h1, v), reports):
+        assert abs(e.memory_bytes / r["memory"]["peak_bytes"] - 1) < 0.04
     assert pipelined[2].label() == "TP1 PP2 ZB-H1 CP1 DP4"
 
 

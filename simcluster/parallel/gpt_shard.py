@@ -272,7 +272,7 @@ class GPTShard:
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
-                          "sum_e": sum_e, "w": w}
+                          "sum_e": sum_e}  # (not w: a weight, which the backward takes again, not an activation)
 
     # -- backward -----------------------------------------------------------------------------------
     def head_backward(self, p: dict[str, Any], hc: dict[str, Any], tokens: int, scale: float, grads: dict[str, Any],
@@ -291,7 +291,8 @@ class GPTShard:
             defer.append(("head", w_grad))
         else:
             grads["head"] = w_grad()
-        dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(hc["w"]), partial=True))
+        w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
+        dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(w), partial=True))
         return self.norm_backward(dxf, hc["x_final"], p, "lnf", hc["stats"], grads)
 
     def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
