@@ -6,7 +6,9 @@ Two stages, as an engineer would search:
    recomputation that the plan's checks accept is estimated in
    closed form: memory per GPU (model states by ZeRO stage, Rajbhandari et al. 2020; activations by
    Korthikanti et al. 2022, times the micro-batches a first stage holds: p for 1F1B, p(1 + (p-1)/pv)
-   interleaved, Narayanan et al. 2021; or, if more, the optimizer step's fp32 copy of the gradients
+   interleaved, Narayanan et al. 2021; for ZB-H1 and ZB-V, which hold a micro-batch to its W pass,
+   each stage's pieces as often as its passes hold them, the LM head's cache with the last; or, if
+   more, the optimizer step's fp32 copy of the gradients
    it updates, 4 bytes each in mixed precision) and time (the busiest stage's hardware FLOPs -- its
    layers, the last one's LM head too -- at the device's achievable rate, stretched by the pipeline
    bubble: (p-1)/m for 1F1B, (p-1)/(mv) interleaved, and with the
@@ -37,8 +39,8 @@ from simcluster.model.activations import layer_bytes
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
 from simcluster.model.precision import model_state_bytes
-from simcluster.parallel.pipeline import partition
 from simcluster.numerics.tensor import ITEMSIZE
+from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import deferred, passes as stage_passes, placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
@@ -197,8 +199,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         sizes = [len(r) for r in partition(model.layers, place.pieces)]
         # the LM head's cache: its logits' exponentials (b, s/c, V/t) and its input before and after the norm
         head = layout.micro_batch * model.seq / c * (model.vocab / t + 2 * model.hidden) * ITEMSIZE[model.dtype]
-        held = max(sum(n * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0)) for piece, n in stage)
-                   for stage in _held(plan.schedule, plan.shape(p)))
+        held = max(sum(count * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0))
+                       for piece, count in stage) for stage in _held(plan.schedule, plan.shape(p)))
     else:
         in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
         held = act * math.ceil(model.layers / p) * in_flight
