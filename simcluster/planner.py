@@ -405,9 +405,8 @@ def _simulated(scenarios: list[Scenario], fold: bool, jobs: int,
                 announce(i)
             reports.append(_report(one, fold))
         return reports
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)  # (no re-import where it can)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(scenarios)), mp_context=context) as pool:
+    # (the platform's own start method: fork on Linux; spawn on macOS, where forking is unsafe)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(scenarios)), mp_context=multiprocessing.get_context()) as pool:
         futures = [pool.submit(_report, one, fold) for one in scenarios]
         reports = []
         for i, future in enumerate(futures):
