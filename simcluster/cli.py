@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -272,21 +273,19 @@ def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -
         raise ScenarioError(f"--jobs must be at least 1, got {args.jobs}")
     jobs = args.jobs or min(os.cpu_count() or 1, JOBS)
     fixed = parse_fixed(args.fix)
-    if err.is_terminal:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    with contextlib.ExitStack() as stack:
+        if err.is_terminal:  # a bar over the simulations
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
-                      transient=True) as progress:
+            progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(),
+                                                    TimeElapsedColumn(), console=err, transient=True))
             task = progress.add_task("estimating every layout", total=None)
 
             def on_simulate(i: int, n: int, layout: Any) -> None:
                 progress.update(task, total=n, completed=i, description=f"simulating {layout.label()}")
-
-            found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed,
-                           jobs=jobs)
-    else:  # (a log or a pipe: a line a simulation, which may take minutes at scale)
-        def on_simulate(i: int, n: int, layout: Any) -> None:
-            err.print(f"simulating {i + 1} of {n}: {layout.label()}", highlight=False, soft_wrap=True)
+        else:  # a log or a pipe: a line a simulation, which may take minutes at scale
+            def on_simulate(i: int, n: int, layout: Any) -> None:
+                err.print(f"simulating {i + 1} of {n}: {layout.label()}", highlight=False, soft_wrap=True)
 
         found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed,
                        jobs=jobs)
