@@ -10,15 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
-from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
 
 class FlatBuffers:
-    """Mixed into Ops, whose `_cost(name, shape, flops_per, tensors)` charges the one kernel here."""
+    """Mixed into Ops, whose `_cost(name, shape, flops_per, tensors)` charges the one kernel here and whose
+    `xp` (arrays.py) holds the numbers."""
 
     _cost: Any
+    xp: Any
 
     def flat(self, xs: list[Any]) -> Any:
         """The tensors (arrays or partials) as one 1-D buffer, in order."""
@@ -28,8 +28,9 @@ class FlatBuffers:
         if isinstance(first, MetaTensor):
             return MetaTensor((total,), first.dtype, first.partial)
         if isinstance(first, Partial):
-            return Partial(np.concatenate([x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs]), first.dtype)
-        return np.concatenate([np.asarray(x).reshape(-1) for x in xs])
+            return Partial(first.xp.concat([x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs], 0), first.dtype,
+                           first.xp)
+        return self.xp.concat([x.reshape(-1) for x in xs], 0)
 
     def unflat(self, flat: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
         """Inverse of `flat` (views); trailing padding is ignored."""
@@ -39,7 +40,8 @@ class FlatBuffers:
             if isinstance(flat, MetaTensor):
                 out.append(MetaTensor(tuple(shape), flat.dtype, flat.partial))
             elif isinstance(flat, Partial):
-                out.append(Partial(flat.limbs[at:at + n].reshape(tuple(shape) + (flat.limbs.shape[-1],)), flat.dtype))
+                out.append(Partial(flat.limbs[at:at + n].reshape(tuple(shape) + (flat.limbs.shape[-1],)), flat.dtype,
+                                   flat.xp))
             else:
                 out.append(flat[at:at + n].reshape(shape))
             at += n
@@ -54,8 +56,10 @@ class FlatBuffers:
         if isinstance(flat, MetaTensor):
             return MetaTensor((size,), flat.dtype, flat.partial)
         if isinstance(flat, Partial):
-            return Partial(np.concatenate([flat.limbs, np.zeros((size - n, flat.limbs.shape[-1]), flat.limbs.dtype)]), flat.dtype)
-        return np.concatenate([flat, np.zeros(size - n, dtype=flat.dtype)])
+            xp = flat.xp
+            pad = xp.zeros((size - n, flat.limbs.shape[-1]), xp.name(flat.limbs.dtype))
+            return Partial(xp.concat([flat.limbs, pad], 0), flat.dtype, xp)
+        return self.xp.concat([flat, self.xp.zeros((size - n,), self.xp.name(flat.dtype))], 0)
 
     def chunk(self, flat: Any, parts: int, index: int) -> Any:
         """Part `index` of `parts` equal parts of a 1-D buffer (a view)."""
@@ -63,7 +67,7 @@ class FlatBuffers:
         if isinstance(flat, MetaTensor):
             return MetaTensor((n,), flat.dtype, flat.partial)
         if isinstance(flat, Partial):
-            return Partial(flat.limbs[index * n:(index + 1) * n], flat.dtype)
+            return Partial(flat.limbs[index * n:(index + 1) * n], flat.dtype, flat.xp)
         return flat[index * n:(index + 1) * n]
 
     def retag(self, p: Any, dtype: str) -> Any:
@@ -75,5 +79,5 @@ class FlatBuffers:
         if isinstance(p, Partial):
             if p.exact:
                 return Partial(p.limbs, dtype)
-            return Partial.accumulating(p.finalize(numpy_dtype(dtype_name(dtype))), dtype)
-        return np.asarray(p).astype(numpy_dtype(dtype_name(dtype)))
+            return Partial.accumulating(p.finalize(dtype_name(dtype)), dtype, p.xp)
+        return self.xp.astype(p, dtype_name(dtype))

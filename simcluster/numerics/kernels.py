@@ -19,7 +19,10 @@ GELU_C = float(np.sqrt(2.0 / np.pi))
 
 
 class Num(Protocol):
-    """A mode's primitives. `partial` results are unrounded sums (Partial in exact mode)."""
+    """A mode's primitives. `partial` results are unrounded sums (Partial in exact mode); `xp` is the
+    array namespace of its numbers (arrays.py), which everything elementwise here goes through."""
+
+    xp: Any
 
     def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any: ...
 
@@ -34,35 +37,35 @@ class Num(Protocol):
     def tanh(self, x: np.ndarray) -> np.ndarray: ...
 
 
-def _c(x: np.ndarray, value: float) -> Any:
+def _c(num: Num, x: Any, value: float) -> Any:
     """A constant in x's dtype (rounded once)."""
-    return x.dtype.type(value)
+    return num.xp.const(x, value)
 
 
 # -- GELU (tanh approximation, as GPT-2) ---------------------------------------------------------
 
 def gelu(num: Num, x: np.ndarray) -> np.ndarray:
-    inner = _c(x, GELU_C) * (x + _c(x, 0.044715) * x * x * x)
-    return _c(x, 0.5) * x * (_c(x, 1.0) + num.tanh(inner))
+    inner = _c(num, x, GELU_C) * (x + _c(num, x, 0.044715) * x * x * x)
+    return _c(num, x, 0.5) * x * (_c(num, x, 1.0) + num.tanh(inner))
 
 
 def gelu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
-    inner = _c(x, GELU_C) * (x + _c(x, 0.044715) * x * x * x)
+    inner = _c(num, x, GELU_C) * (x + _c(num, x, 0.044715) * x * x * x)
     th = num.tanh(inner)
-    dinner = _c(x, GELU_C) * (_c(x, 1.0) + _c(x, 3 * 0.044715) * x * x)
-    grad = _c(x, 0.5) * (_c(x, 1.0) + th) + _c(x, 0.5) * x * (_c(x, 1.0) - th * th) * dinner
+    dinner = _c(num, x, GELU_C) * (_c(num, x, 1.0) + _c(num, x, 3 * 0.044715) * x * x)
+    grad = _c(num, x, 0.5) * (_c(num, x, 1.0) + th) + _c(num, x, 0.5) * x * (_c(num, x, 1.0) - th * th) * dinner
     return dy * grad
 
 
 def silu(num: Num, x: np.ndarray) -> np.ndarray:
     """x sigmoid(x) = x / (1 + exp(-x)), with our layout-independent exp."""
-    return x / (_c(x, 1.0) + num.exp(-x))
+    return x / (_c(num, x, 1.0) + num.exp(-x))
 
 
 def silu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
     """dy sigmoid(x) (1 + x (1 - sigmoid(x)))."""
-    sig = _c(x, 1.0) / (_c(x, 1.0) + num.exp(-x))
-    return dy * (sig * (_c(x, 1.0) + x * (_c(x, 1.0) - sig)))
+    sig = _c(num, x, 1.0) / (_c(num, x, 1.0) + num.exp(-x))
+    return dy * (sig * (_c(num, x, 1.0) + x * (_c(num, x, 1.0) - sig)))
 
 
 # -- normalisation over the last dim (per token: never split) ------------------------------------
@@ -70,10 +73,10 @@ def silu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
 def layer_norm(num: Num, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float):
     """(y, mean, rstd); x (..., h)."""
     h = x.shape[-1]
-    mean = num.round(num.sum(x, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    mean = num.round(num.sum(x, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
     xc = x - mean
-    var = num.round(num.sum(xc * xc, -1, partial=True), x.dtype)[..., None] / _c(x, h)
-    rstd = _c(x, 1.0) / np.sqrt(var + _c(x, eps))
+    var = num.round(num.sum(xc * xc, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
+    rstd = _c(num, x, 1.0) / num.xp.sqrt(var + _c(num, x, eps))
     return xc * rstd * gamma + beta, mean, rstd
 
 
@@ -86,8 +89,8 @@ def layer_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarr
     dgamma = num.sum(dy * xhat, lead, partial=True)
     dbeta = num.sum(dy, lead, partial=True)
     g = dy * gamma
-    mean_g = num.round(num.sum(g, -1, partial=True), x.dtype)[..., None] / _c(x, h)
-    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    mean_g = num.round(num.sum(g, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
+    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
     dx = (g - mean_g - xhat * mean_gx) * rstd
     return dx, dgamma, dbeta
 
@@ -95,8 +98,8 @@ def layer_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarr
 def rms_norm(num: Num, x: np.ndarray, gamma: np.ndarray, eps: float):
     """(y, rstd); x (..., h)."""
     h = x.shape[-1]
-    ms = num.round(num.sum(x * x, -1, partial=True), x.dtype)[..., None] / _c(x, h)
-    rstd = _c(x, 1.0) / np.sqrt(ms + _c(x, eps))
+    ms = num.round(num.sum(x * x, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
+    rstd = _c(num, x, 1.0) / num.xp.sqrt(ms + _c(num, x, eps))
     return x * rstd * gamma, rstd
 
 
@@ -106,7 +109,7 @@ def rms_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray
     xhat = x * rstd
     dgamma = num.sum(dy * xhat, tuple(range(x.ndim - 1)), partial=True)
     g = dy * gamma
-    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(x, h)
+    mean_gx = num.round(num.sum(g * xhat, -1, partial=True), x.dtype)[..., None] / _c(num, x, h)
     return (g - xhat * mean_gx) * rstd, dgamma
 
 
@@ -114,19 +117,21 @@ def rms_norm_backward(num: Num, dy: np.ndarray, x: np.ndarray, gamma: np.ndarray
 
 def attention_scores(num: Num, q: np.ndarray, k: np.ndarray, scale: float, allowed: np.ndarray | None):
     """s = (q k^T) * scale, -inf where not allowed; q (b, a, s, d), k (b, a, k, d) -> (b, a, s, k)."""
-    s = num.round(num.einsum("basd,bakd->bask", q, k, partial=True), q.dtype) * _c(q, scale)
-    return s if allowed is None else np.where(allowed, s, _c(q, -np.inf))
+    s = num.round(num.einsum("basd,bakd->bask", q, k, partial=True), q.dtype) * _c(num, q, scale)
+    return s if allowed is None else num.xp.where(allowed, s, _c(num, q, -np.inf))
 
 
 def attention_weights(num: Num, s: np.ndarray, row_max: np.ndarray) -> np.ndarray:
     """e = exp(s - max) (0 where masked); row_max (b, a, s, 1) is the max over all keys (any order)."""
-    safe = np.where(np.isfinite(row_max), row_max, _c(s, 0.0))
-    return np.where(np.isfinite(s), num.exp(s - safe), _c(s, 0.0))
+    xp = num.xp
+    safe = xp.where(xp.isfinite(row_max), row_max, _c(num, s, 0.0))
+    return xp.where(xp.isfinite(s), num.exp(s - safe), _c(num, s, 0.0))
 
 
 def attention_output(num: Num, o_sum: Any, l_sum: Any, dtype: Any, drop_scale: float) -> np.ndarray:
     """out = round(sum_k e*keep*v) / round(sum_k e) * 1/(1-p): the one rounding point of the core."""
-    return num.round(o_sum, dtype) / num.round(l_sum, dtype)[..., None] * np.dtype(dtype).type(drop_scale)
+    out = num.round(o_sum, dtype) / num.round(l_sum, dtype)[..., None]
+    return out * _c(num, out, drop_scale)
 
 
 def attention_probs(num: Num, e: np.ndarray, l_sum: Any) -> np.ndarray:
@@ -145,27 +150,28 @@ def log_sum_exp(num: Num, row_max: np.ndarray, sum_exp: Any, dtype: Any) -> np.n
 
 def embedding_backward(num: Num, ids: np.ndarray, dy: np.ndarray, rows: int, row_offset: int = 0) -> Any:
     """Partial (rows, h): sum of dy over the tokens whose id falls in [row_offset, row_offset + rows)."""
+    xp = num.xp
     flat_ids = ids.reshape(-1) - row_offset
     mine = (flat_ids >= 0) & (flat_ids < rows)
-    onehot = np.zeros((flat_ids.size, rows), dtype=dy.dtype)
-    onehot[np.nonzero(mine)[0], flat_ids[mine]] = 1
+    onehot = xp.where(mine[:, None], xp.one_hot(xp.where(mine, flat_ids, 0), rows, dy.dtype), _c(num, dy, 0))
     return num.einsum("tv,th->vh", onehot, dy.reshape(-1, dy.shape[-1]), partial=True)
 
 
 # -- optimizers (elementwise, fp32 master weights) -------------------------------------------------
 
-def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, step: int, *, lr: float,
+def adam(xp: Any, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float,
          beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
     """AdamW step; returns (param, m, v). Bias corrections are rounded once, in the param dtype."""
-    c = param.dtype.type
+    def c(value: float) -> Any:
+        return xp.const(param, value)
     m = c(beta1) * m + c(1 - beta1) * grad
     v = c(beta2) * v + c(1 - beta2) * grad * grad
     mhat = m / c(1 - beta1 ** step)
     vhat = v / c(1 - beta2 ** step)
     if weight_decay:  # torch.optim.AdamW: p.mul_(1 - lr * wd) before the update
         param = param * c(1 - lr * weight_decay)
-    return param - c(lr) * mhat / (np.sqrt(vhat) + c(eps)), m, v
+    return param - c(lr) * mhat / (xp.sqrt(vhat) + c(eps)), m, v
 
 
-def sgd(param: np.ndarray, grad: np.ndarray, *, lr: float) -> np.ndarray:
-    return param - param.dtype.type(lr) * grad
+def sgd(xp: Any, param: Any, grad: Any, *, lr: float) -> Any:
+    return param - xp.const(param, lr) * grad

@@ -9,14 +9,17 @@ import numpy as np
 
 from simcluster.numerics import exact as _exact
 from simcluster.numerics import transcendental as _tr
+from simcluster.numerics.arrays import NUMPY
+from simcluster.numerics.dtypes import accumulator_name
 from simcluster.numerics.ops import Mode, Ops, Record, _broadcast
 from simcluster.numerics import kernels as _k
-from simcluster.numerics.limbs import BF16
-from simcluster.numerics.tensor import MetaTensor, Partial, accumulator_dtype, dtype_name
+from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
 
 
 class _ExactNum:
     """Exact mode's primitives: sums in limbs, transcendentals from correctly rounded operations."""
+
+    xp = NUMPY
 
     def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
         p = Partial(_exact.einsum(spec, a, b), dtype_name(np.result_type(a, b)))
@@ -39,42 +42,44 @@ class _ExactNum:
         return _tr.tanh(x).astype(x.dtype)
 
 
-class _FastNum:
-    """Fast mode's primitives, as a GPU computes: numpy floats, every sum accumulated in float32 (float64
-    for float64 data, for checking against torch) and rounded once to the data's dtype; a partial sum
-    stays in its accumulator (a fast Partial)."""
+class FastNum:
+    """Fast mode's primitives, as a GPU computes: floats of the array namespace `xp` (numpy here, torch on
+    a device), every sum accumulated in float32 (float64 for float64 data, for checking against torch)
+    and rounded once to the data's dtype; a partial sum stays in its accumulator (a fast Partial)."""
 
-    def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
-        dtype = np.result_type(a, b)
-        acc = accumulator_dtype(dtype)
-        out = np.einsum(spec, a.astype(acc, copy=False), b.astype(acc, copy=False), optimize=True)
-        return Partial.accumulating(out, dtype) if partial else np.asarray(out).astype(dtype, copy=False)
+    def __init__(self, xp: Any = NUMPY) -> None:
+        self.xp = xp
 
-    def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any:
-        out = np.sum(x, axis=axis, dtype=accumulator_dtype(x.dtype))
-        return Partial.accumulating(out, x.dtype) if partial else np.asarray(out).astype(x.dtype, copy=False)
+    def einsum(self, spec: str, a: Any, b: Any, partial: bool = False) -> Any:
+        xp = self.xp
+        dtype = xp.name(xp.result_type(a, b))
+        acc = accumulator_name(dtype)
+        out = xp.einsum(spec, xp.astype(a, acc, copy=False), xp.astype(b, acc, copy=False))
+        return Partial.accumulating(out, dtype, xp) if partial else xp.astype(out, dtype, copy=False)
 
-    def round(self, p: Any, dtype: Any) -> np.ndarray:
-        return p.finalize(dtype) if isinstance(p, Partial) else np.asarray(p, dtype=dtype)
+    def sum(self, x: Any, axis: Any, partial: bool = False) -> Any:
+        xp = self.xp
+        dtype = xp.name(x.dtype)
+        out = xp.sum(x, axis, accumulator_name(dtype))
+        return Partial.accumulating(out, dtype, xp) if partial else xp.astype(out, dtype, copy=False)
 
-    def exp(self, x: np.ndarray) -> np.ndarray:
-        return np.exp(x)
+    def round(self, p: Any, dtype: Any) -> Any:
+        return p.finalize(dtype) if isinstance(p, Partial) else self.xp.astype(p, dtype, copy=False)
 
-    def log(self, x: np.ndarray) -> np.ndarray:
-        return np.log(x)
+    def exp(self, x: Any) -> Any:
+        return self.xp.exp(x)
 
-    def tanh(self, x: np.ndarray) -> np.ndarray:
-        return np.tanh(x)
+    def log(self, x: Any) -> Any:
+        return self.xp.log(x)
 
-
-SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(BF16))
-
-
-def _sixteen(a: Any) -> bool:
-    return isinstance(a, np.ndarray) and a.dtype in SIXTEEN_BIT
+    def tanh(self, x: Any) -> Any:
+        return self.xp.tanh(x)
 
 
-class _Widened:
+SIXTEEN_BIT = ("fp16", "bf16")
+
+
+class Widened:
     """Kernels (numerics/kernels.py) as the fused GPU kernels run them on 16-bit data: inputs widened to
     float32, statistics (norms' mean and rstd, softmax's exponentials and sums) kept in float32, the
     main output rounded once to the data's dtype, partial sums tagged with it. The cross-entropy's
@@ -85,20 +90,26 @@ class _Widened:
 
     STAYS_WIDE = frozenset({"log_sum_exp"})
 
+    def __init__(self, xp: Any = NUMPY) -> None:
+        self.xp = xp
+
     def __getattr__(self, name: str) -> Callable:
-        kernel = getattr(_k, name)
+        kernel, xp = getattr(_k, name), self.xp
+
+        def sixteen(a: Any) -> bool:
+            return xp.is_array(a) and xp.name(a.dtype) in SIXTEEN_BIT
 
         def widened(num: Any, *args: Any) -> Any:
-            low = next((a.dtype for a in args if _sixteen(a)), None)
+            low = next((xp.name(a.dtype) for a in args if sixteen(a)), None)
             if low is None:
                 return kernel(num, *args)
-            out = kernel(num, *(a.astype(np.float32) if _sixteen(a) else
-                                np.float32 if isinstance(a, (type, np.dtype)) else a for a in args))
+            out = kernel(num, *(xp.astype(a, "fp32") if sixteen(a) else "fp32" if xp.is_dtype(a) else a
+                                for a in args))
             if name in self.STAYS_WIDE:
                 return out
             first, *rest = out if isinstance(out, tuple) else (out,)
-            first = first.astype(low)
-            rest = [Partial(r.limbs, dtype_name(low)) if isinstance(r, Partial) else r for r in rest]
+            first = xp.astype(first, low)
+            rest = [Partial(r.limbs, low, r.xp) if isinstance(r, Partial) else r for r in rest]
             return (first, *rest) if isinstance(out, tuple) else first
         return widened
 
@@ -128,14 +139,15 @@ class FastOps(Ops):
     """Plain numpy/BLAS float math; a 'partial' is just the unrounded-in-spirit float result."""
 
     mode = Mode.FAST
-    _num = _FastNum()
-    _kernels = _Widened()
+    _num = FastNum()
+    _kernels = Widened()
 
-    def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        dtype = np.result_type(a, b)
-        acc = accumulator_dtype(dtype)  # 16-bit storage accumulates in float32, as tensor cores do
-        out = np.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))
-        return Partial.accumulating(out, dtype) if partial else out.astype(dtype, copy=False)
+    def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
+        xp = self.xp
+        dtype = xp.name(xp.result_type(a, b))
+        acc = accumulator_name(dtype)  # 16-bit storage accumulates in float32, as tensor cores do
+        out = xp.matmul(xp.astype(a, acc, copy=False), xp.astype(b, acc, copy=False))
+        return Partial.accumulating(out, dtype, xp) if partial else xp.astype(out, dtype, copy=False)
 
     def _finalize(self, p: Any, dtype: Any) -> np.ndarray:
         return self._num.round(p, dtype)

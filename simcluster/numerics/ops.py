@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from simcluster.numerics import kernels as _k
+from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.flat import FlatBuffers
-from simcluster.numerics import random as _random
-from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, numpy_dtype
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
 Record = Callable[[str, Any, float], None]
@@ -47,10 +47,13 @@ def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Ops(FlatBuffers):
-    """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs."""
+    """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs. Every
+    number is made by `xp`, the array namespace (arrays.py): numpy on the host here, torch on the
+    rank's device in the torch backend (gpu_backend/torch_ops.py)."""
 
     mode: Mode
     _num: Any
+    xp: Any = NUMPY
     _kernels: Any = _k  # the transformer's kernels (fast mode widens 16-bit data for some)
 
     def __init__(self, record: Record | None = None, *, cost_dtype: str = "fp32") -> None:
@@ -100,8 +103,8 @@ class Ops(FlatBuffers):
         """Round a partial once to `dtype` (default: its own logical dtype) at the semantic rounding point."""
         # no kernel: on a GPU the rounding is the producer's (a GEMM's epilogue, a collective's output)
         if dtype is None:
-            dtype = p.dtype if isinstance(p, np.ndarray) else (
-                numpy_dtype(p.dtype) if p.dtype in ("fp32", "fp64", "fp16", "bf16") else np.float32)
+            dtype = p.dtype if p.dtype.__class__ is str else self.xp.name(p.dtype)
+            dtype = dtype if dtype in ("fp32", "fp64", "fp16", "bf16") else "fp32"
         return self._finalize(p, dtype)
 
     def sum(self, x: Any, axis: int | tuple[int, ...] | None, *, partial: bool = False) -> Any:
@@ -118,35 +121,38 @@ class Ops(FlatBuffers):
 
     def add(self, a: Any, b: Any) -> Any:
         self._elementwise_cost("add", _broadcast(a.shape, b.shape), 2)
-        return self._binary(np.add, a, b)
+        return self._binary(self.xp.add, a, b)
 
     def sub(self, a: Any, b: Any) -> Any:
         self._elementwise_cost("sub", _broadcast(a.shape, b.shape), 2)
-        return self._binary(np.subtract, a, b)
+        return self._binary(self.xp.subtract, a, b)
 
     def mul(self, a: Any, b: Any) -> Any:
         self._elementwise_cost("mul", _broadcast(a.shape, b.shape), 2)
-        return self._binary(np.multiply, a, b)
+        return self._binary(self.xp.multiply, a, b)
 
     def scale(self, a: Any, s: float) -> Any:
         """a * s, with s rounded to a's dtype first."""
         self._elementwise_cost("scale", tuple(a.shape), 1)
-        return self._unary(lambda x: x * x.dtype.type(s), a)
+        xp = self.xp
+        return self._unary(lambda x: x * xp.const(x, s), a)
 
     def relu(self, a: Any) -> Any:
         self._elementwise_cost("relu", tuple(a.shape), 1)
-        return self._unary(lambda x: np.maximum(x, np.float32(0)), a)
+        xp = self.xp
+        return self._unary(lambda x: xp.maximum(x, xp.const(x, 0)), a)
 
     def relu_backward(self, grad: Any, pre: Any) -> Any:
         """grad where pre > 0, else 0."""
         self._elementwise_cost("relu_backward", tuple(grad.shape), 2)
-        return self._binary(lambda g, p: np.where(p > 0, g, np.float32(0)).astype(g.dtype), grad, pre)
+        xp = self.xp
+        return self._binary(lambda g, p: xp.where(p > 0, g, xp.const(g, 0)), grad, pre)
 
     def transpose(self, a: Any) -> Any:
         """Swap the last two dims (a view: no kernel)."""
         if isinstance(a, MetaTensor):
             return MetaTensor(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype)
-        return np.swapaxes(a, -1, -2)
+        return self.xp.swapaxes(a, -1, -2)
 
     def uniform(self, seed: int, name: str, shape: tuple[int, ...], *, offset: tuple[int, ...] | None = None,
                 full_shape: tuple[int, ...] | None = None, low: float = -1.0, high: float = 1.0) -> Any:
@@ -154,7 +160,7 @@ class Ops(FlatBuffers):
         self._elementwise_cost("uniform", tuple(shape), 0)
         if self.mode is Mode.META:
             return MetaTensor(tuple(shape), "fp32")
-        return _random.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=low, high=high)
+        return self.xp.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=low, high=high)
 
     # -- the transformer's kernels (numerics/kernels.py), one cost each --------------------------
     def _cost(self, name: str, shape: tuple[int, ...], flops_per: float, tensors: float) -> None:
@@ -183,7 +189,7 @@ class Ops(FlatBuffers):
             out = list(shape)
             out[axis] = 1
             return MetaTensor(tuple(out), x.dtype)
-        return np.max(x, axis=axis, keepdims=True)
+        return self.xp.max(x, axis)
 
     def exp(self, x: Any) -> Any:
         self._cost("exp", tuple(x.shape), 10, 2)
@@ -252,7 +258,7 @@ class Ops(FlatBuffers):
         self._cost("attention_weights", tuple(s.shape), 10, 2)
         return self._meta_like(s) if self.mode is Mode.META else self._kernels.attention_weights(self._num, s, row_max)
 
-    def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = np.float32, drop_scale: float = 1.0) -> Any:
+    def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = "fp32", drop_scale: float = 1.0) -> Any:
         self._cost("attention_output", tuple(o_sum.shape), 2, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(o_sum.shape), dtype_name(dtype))
@@ -262,7 +268,7 @@ class Ops(FlatBuffers):
         self._cost("attention_probs", tuple(e.shape), 1, 2)
         return self._meta_like(e) if self.mode is Mode.META else self._kernels.attention_probs(self._num, e, l_sum)
 
-    def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = np.float32) -> Any:
+    def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = "fp32") -> Any:
         self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(sum_exp.shape), dtype_name(dtype))
@@ -274,9 +280,10 @@ class Ops(FlatBuffers):
         self._cost("embedding", out_shape, 0, 2)
         if self.mode is Mode.META:
             return MetaTensor(out_shape, table.dtype)
+        xp = self.xp
         local = ids - row_offset
         mine = (local >= 0) & (local < table.shape[0])
-        return np.where(mine[..., None], table[np.where(mine, local, 0)], table.dtype.type(0))
+        return xp.where(mine[..., None], table[xp.where(mine, local, 0)], xp.const(table, 0))
 
     def embedding_backward(self, ids: Any, dy: Any, rows: int, row_offset: int = 0) -> Any:
         """Partial (rows, h): the exact sum of dy over the tokens of each row."""
@@ -293,26 +300,26 @@ class Ops(FlatBuffers):
         self._record("dropout_mask", float(_numel(tuple(shape))), float(_numel(tuple(shape))))  # 1 byte each
         if self.mode is Mode.META:
             return MetaTensor(tuple(shape), "bool")
-        u = _random.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=0.0, high=1.0)
-        return u >= np.float32(p)
+        u = self.xp.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=0.0, high=1.0)
+        return u >= self.xp.const(u, p)
 
     def where(self, mask: Any, a: Any, b: Any) -> Any:
         shape = tuple(np.broadcast_shapes(tuple(mask.shape), tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))))
         self._cost("where", shape, 1, 3)
         if self.mode is Mode.META:
             return MetaTensor(shape, getattr(a, "dtype", "fp32") if not np.isscalar(a) else getattr(b, "dtype", "fp32"))
-        return np.where(mask, a, b)
+        return self.xp.where(mask, a, b)
 
     def zero_where(self, keep: Any, x: Any) -> Any:
         """x where `keep`, else zero of x's dtype (a dropout mask applied)."""
         self._cost("mask", tuple(x.shape), 1, 2)
         if self.mode is Mode.META:
             return self._meta_like(x)
-        return np.where(keep, x, x.dtype.type(0))
+        return self.xp.where(keep, x, self.xp.const(x, 0))
 
     def div(self, a: Any, b: Any) -> Any:
         self._elementwise_cost("div", _broadcast(a.shape, b.shape), 2)
-        return self._binary(np.divide, a, b)
+        return self._binary(self.xp.divide, a, b)
 
     def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> Any:
@@ -320,11 +327,12 @@ class Ops(FlatBuffers):
         self._cost("adam", tuple(param.shape), 12, 7)
         if self.mode is Mode.META:
             return param, m, v
-        return _k.adam(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        return _k.adam(self.xp, param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay)
 
     def sgd(self, param: Any, grad: Any, *, lr: float) -> Any:
         self._cost("sgd", tuple(param.shape), 2, 3)
-        return param if self.mode is Mode.META else _k.sgd(param, grad, lr=lr)
+        return param if self.mode is Mode.META else _k.sgd(self.xp, param, grad, lr=lr)
 
     def concat(self, xs: list[Any], dim: int) -> Any:
         shape = list(xs[0].shape)
@@ -332,7 +340,7 @@ class Ops(FlatBuffers):
         self._cost("concat", tuple(shape), 0, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(shape), xs[0].dtype)
-        return np.concatenate(xs, axis=dim)
+        return self.xp.concat(xs, dim)
 
     def expand_last(self, x: Any) -> Any:
         """x[..., None] (a view: no kernel)."""
@@ -345,16 +353,14 @@ class Ops(FlatBuffers):
         self._cost("gather", tuple(index.shape), 0, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(index.shape), x.dtype)
-        return np.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+        return self.xp.take_last(x, index)
 
     def one_hot(self, index: Any, n: int, like: Any) -> Any:
         shape = tuple(index.shape) + (n,)
         self._cost("one_hot", shape, 0, 1)
         if self.mode is Mode.META:
             return MetaTensor(shape, like.dtype)
-        out = np.zeros(shape, dtype=like.dtype)
-        np.put_along_axis(out, index[..., None], 1, axis=-1)
-        return out
+        return self.xp.one_hot(index, n, like.dtype)
 
     def add_partial(self, a: Any, b: Any) -> Any:
         """Sum of two partials (exact in exact mode)."""
@@ -362,21 +368,21 @@ class Ops(FlatBuffers):
         if self.mode is Mode.META:
             return a
         total = a + b
-        return np.asarray(total) if isinstance(total, np.generic) else total  # 0-d arrays add to a scalar
+        return self.xp.asarray(total) if isinstance(total, np.generic) else total  # 0-d arrays add to a scalar
 
     def transpose_partial(self, p: Any) -> Any:
         """Swap the last two logical dims of a partial (a view)."""
         if isinstance(p, MetaTensor):
             return MetaTensor(p.shape[:-2] + (p.shape[-1], p.shape[-2]), p.dtype, p.partial)
         if isinstance(p, Partial):
-            return Partial(np.swapaxes(p.limbs, -2, -3), p.dtype)
-        return np.swapaxes(p, -1, -2)
+            return Partial(p.xp.swapaxes(p.limbs, -2, -3), p.dtype, p.xp)
+        return self.xp.swapaxes(p, -1, -2)
 
     def mean(self, x: Any, axis: int | tuple[int, ...] | None) -> Any:
         """round(exact sum) / n: the sum may be split; the division happens once, after it."""
         total = self.sum(x, axis)
         n = _numel(tuple(x.shape)) // max(1, _numel(tuple(total.shape)))
-        return self._meta_like(total) if self.mode is Mode.META else total / total.dtype.type(n)
+        return self._meta_like(total) if self.mode is Mode.META else total / self.xp.const(total, n)
 
     def softmax(self, x: Any) -> Any:
         """Over the last dim: exp(x - max) / round(sum), the sum exact."""
@@ -387,7 +393,7 @@ class Ops(FlatBuffers):
         """x - (max + log round(sum exp(x - max))) over the last dim."""
         m = self.max(x, -1)
         lse = self.log_sum_exp(m, self.sum(self.attention_weights(x, m), -1, partial=True),
-                               getattr(x, "dtype", np.float32))
+                               getattr(x, "dtype", "fp32"))
         return self.sub(x, self.expand_last(lse))
 
     def cast(self, x: Any, dtype: str) -> Any:
@@ -395,7 +401,7 @@ class Ops(FlatBuffers):
         self._cost("cast", tuple(x.shape), 1, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(x.shape), dtype_name(dtype))
-        return np.asarray(x).astype(numpy_dtype(dtype_name(dtype)))
+        return self.xp.astype(x, dtype_name(dtype))
 
     def _meta_like(self, x: Any) -> Any:
         return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))

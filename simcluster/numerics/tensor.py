@@ -15,63 +15,28 @@ import math
 from enum import Enum
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from simcluster.numerics import limbs as _limbs
-
-# Logical dtypes by name, with their size in bytes. bf16 arrays use ml_dtypes' numpy dtype.
-ITEMSIZE: dict[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
-_NUMPY_NAMES = {
-    np.dtype(ml_dtypes.bfloat16): "bf16",
-    np.dtype(np.float64): "fp64",
-    np.dtype(np.float32): "fp32",
-    np.dtype(np.float16): "fp16",
-    np.dtype(np.int64): "int64",
-    np.dtype(np.int32): "int32",
-    np.dtype(np.uint8): "uint8",
-    np.dtype(np.bool_): "bool",
-}
-_NUMPY_OF = {name: dt for dt, name in _NUMPY_NAMES.items()}
-
-
-def dtype_name(dtype: Any) -> str:
-    """The logical name ('fp32', 'bf16', ...) of a numpy dtype or a name."""
-    if isinstance(dtype, str):
-        if dtype not in ITEMSIZE:
-            raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(ITEMSIZE)}")
-        return dtype
-    dt = np.dtype(dtype)
-    if dt not in _NUMPY_NAMES:
-        raise TypeError(f"unsupported dtype {dt}; valid: {', '.join(str(d) for d in _NUMPY_NAMES)}")
-    return _NUMPY_NAMES[dt]
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    if name not in _NUMPY_OF:
-        raise ValueError(f"dtype {name!r} has no numpy storage here; valid: {', '.join(_NUMPY_OF)}")
-    return _NUMPY_OF[name]
-
-
-def accumulator_dtype(dtype: Any) -> type:
-    """What fast mode accumulates a sum of `dtype` in: float32 (as tensor cores and cuBLAS do for 16-bit
-    inputs), float64 for a float64 sum."""
-    return np.float64 if dtype_name(dtype) == "fp64" else np.float32
+from simcluster.numerics.arrays import NUMPY
+from simcluster.numerics.dtypes import ITEMSIZE, accumulator_dtype, accumulator_name, dtype_name, numpy_dtype
 
 
 class Partial:
     """An unrounded sum of logical dtype `dtype`, to be rounded once by `finalize`. Exact mode holds it as
     integer limbs (int64, shape (*shape, LIMBS)): exact, so any order of adding gives the same value.
     Fast mode holds a float accumulator (shape (*shape, 1), `accumulator_dtype`), as a GPU kernel
-    accumulates in fp32 whatever it stores: the same signature, sums in the order they happen."""
+    accumulates in fp32 whatever it stores: the same signature, sums in the order they happen.
+    `xp`: the array namespace that holds the limbs (arrays.py; numpy on the host unless said)."""
 
-    __slots__ = ("limbs", "dtype")
+    __slots__ = ("limbs", "dtype", "xp")
 
-    def __init__(self, limbs: np.ndarray, dtype: str = "fp32") -> None:
-        assert (limbs.dtype == np.int64 and limbs.shape[-1] == _limbs.LIMBS) or (
-            limbs.dtype.kind == "f" and limbs.shape[-1] == 1), (limbs.dtype, limbs.shape)
+    def __init__(self, limbs: Any, dtype: str = "fp32", xp: Any = NUMPY) -> None:
+        assert (limbs.shape[-1] == _limbs.LIMBS and xp.name(limbs.dtype) == "int64") or (
+            limbs.shape[-1] == 1 and xp.name(limbs.dtype) in ("fp32", "fp64")), (limbs.dtype, limbs.shape)
         self.limbs = limbs
         self.dtype = dtype_name(dtype)
+        self.xp = xp
 
     @classmethod
     def from_terms(cls, terms: np.ndarray, axis: int, dtype: str = "fp32") -> "Partial":
@@ -83,13 +48,13 @@ class Partial:
         return cls(_limbs.normalize(_limbs.from_float64(values)), dtype)
 
     @classmethod
-    def accumulating(cls, values: np.ndarray, dtype: Any) -> "Partial":
+    def accumulating(cls, values: Any, dtype: Any, xp: Any = NUMPY) -> "Partial":
         """Fast mode's partial: `values` held in the accumulator dtype of `dtype`."""
-        return cls(np.asarray(values, accumulator_dtype(dtype))[..., None], dtype_name(dtype))
+        return cls(xp.astype(values, accumulator_name(dtype), copy=False)[..., None], dtype_name(dtype), xp)
 
     @property
     def exact(self) -> bool:
-        return self.limbs.dtype == np.int64
+        return self.limbs.shape[-1] != 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,14 +68,14 @@ class Partial:
         if not isinstance(other, Partial) or other.shape != self.shape or other.exact != self.exact:
             raise TypeError(f"can only add a Partial of shape {self.shape} to a Partial, got {describe(other)}")
         if not self.exact:
-            return Partial(self.limbs + other.limbs, self.dtype)
+            return Partial(self.limbs + other.limbs, self.dtype, self.xp)
         return Partial(_limbs.normalize(self.limbs + other.limbs), self.dtype)
 
-    def finalize(self, dtype: Any = np.float32) -> np.ndarray:
+    def finalize(self, dtype: Any = np.float32) -> Any:
         """Round the value once, to `dtype`."""
         if not self.exact:
-            return self.limbs[..., 0].astype(dtype)
-        return _limbs.to_float(self.limbs, dtype)
+            return self.xp.astype(self.limbs[..., 0], dtype)
+        return _limbs.to_float(self.limbs, numpy_dtype(dtype) if isinstance(dtype, str) else dtype)
 
     def __repr__(self) -> str:
         return f"Partial(shape={self.shape}, dtype={self.dtype}{'' if self.exact else ', fast'})"
