@@ -1,9 +1,12 @@
 """Run simcluster programs unchanged on torch.distributed: gloo on CPU, NCCL when CUDA is present.
 
-The program's yields are interpreted with torch.distributed calls. Kernels are simcluster's own
-(`ctx.ops` in exact or fast mode), so exact mode stays bit-exact; values cross the process
-boundary as tensors: float arrays as themselves, exact partials as their int64 limbs (integer sums
-are associative in gloo and NCCL alike, and the limbs are re-normalised after the collective).
+The program's yields are interpreted with torch.distributed calls. Fast mode computes with the torch
+kernel set on the rank's device (torch_ops.py: weights, activations, optimizer state and the
+collectives' buffers all live there; nothing goes through the host); exact mode with simcluster's
+exact kernels on the host, whose values cross the process boundary as tensors: float arrays as
+themselves, exact partials as their int64 limbs (integer sums are associative in gloo and NCCL alike,
+and the limbs are re-normalised after the collective). A collective over a group of one rank is the
+identity, as NCCL makes it, and touches no data.
 
 Each mesh group becomes one torch process group, created for every axis combination in a fixed
 order at start-up (torch requires every process to create every group in the same order).
@@ -30,13 +33,13 @@ from simcluster.engine import simulate
 from simcluster.engine.errors import SimulationError
 from simcluster.model.memory import MemoryLedger
 from simcluster.numerics import limbs as _limbs
-from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import MetaTensor, Partial, ReduceOp, zeros_of
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
+from gpu_backend.torch_ops import TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.watchdog import CollectiveTimeout, FlightRecorder
 
 _REDUCE = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
@@ -81,6 +84,7 @@ class TorchBackend:
         self.device = device
         self.watchdog_s = watchdog_s
         self.exact = True  # the form of a partial a receive expects (set from the ops' mode)
+        self.arrays: Any = None  # the torch kernel set's namespace (fast mode): values stay tensors
         self.recorder = FlightRecorder(rank, _default_store())
         self.groups: dict[tuple[str, tuple[int, ...]], Any] = {}
         timeout = timedelta(seconds=watchdog_s)
@@ -92,22 +96,30 @@ class TorchBackend:
     def to_torch(self, x: Any) -> torch.Tensor:
         if isinstance(x, MetaTensor):
             raise ProgramError("meta tensors carry no data and cannot run on torch.distributed; use exact or fast mode")
-        # A copy: collectives work in place, and the program still owns its array.
-        data = np.array(x.limbs if isinstance(x, Partial) else x, copy=True, order="C")
-        if data.dtype == BF16:  # torch cannot take ml_dtypes arrays: move the bits
-            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).to(self.device)
-        return torch.from_numpy(data).to(self.device)
+        data = x.limbs if isinstance(x, Partial) else x
+        if isinstance(data, torch.Tensor):  # a device tensor: copied there (collectives work in place)
+            return data.clone(memory_format=torch.contiguous_format)
+        return host_to_torch(np.array(data, copy=True, order="C"), self.device)
 
-    @staticmethod
-    def from_torch(t: torch.Tensor, like: Any) -> Any:
-        t = t.detach().cpu()
-        arr = t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
-        if isinstance(like, Partial) or (isinstance(like, tuple) and like[0]):
+    def from_torch(self, t: torch.Tensor, like: Any) -> Any:
+        partial = isinstance(like, Partial) or (isinstance(like, tuple) and like[0])
+        if self.arrays is not None:  # stays on the device
+            return Partial(t, like.dtype if isinstance(like, Partial) else like[1], self.arrays) if partial else t
+        arr = torch_to_host(t)
+        if partial:
             dtype = like.dtype if isinstance(like, Partial) else like[1]
             if arr.dtype != np.int64:  # fast mode's float accumulator
                 return Partial(np.ascontiguousarray(arr), dtype)
             return Partial(_limbs.normalize(np.ascontiguousarray(arr, dtype=np.int64)), dtype)
         return np.ascontiguousarray(arr)
+
+    def _receive_buffer(self, spec: tuple[bool, str, tuple[int, ...]]) -> torch.Tensor:
+        partial, dtype, shape = spec
+        if self.arrays is None:
+            return self.to_torch(zeros_of(spec, exact=self.exact))
+        if partial:  # fast mode's accumulator
+            return self.arrays.zeros(tuple(shape) + (1,), "fp64" if dtype == "fp64" else "fp32")
+        return self.arrays.zeros(shape, dtype)
 
     def _group(self, op: CommOp) -> Any:
         return self.groups[(op.group.name, op.group.ranks)]
@@ -125,15 +137,17 @@ class TorchBackend:
         if k is CommKind.SEND:
             return dist.isend(self.to_torch(op.tensor), dst=op.peer, tag=op.tag), lambda: None
         if k is CommKind.RECV:
-            buf = self.to_torch(zeros_of(op.spec, exact=self.exact))
+            buf = self._receive_buffer(op.spec)
             return dist.irecv(buf, src=op.peer, tag=op.tag), lambda: self.from_torch(buf, op.spec)
         if k is CommKind.COPY:  # to the host's memory (NVMe: the host's too, here), or back to the device
             moved = self.to_torch(op.tensor).to(self.device if op.tiers[1] == "gpu" else "cpu", copy=True)
-            return _Done(), lambda: self.from_torch(moved, op.tensor)
+            return _Done(), lambda: self.from_torch(moved.to(self.device), op.tensor)
         g, n = self._group(op), op.group.size
         if k is CommKind.BARRIER:
-            return dist.barrier(group=g, async_op=True), lambda: None
+            return (_Done(), lambda: None) if n == 1 else (dist.barrier(group=g, async_op=True), lambda: None)
         x = op.tensor
+        if n == 1:  # the identity: what the rank gave, as its own value
+            return _Done(), lambda: self.from_torch(self.to_torch(x), x)
         t = self.to_torch(x)
         if isinstance(x, Partial) and k in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.REDUCE) \
                 and op.op is not ReduceOp.SUM:
@@ -150,12 +164,12 @@ class TorchBackend:
             dim = op.dim % ndim
             src = torch.movedim(t, dim, 0).contiguous()
             out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=self.device)
-            h = dist.reduce_scatter_tensor(out, src, op=_REDUCE[op.op], group=g, async_op=True)
+            h = dist.reduce_scatter_single(out, src, op=_REDUCE[op.op], group=g, async_op=True)
             return h, lambda: self.from_torch(torch.movedim(out, 0, dim), x)
         if k is CommKind.ALL_GATHER:
             dim = op.dim % ndim
             flat = torch.empty(n * t.numel(), dtype=t.dtype, device=self.device)
-            h = dist.all_gather_into_tensor(flat, t.contiguous().view(-1), group=g, async_op=True)
+            h = dist.all_gather_single(flat, t.contiguous().view(-1), group=g, async_op=True)
             out = flat.view((n,) + tuple(t.shape))
             return h, lambda: self.from_torch(torch.cat(list(out), dim=dim), x)
         if k is CommKind.ALL_TO_ALL:
@@ -199,16 +213,23 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
 
 def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
              device: torch.device | None = None, watchdog_s: float = 300.0) -> RankRun:
-    """run_rank, timed from a barrier to the program's end, with the peak memory."""
+    """run_rank, timed from a barrier to the program's end, with the peak memory. Fast mode computes with
+    the torch kernel set on `device` (a `meta` device runs the step with no numbers at all), exact mode
+    with the exact kernels on the host. The result's tensors come back to the host (for verification)."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
         raise LaunchError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
     device = device or torch.device("cpu")
     backend = TorchBackend(mesh, rank, device, watchdog_s)
     backend.exact = mode == "exact"
+    if mode == "fast":
+        deterministic_math()
+        ops: Any = TorchFastOps(device)
+        backend.arrays = ops.xp
+    else:
+        ops = make_ops(mode)
     comm = Comm(backend.issue, rank, mesh.world_size)
-    ctx = Context(rank=rank, mesh=mesh.view(rank), ops=make_ops(mode), comm=comm, streams=_Streams(),
-                  memory=MemoryLedger())
+    ctx = Context(rank=rank, mesh=mesh.view(rank), ops=ops, comm=comm, streams=_Streams(), memory=MemoryLedger())
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -223,6 +244,8 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         backend.recorder.publish("failed")
         raise
     backend.recorder.publish("finished")
+    if device.type != "meta":
+        result = on_host(result)
     if cuda:
         end.record()
         torch.cuda.synchronize(device)
@@ -231,6 +254,19 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
     seconds = time.perf_counter() - t0
     return RankRun(result, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    "the process's peak resident set (host memory)")
+
+
+def on_host(value: Any) -> Any:
+    """A program's result with every tensor (and fast partial) as numpy on the host."""
+    if isinstance(value, torch.Tensor):
+        return torch_to_host(value)
+    if isinstance(value, Partial) and isinstance(value.limbs, torch.Tensor):
+        return Partial(torch_to_host(value.limbs), value.dtype)
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_host(v) for v in value)
+    return value
 
 
 def _drive(gen: Any, backend: TorchBackend) -> Any:
@@ -357,7 +393,7 @@ def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int,
     LaunchError naming it (after `grace_s` for its peers to report what they saw)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with _threads_each(cpu_share(world) if kind == "gloo" else None):
+    with _threads_each(cpu_share(world)):  # (under NCCL too: the host's threads are shared all the same)
         procs = mp.start_processes(_worker, args=(world, _free_port(), kind, group_timeout_s, body, body_args,
                                                   results), nprocs=world, join=False, start_method="spawn").processes
     runs: dict[int, Any] = {}

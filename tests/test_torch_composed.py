@@ -187,7 +187,7 @@ def test_a_checkpoint_saved_on_gloo_resumes_on_the_emulator_and_back(tmp_path):
 
 def test_pipeline_messages_scattered_and_gathered_on_gloo():
     """pp2 x tp2 without SP, Megatron's scatter/gather: each tp rank sends half a message, the next
-    stage all-gathers it over tp (torch's all_gather_into_tensor): the emulator's bytes on gloo."""
+    stage all-gathers it over tp (torch's all_gather_single): the emulator's bytes on gloo."""
     model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False)
     data = DPConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16")
     same_on_gloo(data, DeviceMesh(pp=2, tp=2), scatter_gather=True, schedule="1f1b")

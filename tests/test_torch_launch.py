@@ -122,3 +122,39 @@ def test_faults_are_refused_on_the_torch_backend(capsys):
                  "--set", "faults.failed_rank=1"]) == 2
     err = capsys.readouterr().err
     assert "[faults] are injected into the emulator's timed run" in err and "Traceback" not in err
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("numerics, layout", [
+    ("exact", ("parallel.dp=2", "parallel.zero=3")),
+    ("fast", ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "parallel.zero=0")),
+])
+def test_torchrun_runs_a_scenario_and_compares_it(numerics, layout):
+    """`torchrun --nproc-per-node 2 -m gpu_backend` (torchrun's own processes, RANK/WORLD_SIZE from its
+    environment): rank 0 prints the report; exact mode is the emulator's bytes and one device's, fast mode
+    within the derived bound."""
+    import json
+
+    sets = ["cluster.gpus_per_node=2", "run.steps=2", "model.layers=1", "model.dropout=0.1",
+            f"run.numerics={numerics}", *layout]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(_free_port()), "-m", "gpu_backend", "--json", "--watchdog", "60"]
+    for s in sets:
+        args += ["--set", s]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    run = report["torch"]
+    assert run["processes"] == 2 and run["passed"], run
+    same = run["against_emulator"]
+    assert same["compared"] > 0 and not same["differ"]
+    if numerics == "exact":
+        assert same["identical"] == same["compared"] and run["verification"]["bit_exact"]
+    assert "FutureWarning" not in done.stderr  # torch's deprecated names are not ours to print

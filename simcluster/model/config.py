@@ -120,7 +120,7 @@ def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
             params[name] = ops.uniform(cfg.seed, name, shape, low=-0.02, high=0.02)
         else:
             fan_in = shape[0] if name not in ("wte", "wpe") else shape[1]
-            bound = float(np.sqrt(3.0 / fan_in))
+            bound = math.sqrt(3.0 / fan_in)
             params[name] = ops.uniform(cfg.seed, name, shape, low=-bound, high=bound)
     return params
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
@@ -70,18 +69,11 @@ class GPT:
 
     def _heads(self, x: Any) -> Any:
         """(b, s, a*d) -> (b, a, s, d), for all heads or a tensor-parallel rank's share of them."""
-        bsz, s, width = x.shape
-        a, d = width // self.cfg.head_dim, self.cfg.head_dim
-        if isinstance(x, MetaTensor):
-            return MetaTensor((bsz, a, s, d), x.dtype)
-        return np.ascontiguousarray(x.reshape(bsz, s, a, d).transpose(0, 2, 1, 3))
+        return self.ops.heads(x, self.cfg.head_dim)
 
     def _merge(self, x: Any) -> Any:
         """(b, a, s, d) -> (b, s, h)."""
-        bsz, a, s, d = x.shape
-        if isinstance(x, MetaTensor):
-            return MetaTensor((bsz, s, a * d), x.dtype)
-        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(bsz, s, a * d))
+        return self.ops.merge_heads(x)
 
     def _split3(self, x: Any) -> tuple[Any, Any, Any]:
         """q, k, v from the QKV projection's output (b, s, 3w): its thirds."""
@@ -95,14 +87,14 @@ class GPT:
         if not self.cfg.causal or self.ops.mode is Mode.META:  # meta mode needs no mask
             return None
         if self._mask is None or self._mask.shape[0] != s:
-            self._mask = np.tril(np.ones((s, s), dtype=bool))
+            self._mask = self.ops.causal(range(s), range(s))
         return self._mask
 
     def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
         """The two-pass core: e, l, keep and the output (b, a, s, d)."""
         ops, cfg = self.ops, self.cfg
         with flash.forward(ops, cfg, q, k):
-            s = ops.attention_scores(q, k, 1.0 / np.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
+            s = ops.attention_scores(q, k, 1.0 / math.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
             e = ops.attention_weights(s, ops.max(s, -1))
             l_sum = ops.sum(e, -1, partial=True)
             keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
@@ -177,7 +169,7 @@ class GPT:
     def attention_backward(self, dout: Any, c_: dict[str, Any]) -> tuple[Any, Any, Any]:
         """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward)."""
         ops, cfg = self.ops, self.cfg
-        scale = 1.0 / np.sqrt(cfg.head_dim)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
         with flash.backward(ops, cfg, c_["q"], c_["k"]):
             with fusion.probabilities(ops, cfg):
                 probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
@@ -200,8 +192,7 @@ class GPT:
     def embed_forward(self, p: dict[str, Any], ids: Any, step: int, where: Slice) -> tuple[Any, dict[str, Any]]:
         ops, cfg = self.ops, self.cfg
         bsz, s = ids.shape
-        pos = np.broadcast_to(np.arange(s), (bsz, s))
-        x = ops.add(ops.embedding(ids, p["wte"]), ops.embedding(pos, p["wpe"]))
+        x = ops.add(ops.embedding(ids, p["wte"]), ops.embedding(ops.positions(range(s), bsz), p["wpe"]))
         keep0 = _keep(ops, cfg, "embed", tuple(x.shape), step, where)
         return _drop(ops, x, keep0, cfg), {"ids": ids, "keep0": keep0}
 
@@ -307,7 +298,7 @@ class GPT:
             if v is None or isinstance(v, (int, float)):
                 continue
             n = math.prod(v.shape)
-            is_mask = getattr(v, "dtype", None) in (np.bool_, "bool") or (isinstance(v, np.ndarray) and v.dtype == bool)
+            is_mask = str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
             total += n * (1 if is_mask else self.item)
         return total
 
@@ -341,7 +332,7 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
     first: dict[str, Any] = {}
     used = master  # the weights the next step computes with
     for step in range(steps):
-        ids, targets = batch(cfg, cfg.seed, step, batch_size)
+        ids, targets = (ops.from_host(x) for x in batch(cfg, cfg.seed, step, batch_size))
         where = Slice(0, batch_size)
         weights = working_copy(ops, used, precision)
         loss_sum, cache = model.forward(weights, ids, targets, step, where)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import MetaTensor
 
@@ -29,9 +27,10 @@ class AdamState:
 
 
 def adam_init(ops: Ops, params: dict[str, Any]) -> AdamState:
-    zeros = {k: (MetaTensor(tuple(v.shape), "fp32") if ops.mode is Mode.META else np.zeros_like(v))
-             for k, v in params.items()}
-    return AdamState(dict(zeros), {k: z.copy() if isinstance(z, np.ndarray) else z for k, z in zeros.items()})
+    if ops.mode is Mode.META:
+        zeros = {k: MetaTensor(tuple(v.shape), "fp32") for k, v in params.items()}
+        return AdamState(dict(zeros), dict(zeros))
+    return AdamState({k: ops.zeros_like(v) for k, v in params.items()}, {k: ops.zeros_like(v) for k, v in params.items()})
 
 
 def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: AdamState, *, lr: float,
@@ -59,8 +58,7 @@ def clip_by_norm(ops: Ops, grads: dict[str, Any], squares: Any, max_norm: float)
     sum of squares, in float32."""
     if ops.mode is Mode.META:
         return grads
-    norm = np.sqrt(np.float32(ops.finalize(squares, np.float32)))
-    coefficient = np.float32(max_norm) / (norm + np.float32(CLIP_EPS))
-    if coefficient >= 1:
+    coefficient, scales = ops.clip_coefficient(squares, max_norm, CLIP_EPS)
+    if not scales:
         return grads
-    return {k: ops.scale(g, float(coefficient)) for k, g in grads.items()}
+    return {k: ops.scale(g, coefficient) for k, g in grads.items()}

@@ -15,7 +15,7 @@ kernels use, with dtypes named by their logical names: 'fp32', 'bf16', 'fp16', '
   astype(x, dtype, copy=True) const(x, value)    x in a dtype; a scalar in x's dtype
   name(dtype) is_array(x) is_dtype(x) result_type(a, b)
   uniform(seed, stream, shape, offset=, full_shape=, low=, high=)   the counter-based RNG (random.py)
-  zeros(shape, dtype) zeros_like(x) asarray(x, dtype=None)
+  zeros(shape, dtype) zeros_like(x) asarray(x, dtype=None) broadcast_to(x, shape)
   concat(xs, dim) swapaxes(x, a, b) permute(x, dims) contiguous(x) repeat(x, n, dim)
   take_last(x, index) one_hot(index, n, dtype)
   matmul(a, b) einsum(spec, a, b) sum(x, axis, dtype) max(x, axis)   (max keeps the axis)
@@ -39,7 +39,6 @@ def _np_dtype(dtype: Any) -> Any:
 class NumpyArrays:
     """numpy on the host: the emulator's arrays."""
 
-    name = "numpy"
     add = staticmethod(np.add)
     subtract = staticmethod(np.subtract)
     multiply = staticmethod(np.multiply)
@@ -88,6 +87,8 @@ class NumpyArrays:
     @staticmethod
     def asarray(x: Any, dtype: Any = None) -> np.ndarray:
         return np.asarray(x) if dtype is None else np.asarray(x, dtype=_np_dtype(dtype))
+
+    broadcast_to = staticmethod(np.broadcast_to)
 
     @staticmethod
     def concat(xs: Sequence[Any], dim: int) -> np.ndarray:

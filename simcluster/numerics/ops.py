@@ -131,8 +131,8 @@ class Ops(FlatBuffers):
         self._elementwise_cost("mul", _broadcast(a.shape, b.shape), 2)
         return self._binary(self.xp.multiply, a, b)
 
-    def scale(self, a: Any, s: float) -> Any:
-        """a * s, with s rounded to a's dtype first."""
+    def scale(self, a: Any, s: Any) -> Any:
+        """a * s, with s (a number, or a 0-d value of the kernel set's) rounded to a's dtype first."""
         self._elementwise_cost("scale", tuple(a.shape), 1)
         xp = self.xp
         return self._unary(lambda x: x * xp.const(x, s), a)
@@ -153,6 +153,87 @@ class Ops(FlatBuffers):
         if isinstance(a, MetaTensor):
             return MetaTensor(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype)
         return self.xp.swapaxes(a, -1, -2)
+
+    # -- layout and data movement without kernels of their own (views, or copies a GPU folds into the
+    #    next kernel's addressing); index bookkeeping stays on the host until it meets data --------------
+    def heads(self, x: Any, head_dim: int) -> Any:
+        """(b, s, a*d) -> (b, a, s, d)."""
+        bsz, s, width = x.shape
+        if x.__class__ is MetaTensor:
+            return MetaTensor((bsz, width // head_dim, s, head_dim), x.dtype)
+        return self.xp.contiguous(self.xp.permute(x.reshape(bsz, s, width // head_dim, head_dim), (0, 2, 1, 3)))
+
+    def merge_heads(self, x: Any) -> Any:
+        """(b, a, s, d) -> (b, s, a*d)."""
+        bsz, a, s, d = x.shape
+        if x.__class__ is MetaTensor:
+            return MetaTensor((bsz, s, a * d), x.dtype)
+        return self.xp.contiguous(self.xp.permute(x, (0, 2, 1, 3))).reshape(bsz, s, a * d)
+
+    def repeat(self, x: Any, n: int, dim: int) -> Any:
+        """Each slice along `dim` n times in a row (grouped-query attention's kv heads)."""
+        if x.__class__ is MetaTensor:
+            shape = list(x.shape)
+            shape[dim] *= n
+            return MetaTensor(tuple(shape), x.dtype)
+        return self.xp.repeat(x, n, dim)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        """Elementwise max (a running row maximum: part of the attention kernel, no kernel of its own)."""
+        return self._binary(self.xp.maximum, a, b)
+
+    def finite_or(self, x: Any, other: Any) -> Any:
+        """x where finite, else `other` (a running maximum before any key was seen: part of its kernel)."""
+        if x.__class__ is MetaTensor:
+            return x
+        return self.xp.where(self.xp.isfinite(x), x, other)
+
+    def zeros_like(self, x: Any) -> Any:
+        return self._meta_like(x) if x.__class__ is MetaTensor else self.xp.zeros_like(x)
+
+    def from_host(self, x: Any) -> Any:
+        """An array made on the host (token ids, a mask of owned elements) where this rank's data lives: a
+        data loader's copy to the device; on the host, the array itself."""
+        return x if self.mode is Mode.META else self.xp.asarray(x)
+
+    def positions(self, positions: Any, batch: int) -> Any:
+        """(batch, n) indices of the host's positions `positions` (n,), for a position table's lookup."""
+        if self.mode is Mode.META:
+            return MetaTensor((batch, len(positions)), "int64")
+        return self.xp.broadcast_to(self.xp.asarray(positions), (batch, len(positions)))
+
+    def causal(self, rows: Any, cols: Any) -> Any:
+        """Which keys (positions `cols`) each query (positions `rows`) may attend to; None in meta mode."""
+        if self.mode is Mode.META:
+            return None
+        xp = self.xp
+        return xp.asarray(rows)[:, None] >= xp.asarray(cols)[None, :]
+
+    def partial_of(self, values: Any) -> Any:
+        """`values` held as a partial sum of one term each, in the mode's form (exact: limbs)."""
+        if values.__class__ is MetaTensor:
+            return MetaTensor(values.shape, values.dtype, True)
+        if self.mode is Mode.EXACT:
+            return Partial.from_values(self.xp.astype(values, "fp64"))
+        return Partial.accumulating(values, self.xp.name(values.dtype), self.xp)
+
+    def constant(self, table: Any, dtype: Any) -> Any:
+        """A table computed once on the host (rotary cos/sin), rounded once to `dtype`, where the data lives."""
+        if self.mode is Mode.META:
+            return MetaTensor(tuple(table.shape), dtype_name(dtype) if dtype.__class__ is str else self.xp.name(dtype))
+        return self.xp.astype(self.xp.asarray(table), dtype)
+
+    def clip_coefficient(self, squares: Any, max_norm: float, eps: float) -> tuple[Any, bool]:
+        """max_norm / (sqrt(round(squares)) + eps) in float32, and whether the gradients must be scaled by
+        it: on the host, where the value is at hand, only when it is below 1; a device backend answers
+        True and scales by min(1, coefficient) (scaling by 1 is exact), never reading the value back."""
+        coefficient = self._norm_coefficient(squares, max_norm, eps)
+        return coefficient, bool(coefficient < 1)
+
+    def _norm_coefficient(self, squares: Any, max_norm: float, eps: float) -> Any:
+        xp = self.xp
+        total = xp.astype(self.finalize(squares, "fp32"), "fp32")
+        return xp.const(total, max_norm) / (xp.sqrt(total) + xp.const(total, eps))
 
     def uniform(self, seed: int, name: str, shape: tuple[int, ...], *, offset: tuple[int, ...] | None = None,
                 full_shape: tuple[int, ...] | None = None, low: float = -1.0, high: float = 1.0) -> Any:

@@ -166,9 +166,9 @@ def kind_of(x: Any) -> str:
         return "partial"
     if isinstance(x, MetaTensor):
         return "meta-partial" if x.partial else "meta"
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or hasattr(x, "__dlpack__"):  # numpy's, or another namespace's (torch)
         return "array"
-    raise TypeError(f"expected a numpy array, a Partial or a MetaTensor, got {type(x).__name__}")
+    raise TypeError(f"expected an array, a Partial or a MetaTensor, got {type(x).__name__}")
 
 
 def describe(x: Any) -> str:

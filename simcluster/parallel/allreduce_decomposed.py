@@ -2,16 +2,14 @@
 
 Each rank all-reduces a tensor of exact partial sums, then does it again as a reduce-scatter (each
 rank ends up with the sum of its 1/n chunk) followed by an all-gather of the chunks. Both give the
-same limbs; on a ring both cost 2(n-1)/n of the tensor per rank.
+same limbs in exact mode; on a ring both cost 2(n-1)/n of the tensor per rank.
 """
 
 from __future__ import annotations
 
 from typing import Any, Generator
 
-import numpy as np
-
-from simcluster.numerics.tensor import MetaTensor, Partial
+from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.context import Context
 
 
@@ -23,7 +21,7 @@ def allreduce_decomposed(ctx: Context, elements: int, seed: int = 0) -> Generato
         x: Any = MetaTensor((size,), "fp32", partial=True)
     else:
         values = ctx.ops.uniform(seed, "allreduce.x", (size,), offset=(ctx.rank * size,), full_shape=(n * size,))
-        x = Partial.from_values(np.asarray(values, dtype=np.float64))
+        x = ctx.ops.partial_of(values)
     with ctx.annotate("compute", "all-reduce"):
         whole = yield ctx.comm.all_reduce(x, group=group)
     with ctx.annotate("compute", "reduce-scatter"):

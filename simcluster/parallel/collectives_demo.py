@@ -15,7 +15,8 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.numerics.tensor import Partial, ReduceOp
+from simcluster.numerics.ops import Mode
+from simcluster.numerics.tensor import ReduceOp
 from simcluster.program.context import Context
 
 def collectives_demo(ctx: Context, seed: int = 0) -> Generator[Any, Any, dict[str, Any]]:
@@ -23,8 +24,8 @@ def collectives_demo(ctx: Context, seed: int = 0) -> Generator[Any, Any, dict[st
     ROWS, COLS = math.lcm(4, n), math.lcm(6, n)  # every rank's block: divisible by every group size
     tp, dp, world = ctx.mesh.tp, ctx.mesh.dp, ctx.mesh.world
     x = ctx.ops.uniform(seed, "demo.x", (ROWS, COLS), offset=(ROWS * r, 0), full_shape=(ROWS * n, COLS))  # (ROWS, COLS)
-    ints = np.arange(ROWS * COLS, dtype=np.int64).reshape(ROWS, COLS) * (r + 1) - 7 * r  # (ROWS, COLS)
-    exact = Partial.from_values(np.asarray(x, dtype=np.float64)) if isinstance(x, np.ndarray) else x
+    ints = ctx.ops.from_host(np.arange(ROWS * COLS, dtype=np.int64).reshape(ROWS, COLS) * (r + 1) - 7 * r)  # (ROWS, COLS)
+    exact = ctx.ops.partial_of(x) if ctx.ops.mode is Mode.EXACT else x
     out: dict[str, Any] = {}
 
     # 1. reductions

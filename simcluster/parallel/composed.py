@@ -106,7 +106,7 @@ class Stage:
         units = self.units[g]
         if units[0] == "embed" or units[-1] == "head":  # (the other stages need no token ids)
             where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
-            ids, targets = ids[:, model.positions], targets[:, model.positions]  # this cp rank's tokens
+            ids, targets = (self.ctx.ops.from_host(x[:, model.positions]) for x in (ids, targets))  # my cp share
         else:
             where = self.plan.data.where(self.d, self.n, j)
         cache: dict[str, Any] = {"where": where}
@@ -208,14 +208,15 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
     start, loaded = checkpoint.read(ck.resume, list(kinds)) if ck and ck.resume else (0, {})
     full = loaded.pop("master") if loaded else init_params(ops, m)
-    init = {k: shard(full[k], kinds[k], t, r) for k in kinds}
+    init = {k: shard(ops.constant(full[k], full[k].dtype) if loaded else full[k], kinds[k], t, r) for k in kinds}
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
     elsewhere |= {k for u in copies for k in names[u]}
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
                 zero_over=plan.zero_over, counted_elsewhere=elsewhere, twin=twin)
     if loaded:
-        dp.restore({state: {k: shard(v[k], kinds[k], t, r) for k in kinds} for state, v in loaded.items()}, start)
+        dp.restore({state: {k: shard(ops.constant(v[k], v[k].dtype), kinds[k], t, r) for k in kinds}
+                    for state, v in loaded.items()}, start)
     model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
     tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []

@@ -70,7 +70,8 @@ class DPWrap:
                        for u in self.units}  # fp32
         self.state = adam_init(ops, self.master)
         self.owned = self._owned(counted_elsewhere)
-        self.counted = self.owned if data.clip_grad else None
+        self.counted = ({u: self.ops.from_host(mask) for u, mask in self.owned.items()}  # where the gradients are
+                        if data.clip_grad and self.owned is not None else None)
         self._new_weights({u: ops.cast(self.master[u], data.precision) for u in self.units})
         if self.stage in (1, 2):  # every rank starts with all the weights
             self.working = {k: ops.cast(v, data.precision) for k, v in init.items()}
@@ -219,7 +220,7 @@ class DPWrap:
                     self.ctx.memory.hold("temporaries", "fp32 grads", 4 * self.owned_count, self.host or "gpu")
                 unscaled = unscale(ops, grads, data.precision)
                 if data.clip_grad:
-                    mine = [g if self.counted is None else ops.where(self.counted[u], g, np.float32(0))
+                    mine = [g if self.counted is None else ops.where(self.counted[u], g, 0.0)
                             for u, g in unscaled.items()]
                     squares = yield comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
                     unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)

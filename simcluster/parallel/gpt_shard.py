@@ -20,6 +20,7 @@ collectives included). All partial sums are exact, so any layout gives the singl
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any, Generator
 
@@ -123,9 +124,9 @@ class GPTShard:
 
     def allowed(self, rows: np.ndarray, cols: np.ndarray) -> Any:
         """Causal mask between query and key positions (None: everything allowed)."""
-        if not self.m.causal or self.ops.mode.value == "meta":
+        if not self.m.causal:
             return None
-        return rows[:, None] >= cols[None, :]
+        return self.ops.causal(rows, cols)
 
     def drop(self, x: Any, keep: Any) -> Any:
         return x if keep is None else self.ops.scale(self.ops.zero_where(keep, x), 1.0 / (1.0 - self.m.dropout))
@@ -164,7 +165,7 @@ class GPTShard:
         ulysses this cp rank's share of them."""
         ops, m = self.ops, self.m
         with flash.forward(ops, m, q, k):
-            s = ops.attention_scores(q, k, 1.0 / np.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
+            s = ops.attention_scores(q, k, 1.0 / math.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
             with fusion.softmax(ops, m, s):
                 e = ops.attention_weights(s, ops.max(s, -1))
                 l_sum = ops.sum(e, -1, partial=True)
@@ -201,7 +202,7 @@ class GPTShard:
         else:
             x = yield from self.tp_sum(mine)
         if self.learned_positions:
-            x = ops.add(x, ops.embedding(np.broadcast_to(self.tokens, (ids.shape[0], len(self.tokens))), p["wpe"]))
+            x = ops.add(x, ops.embedding(ops.positions(self.tokens, ids.shape[0]), p["wpe"]))
         keep0 = None
         if self.m.dropout:
             with fusion.dropout(ops, self.m, x):
@@ -268,7 +269,7 @@ class GPTShard:
         lse = ops.log_sum_exp(row_max, sum_e, logits.dtype)
         local = targets - self.tr * self.vocab
         mine = (local >= 0) & (local < self.vocab)
-        picked = ops.zero_where(mine, ops.gather_last(logits, np.where(mine, local, 0)))
+        picked = ops.zero_where(mine, ops.gather_last(logits, local * mine))  # (an index of 0 where not mine)
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
@@ -282,7 +283,7 @@ class GPTShard:
         ops, m = self.ops, self.m
         probs = ops.attention_probs(hc["e"], hc["sum_e"])
         onehot = ops.zero_where(hc["mine"][..., None],
-                                ops.one_hot(np.where(hc["mine"], hc["targets"], 0), self.vocab, probs))
+                                ops.one_hot(hc["targets"] * hc["mine"], self.vocab, probs))
         dlogits = ops.scale(ops.sub(probs, onehot), scale / tokens)
         w_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V/tp)
         if m.tied_head:
@@ -348,7 +349,7 @@ class GPTShard:
         ops = self.ops
         dx = self.drop_grad(dx, ec["keep0"])
         if self.learned_positions:  # rows of my positions; zeros elsewhere
-            grads["wpe"] = ops.embedding_backward(np.broadcast_to(self.tokens, dx.shape[:2]), dx, self.m.seq)
+            grads["wpe"] = ops.embedding_backward(ops.positions(self.tokens, dx.shape[0]), dx, self.m.seq)
         dx = yield from self.gather(dx)  # the lookup needs every token of the cp share
         rows = ops.embedding_backward(ec["ids"], dx, self.vocab, row_offset=self.tr * self.vocab)
         grads["wte"] = rows if "wte" not in grads else ops.add_partial(rows, grads["wte"])

@@ -46,6 +46,7 @@ class LlamaShard(GPTShard):
         self.group = self.heads // self.kv  # this rank's query heads per kv head
         cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
         self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
+        self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
@@ -60,7 +61,10 @@ class LlamaShard(GPTShard):
     def _table(self, t: np.ndarray, like: Any) -> Any:
         if self.ops.mode is Mode.META:
             return MetaTensor((1, 1) + t.shape, like.dtype)
-        return t.astype(like.dtype)[None, None]
+        key = (id(t), like.dtype)
+        if key not in self._tables:
+            self._tables[key] = self.ops.constant(t, like.dtype)[None, None]
+        return self._tables[key]
 
     def _rot(self, x: Any, sign: float) -> Any:
         """(x1, x2) -> (-x2, x1) (sign 1), or its transpose (x1, x2) -> (x2, -x1) (sign -1)."""
@@ -86,9 +90,7 @@ class LlamaShard(GPTShard):
         """(b, kv, s, d) -> (b, kv * group, s, d): each kv head for each of its query heads."""
         if self.group == 1:
             return x
-        if self.ops.mode is Mode.META:
-            return MetaTensor((x.shape[0], x.shape[1] * self.group) + tuple(x.shape[2:]), x.dtype)
-        return np.repeat(x, self.group, axis=1)
+        return self.ops.repeat(x, self.group, 1)
 
     def unrepeat(self, dx: Any) -> Generator[Any, Any, Any]:
         """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once. A kv head that

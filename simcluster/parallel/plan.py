@@ -160,9 +160,9 @@ def shard(x: Any, kind: str, t: int, r: int) -> Any:
     if kind == "cols":
         n = x.shape[-1] // t
         return x[..., r * n:(r + 1) * n]
-    third = x.shape[-1] // 3
+    lead, third = tuple(x.shape[:-1]), x.shape[-1] // 3  # q, k and v side by side: rank r's part of each
     n = third // t
-    return np.concatenate([x[..., i * third + r * n:i * third + (r + 1) * n] for i in range(3)], axis=-1)
+    return x.reshape(lead + (3, third))[..., r * n:(r + 1) * n].reshape(lead + (3 * n,))
 
 
 def shard_shape(shape: tuple[int, ...], kind: str, t: int) -> tuple[int, ...]:

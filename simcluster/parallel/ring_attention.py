@@ -30,6 +30,7 @@ for dQ = dS K, dK = dS^T Q all-reduced the same way.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any, Generator
 
@@ -44,6 +45,11 @@ def _positions(model: Any, owner: int) -> np.ndarray:
     from simcluster.parallel.gpt_shard import layout
 
     return layout(model.m.seq, model.P, owner, model.zigzag)
+
+
+def _every_position(model: Any) -> np.ndarray:
+    """The positions of the whole sequence in the order the all-gather puts them: rank by rank."""
+    return np.concatenate([_positions(model, o) for o in range(model.P)])
 
 
 def _drop(model: Any, x: Any, keep: Any) -> Any:
@@ -77,12 +83,12 @@ def online_merge(ops: Any, state: tuple[Any, Any, Any], scores: Any, v: Any, kep
     """One block of the one-pass softmax (fast mode): with running max m, sum l and output o,
     m' = max(m, max s); l' = l exp(m - m') + sum exp(s - m'); o' = o exp(m - m') + exp(s - m') v."""
     m, l_sum, o_sum = state
-    m_new = ops.max(scores, -1) if m is None else np.maximum(m, ops.max(scores, -1))
+    m_new = ops.max(scores, -1) if m is None else ops.maximum(m, ops.max(scores, -1))
     e = ops.attention_weights(scores, m_new)
     l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
     if m is None:
         return m_new, l_t, o_t
-    fix = ops.exp(ops.sub(np.where(np.isfinite(m), m, m_new), m_new))  # (b, a, s, 1)
+    fix = ops.exp(ops.sub(ops.finite_or(m, m_new), m_new))  # (b, a, s, 1)
     return m_new, ops.add(ops.mul(l_sum, fix[..., 0]), l_t), ops.add(ops.mul(o_sum, fix), o_t)
 
 
@@ -90,7 +96,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
             ring: bool = True) -> Generator[Any, Any, Any]:
     """Ring attention's forward pass (`ring`), or RSA's RingQK and RingAV (not `ring`)."""
     ops, P, r = model.ops, model.P, model.r
-    scale = 1.0 / np.sqrt(model.m.head_dim)
+    scale = 1.0 / math.sqrt(model.m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
     tag = layer * 16
@@ -170,7 +176,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     """dq, dk, dv for this rank's tokens: dK and dV accumulate as they travel back to their owners."""
     ops, P, r, m = model.ops, model.P, model.r, model.m
-    scale = 1.0 / np.sqrt(m.head_dim)
+    scale = 1.0 / math.sqrt(m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
     delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))  # (b, a, s, 1): over d, never split
@@ -222,10 +228,10 @@ def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
     """Llama 3's context parallelism: every rank gathers all keys and values, attends locally."""
     ops, ctx, cp = model.ops, model.ctx, model.cp
     K, V = yield [ctx.comm.all_gather(x, group=cp, dim=2, async_op=True) for x in (k, v)]  # (b, a, s, d)
-    cols = np.concatenate([_positions(model, o) for o in range(model.P)])
+    cols = _every_position(model)
     rows = model.positions
     with flash.forward(ops, model.m, q, K):
-        s = ops.attention_scores(q, K, 1.0 / np.sqrt(model.m.head_dim), model.allowed(rows, cols))
+        s = ops.attention_scores(q, K, 1.0 / math.sqrt(model.m.head_dim), model.allowed(rows, cols))
         row_max = ops.max(s, -1)
         e = ops.attention_weights(s, row_max)
         l_sum = ops.sum(e, -1, partial=True)
@@ -237,7 +243,7 @@ def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
 
 def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     ops, ctx, cp = model.ops, model.ctx, model.cp
-    scale = 1.0 / np.sqrt(model.m.head_dim)
+    scale = 1.0 / math.sqrt(model.m.head_dim)
     with flash.backward(ops, model.m, core["q"], core["K"]):
         e = ops.attention_weights(core["scores"][0], core["max"])
         probs = ops.attention_probs(e, core["l"])
@@ -265,7 +271,7 @@ def _own_rows(ops: Any, full: Any, P: int, r: int) -> Any:
 
 def rsa_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     ops, ctx, cp, P, r = model.ops, model.ctx, model.cp, model.P, model.r
-    scale = 1.0 / np.sqrt(model.m.head_dim)
+    scale = 1.0 / math.sqrt(model.m.head_dim)
     rows, owners = model.positions, [(r - t) % P for t in range(P)]
     delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
     probs, keeps = [], []

@@ -17,6 +17,7 @@ On one rank (dp = tp = 1) the same program is the single-device reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Generator
 
@@ -59,7 +60,7 @@ def train_mlp(ctx: Context, cfg: MLPConfig) -> Generator[Any, Any, dict[str, Any
     cfg.check_mesh(dp.size, tp.size)
     h, F = cfg.hidden, cfg.ffn_hidden
     f, b = F // tp.size, cfg.tokens // dp.size
-    scale1, scale2 = 1.0 / np.sqrt(h), 1.0 / np.sqrt(F)
+    scale1, scale2 = 1.0 / math.sqrt(h), 1.0 / math.sqrt(F)
     w1 = ctx.ops.uniform(cfg.seed, "w1", (h, f), offset=(0, t * f), full_shape=(h, F), low=-scale1, high=scale1)
     w2 = ctx.ops.uniform(cfg.seed, "w2", (f, h), offset=(t * f, 0), full_shape=(F, h), low=-scale2, high=scale2)
     inv_n = 1.0 / (cfg.tokens * h)

@@ -1,0 +1,249 @@
+"""The kernel set on torch tensors on the rank's device: fast mode as a GPU runs it, nothing through the host.
+
+`TorchArrays` is the array namespace (simcluster/numerics/arrays.py says what one is) on torch: the
+same functions numpy's has, on tensors of one device (cuda, cpu, or `meta` for a run that proves no
+kernel reads host data). `TorchFastOps` is simcluster's fast mode (numerics/modes.py) over it: the
+same kernels (numerics/kernels.py) written once, matmuls and einsums in cuBLAS with fp32 accumulation
+for 16-bit inputs (TF32 off, so fp32 means fp32), 16-bit elementwise kernels widened to fp32 as the
+fused GPU kernels run them, a fast Partial as an fp32 device tensor, and the counter-based random
+numbers (numerics/random.py) ported so that dropout masks and initial weights are bit-identical.
+
+Scalars: a constant is a Python float rounded once to the tensor's dtype (on the host, where it is
+made), so that `x * c` is one kernel with no host-to-device copy; a clipping coefficient stays a
+0-d device tensor (never read back).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from simcluster.numerics import random as _random
+from simcluster.numerics.dtypes import dtype_name
+from simcluster.numerics.limbs import BF16
+from simcluster.numerics.modes import FastNum, FastOps, Widened
+from simcluster.numerics.ops import Record
+
+TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+_MASK64 = (1 << 64) - 1
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a logical name, a numpy dtype or a torch dtype."""
+    return dtype if isinstance(dtype, torch.dtype) else TORCH_DTYPES[dtype_name(dtype)]
+
+
+def _signed(value: int) -> int:
+    """A uint64 bit pattern as the int64 with the same bits (torch's uint64 arithmetic is partial)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+@lru_cache(maxsize=4096)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded once to `dtype`, as a Python float (exact in float64)."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype)) if dtype.is_floating_point else value
+
+
+def host_to_torch(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array on `device` (bf16 moves as its bits: torch cannot take ml_dtypes arrays)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(x).to(device)
+
+
+def torch_to_host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array (bf16 as ml_dtypes' bfloat16)."""
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class TorchArrays:
+    """The array namespace on torch tensors of one device."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # -- elementwise ------------------------------------------------------------------------------
+    add = staticmethod(torch.add)
+    subtract = staticmethod(torch.sub)
+    multiply = staticmethod(torch.mul)
+    divide = staticmethod(torch.div)
+    isfinite = staticmethod(torch.isfinite)
+    sqrt = staticmethod(torch.sqrt)
+    exp = staticmethod(torch.exp)
+    log = staticmethod(torch.log)
+    tanh = staticmethod(torch.tanh)
+
+    @staticmethod
+    def maximum(a: Any, b: Any) -> torch.Tensor:
+        return torch.clamp_min(a, b) if isinstance(b, float) else torch.maximum(a, b)
+
+    @staticmethod
+    def minimum(a: Any, b: Any) -> torch.Tensor:
+        return torch.clamp_max(a, b) if isinstance(b, float) else torch.minimum(a, b)
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(cond, a, b)
+
+    # -- dtypes -------------------------------------------------------------------------------------
+    def astype(self, x: Any, dtype: Any, copy: bool = True) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = self.asarray(x)
+        return x.to(torch_dtype(dtype), copy=copy)
+
+    @staticmethod
+    def const(x: Any, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(x.dtype)
+        return _rounded(float(value), x.dtype)
+
+    @staticmethod
+    def name(dtype: Any) -> str:
+        return dtype_name(dtype)
+
+    @staticmethod
+    def is_array(x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    @staticmethod
+    def is_dtype(x: Any) -> bool:
+        return isinstance(x, (torch.dtype, type, np.dtype))
+
+    @staticmethod
+    def result_type(a: Any, b: Any) -> torch.dtype:
+        return torch.promote_types(a.dtype, b.dtype)
+
+    # -- making arrays --------------------------------------------------------------------------------
+    def zeros(self, shape: Sequence[int], dtype: Any) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+
+    @staticmethod
+    def zeros_like(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def asarray(self, x: Any, dtype: Any = None) -> torch.Tensor:
+        """x on this device: a tensor as it is, host data (numpy, ranges, numbers) copied there once."""
+        if isinstance(x, torch.Tensor):
+            t = x if x.device == self.device else x.to(self.device)
+        elif isinstance(x, np.ndarray):
+            t = host_to_torch(x, self.device)
+        elif isinstance(x, range):
+            t = torch.arange(x.start, x.stop, x.step, dtype=torch.int64, device=self.device)
+        else:
+            t = torch.as_tensor(np.asarray(x), device=self.device)
+        return t if dtype is None else t.to(torch_dtype(dtype))
+
+    @staticmethod
+    def broadcast_to(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return x.expand(tuple(shape))
+
+    # -- layout -------------------------------------------------------------------------------------
+    @staticmethod
+    def concat(xs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        return torch.cat(list(xs), dim=dim)
+
+    swapaxes = staticmethod(torch.swapaxes)
+
+    @staticmethod
+    def permute(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+        return x.permute(tuple(dims))
+
+    @staticmethod
+    def contiguous(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous()
+
+    @staticmethod
+    def repeat(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+        return torch.repeat_interleave(x, n, dim=dim)
+
+    def take_last(self, x: torch.Tensor, index: Any) -> torch.Tensor:
+        return torch.gather(x, -1, self.asarray(index)[..., None])[..., 0]
+
+    def one_hot(self, index: Any, n: int, dtype: Any) -> torch.Tensor:
+        return torch.nn.functional.one_hot(self.asarray(index), n).to(torch_dtype(dtype))
+
+    # -- reductions and products ----------------------------------------------------------------------
+    matmul = staticmethod(torch.matmul)
+
+    @staticmethod
+    def einsum(spec: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(spec, a, b)
+
+    @staticmethod
+    def sum(x: torch.Tensor, axis: Any, dtype: Any = None) -> torch.Tensor:
+        dt = None if dtype is None else torch_dtype(dtype)
+        return torch.sum(x, dtype=dt) if axis is None else torch.sum(x, dim=axis, dtype=dt)
+
+    @staticmethod
+    def max(x: torch.Tensor, axis: int) -> torch.Tensor:
+        return torch.amax(x, dim=axis, keepdim=True)
+
+    @staticmethod
+    def to_host(x: Any) -> np.ndarray:
+        return torch_to_host(x) if isinstance(x, torch.Tensor) else np.asarray(x)
+
+    # -- the counter-based random numbers (numerics/random.py), bit for bit -------------------------
+    @staticmethod
+    def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+        """Logical right shift of int64s holding uint64 bits."""
+        return (z >> k) & ((1 << (64 - k)) - 1)
+
+    def _mix(self, z: torch.Tensor) -> torch.Tensor:
+        z = (z ^ self._shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+        z = (z ^ self._shr(z, 27)) * _signed(0x94D049BB133111EB)
+        return z ^ self._shr(z, 31)
+
+    def uniform(self, seed: int, stream: int | str, shape: tuple[int, ...], *, offset: tuple[int, ...] | None = None,
+                full_shape: tuple[int, ...] | None = None, low: float = -1.0, high: float = 1.0) -> torch.Tensor:
+        """random.uniform on this device: the same bits (SplitMix64 in wrapping int64 arithmetic)."""
+        full_shape = tuple(shape) if full_shape is None else tuple(full_shape)
+        offset = (0,) * len(shape) if offset is None else tuple(offset)
+        if len(full_shape) != len(shape) or len(offset) != len(shape):
+            raise ValueError(f"shape {shape}, offset {offset} and full_shape {full_shape} must have the same rank")
+        if isinstance(stream, str):
+            stream = _random.stream_id(stream)
+        key = int(_random._mix(np.array([(seed & 0xFFFFFFFF) << 32 | (stream & 0xFFFFFFFF)], dtype=np.uint64))[0])
+        flat = torch.zeros(tuple(shape), dtype=torch.int64, device=self.device)
+        for d, (o, s, n) in enumerate(zip(offset, shape, full_shape)):
+            view = [1] * len(shape)
+            view[d] = s
+            flat = flat * n + torch.arange(o, o + s, dtype=torch.int64, device=self.device).reshape(view)
+        z = self._mix(flat * _signed(int(_random._GOLDEN)) + _signed(key))
+        u = self._shr(z, 40).to(torch.float64) * 2.0**-24  # [0, 1), 24 bits
+        return (low + (high - low) * u).to(torch.float32)
+
+
+class TorchFastOps(FastOps):
+    """Fast mode on torch tensors of one device (`device`: cuda:N, cpu, or meta)."""
+
+    def __init__(self, device: torch.device | str = "cpu", record: Record | None = None, *,
+                 cost_dtype: str = "fp32") -> None:
+        super().__init__(record, cost_dtype=cost_dtype)
+        self.xp = TorchArrays(device)
+        self._num = FastNum(self.xp)
+        self._kernels = Widened(self.xp)
+
+    @property
+    def device(self) -> torch.device:
+        return self.xp.device
+
+    def clip_coefficient(self, squares: Any, max_norm: float, eps: float) -> tuple[Any, bool]:
+        """min(1, max_norm / (norm + eps)) as a 0-d device tensor: always applied, never read back (as
+        torch.nn.utils.clip_grad_norm_ does; scaling by 1 is exact, so the result is the host's)."""
+        return torch.clamp(self._norm_coefficient(squares, max_norm, eps), max=1.0), True
+
+
+def deterministic_math() -> None:
+    """fp32 means fp32: no TF32 in cuBLAS matmuls or cuDNN (PyTorch's default allows it for convolutions)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+__all__ = ["TorchArrays", "TorchFastOps", "deterministic_math", "host_to_torch", "torch_dtype", "torch_to_host"]

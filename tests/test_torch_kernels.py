@@ -1,0 +1,209 @@
+"""The torch kernel set (gpu_backend/torch_ops.py) against fast mode's numpy kernels, operation by operation:
+the counter-based random numbers bit for bit, everything else within the derived bound of one rounding
+point (numerics/tolerance.py) — and a whole training step of every program family on torch's `meta`
+device, which fails if any kernel or any line of a program reads host data."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
+
+from gpu_backend.torch_ops import TorchFastOps, torch_to_host  # noqa: E402
+from simcluster.numerics.ops import make_ops  # noqa: E402
+from simcluster.numerics.tensor import Partial  # noqa: E402
+from simcluster.numerics.tolerance import bound  # noqa: E402
+
+HOST, DEVICE = make_ops("fast"), TorchFastOps("cpu")
+
+
+def both(*arrays):
+    """numpy arrays, and the same values as torch tensors."""
+    return arrays, tuple(DEVICE.xp.asarray(a) for a in arrays)
+
+
+def values(x):
+    if isinstance(x, Partial):
+        x = x.finalize("fp32")
+    return torch_to_host(x) if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def within_one_rounding(got, want, dtype, longest_sum):
+    got, want = values(got).astype(np.float64), values(want).astype(np.float64)
+    assert got.shape == want.shape
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all() and (got[~finite] == want[~finite]).all()  # masked scores: -inf
+    got, want = got[finite], want[finite]
+    error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert error <= bound(dtype, longest_sum, 1), (error, bound(dtype, longest_sum, 1))
+
+
+def draw(name, shape, dtype, low=-1.0, high=1.0):
+    return HOST.cast(HOST.uniform(7, name, shape, low=low, high=high), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_operation_agrees_with_fast_mode_within_one_rounding(dtype):
+    b, s, h, a, v = 2, 8, 16, 4, 24
+    (x, w, g, beta, y), (tx, tw, tg, tbeta, ty) = both(
+        draw("x", (b, s, h), dtype), draw("w", (h, v), dtype), draw("g", (h,), dtype, 0.8, 1.2),
+        draw("beta", (h,), dtype), draw("y", (b, s, h), dtype))
+    q, k = draw("q", (b, a, s, h // a), dtype), draw("k", (b, a, s, h // a), dtype)
+    (q, k), (tq, tk) = both(q, k)
+    ids = (np.arange(b * s).reshape(b, s) * 7) % v
+    mask = np.tril(np.ones((s, s), bool))
+    cases = {  # name: (numpy result, torch result, longest sum)
+        "matmul": (HOST.matmul(x, w), DEVICE.matmul(tx, tw), h),
+        "matmul partial": (HOST.matmul(x, w, partial=True), DEVICE.matmul(tx, tw, partial=True), h),
+        "einsum": (HOST.einsum("bsh,bsv->hv", x, HOST.matmul(x, w)), DEVICE.einsum("bsh,bsv->hv", tx, DEVICE.matmul(tx, tw)),
+                   b * s),
+        "sum": (HOST.sum(x, (0, 1)), DEVICE.sum(tx, (0, 1)), b * s),
+        "add": (HOST.add(x, y), DEVICE.add(tx, ty), 1),
+        "mul": (HOST.mul(x, y), DEVICE.mul(tx, ty), 1),
+        "div": (HOST.div(x, HOST.add(y, HOST.cast(np.full(y.shape, 3, np.float32), dtype))),
+                DEVICE.div(tx, DEVICE.add(ty, DEVICE.cast(DEVICE.xp.asarray(np.full(y.shape, 3, np.float32)), dtype))), 1),
+        "scale": (HOST.scale(x, 1.0 / 0.9), DEVICE.scale(tx, 1.0 / 0.9), 1),
+        "relu": (HOST.relu(x), DEVICE.relu(tx), 1),
+        "gelu": (HOST.gelu(x), DEVICE.gelu(tx), 1),
+        "gelu_backward": (HOST.gelu_backward(y, x), DEVICE.gelu_backward(ty, tx), 1),
+        "silu": (HOST.silu(x), DEVICE.silu(tx), 1),
+        "silu_backward": (HOST.silu_backward(y, x), DEVICE.silu_backward(ty, tx), 1),
+        "layer_norm": (HOST.layer_norm(x, g, beta)[0], DEVICE.layer_norm(tx, tg, tbeta)[0], h),
+        "layer_norm_backward": (HOST.layer_norm_backward(y, x, g, *HOST.layer_norm(x, g, beta)[1:])[0],
+                                DEVICE.layer_norm_backward(ty, tx, tg, *DEVICE.layer_norm(tx, tg, tbeta)[1:])[0], h),
+        "rms_norm": (HOST.rms_norm(x, g)[0], DEVICE.rms_norm(tx, tg)[0], h),
+        "rms_norm_backward": (HOST.rms_norm_backward(y, x, g, HOST.rms_norm(x, g)[1])[0],
+                              DEVICE.rms_norm_backward(ty, tx, tg, DEVICE.rms_norm(tx, tg)[1])[0], h),
+        "attention_scores": (HOST.attention_scores(q, k, 0.5, mask), DEVICE.attention_scores(tq, tk, 0.5, DEVICE.causal(range(s), range(s))),
+                             h // a),
+        "softmax": (HOST.softmax(HOST.matmul(x, w)), DEVICE.softmax(DEVICE.matmul(tx, tw)), v),
+        "log_softmax": (HOST.log_softmax(HOST.matmul(x, w)), DEVICE.log_softmax(DEVICE.matmul(tx, tw)), v),
+        "embedding": (HOST.embedding(ids, w.T.copy(), row_offset=4), DEVICE.embedding(DEVICE.from_host(ids), tw.T.contiguous(), row_offset=4), 1),
+        "embedding_backward": (HOST.embedding_backward(ids, y, v), DEVICE.embedding_backward(DEVICE.from_host(ids), ty, v), b * s),
+        "gather_last": (HOST.gather_last(HOST.matmul(x, w), ids), DEVICE.gather_last(DEVICE.matmul(tx, tw), DEVICE.from_host(ids)), h),
+        "heads": (HOST.heads(x, 4), DEVICE.heads(tx, 4), 1),
+        "merge_heads": (HOST.merge_heads(q), DEVICE.merge_heads(tq), 1),
+        "repeat": (HOST.repeat(q, 2, 1), DEVICE.repeat(tq, 2, 1), 1),
+        "cast": (HOST.cast(x, "fp16"), DEVICE.cast(tx, "fp16"), 1),
+        "flat": (HOST.flat([x, y]), DEVICE.flat([tx, ty]), 1),
+        "pad": (HOST.pad(HOST.flat([x]), 7), DEVICE.pad(DEVICE.flat([tx]), 7), 1),
+    }
+    for name, (want, got, n) in cases.items():
+        assert isinstance(got if not isinstance(got, Partial) else got.limbs, torch.Tensor), name
+        within_one_rounding(got, want, dtype, n)
+
+
+def test_adam_agrees_within_one_rounding():
+    p, gr, m, v = (HOST.uniform(3, n, (64,)) for n in "pgmv")
+    v = np.abs(v)
+    want = HOST.adam(p, gr, m, v, 3, lr=1e-3, weight_decay=0.1)
+    got = DEVICE.adam(*(DEVICE.xp.asarray(a) for a in (p, gr, m, v)), 3, lr=1e-3, weight_decay=0.1)
+    for a, b in zip(got, want):
+        within_one_rounding(a, b, "fp32", 4)
+
+
+@given(st.tuples(st.integers(1, 5), st.integers(1, 7)), st.tuples(st.integers(0, 9), st.integers(0, 9)),
+       st.integers(0, 2**40), st.sampled_from(["attn.0", "resid_mlp.3", "wte"]))
+def test_the_random_numbers_are_numpys_bit_for_bit(shape, offset, seed, stream):
+    full = (shape[0] + offset[0], shape[1] + offset[1] + 3)
+    want = HOST.uniform(seed, stream, shape, offset=offset, full_shape=full, low=-0.5, high=2.0)
+    got = DEVICE.uniform(seed, stream, shape, offset=offset, full_shape=full, low=-0.5, high=2.0)
+    assert torch_to_host(got).tobytes() == want.tobytes()
+    keep = DEVICE.dropout_keep(seed, stream, shape, 0.3, offset=offset, full_shape=full)
+    assert torch_to_host(keep).tobytes() == HOST.dropout_keep(seed, stream, shape, 0.3, offset=offset,
+                                                               full_shape=full).tobytes()
+
+
+def test_a_broken_random_stream_is_caught():
+    """The bit comparison above can fail: a logical shift done as an arithmetic one changes the bits."""
+    class Broken(type(DEVICE.xp)):
+        @staticmethod
+        def _shr(z, k):
+            return z >> k
+    broken = Broken("cpu")
+    want = HOST.uniform(1, "x", (64,))
+    assert torch_to_host(broken.uniform(1, "x", (64,))).tobytes() != want.tobytes()
+
+
+def test_clipping_on_the_device_never_reads_the_coefficient_back():
+    """The host decides whether to clip by the coefficient's value; the device always scales by min(1, c),
+    which gives the same bytes (scaling by 1 is exact)."""
+    g = HOST.uniform(0, "g", (32,))
+    for max_norm in (0.1, 100.0):
+        squares = HOST.einsum("i,i->", g, g, partial=True)
+        c, clips = HOST.clip_coefficient(squares, max_norm, 1e-6)
+        want = HOST.scale(g, c) if clips else g
+        tg = DEVICE.xp.asarray(g)
+        tc, always = DEVICE.clip_coefficient(DEVICE.einsum("i,i->", tg, tg, partial=True), max_norm, 1e-6)
+        assert always and isinstance(tc, torch.Tensor)
+        within_one_rounding(DEVICE.scale(tg, tc), want, "fp32", 32)
+
+
+# -- a whole training step on the meta device ------------------------------------------------------------
+
+FAMILIES = {  # every program family, and the GPT's options that add kernels (dropout, recompute, mixed
+    # precision, clipping, ZeRO-3's flat buffers, offload's copies): one rank, all of it on `meta`
+    "gpt": ("model.dropout=0.1", "model.dtype=bf16", "parallel.recompute=selective", "parallel.zero=3",
+            "run.clip_grad=1.0"),
+    "gpt-fp16-full": ("model.dtype=fp16", "parallel.recompute=full", "model.tied_head=true"),
+    "llama": ("model.arch=llama", "model.kv_heads=2", "model.tied_head=false", "model.dropout=0.1",
+              "model.dtype=bf16"),
+    "mlp": ("run.program=mlp",),
+    "collectives": ("run.program=collectives",),
+    "allreduce": ("run.program=allreduce",),
+}
+ONE_RANK = ("parallel.dp=1", "cluster.gpus_per_node=1", "model.layers=2", "model.hidden=16", "model.heads=4",
+            "model.ffn_hidden=32", "model.seq=8", "model.vocab=16", "model.global_batch=2", "run.steps=2",
+            "run.numerics=fast")
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def step_on(device, family, monkeypatch=None):
+    from gpu_backend.runner import measured
+    from simcluster.runner import job_of
+    from simcluster.scenario import load
+
+    job = job_of(load(None, [*ONE_RANK, *FAMILIES[family]]), fold=False)
+    return measured(job.program, job.args, job.mesh, mode="fast", device=torch.device(device)).result
+
+
+def leaves(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from leaves(v)
+    elif isinstance(value, Partial):
+        yield value.limbs
+    elif value is not None and not isinstance(value, (int, float, str)):
+        yield value
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_whole_step_of_every_family_runs_on_the_meta_device(family, one_process_group):
+    """torch's meta device has shapes and no data: numpy cannot read it (np.asarray raises), nor can
+    float() or a branch on a value. A whole training step on it shows that every kernel ran on the
+    device and nothing went through the host; the same step on the CPU gives numbers of the same shapes."""
+    on_meta = list(leaves(step_on("meta", family)))
+    on_cpu = list(leaves(step_on("cpu", family)))
+    assert on_meta and all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in on_meta)
+    assert [tuple(t.shape) for t in on_meta] == [tuple(np.shape(a)) for a in on_cpu]
+
+
+def test_a_kernel_that_reads_host_data_fails_on_the_meta_device(one_process_group, monkeypatch):
+    """The meta run can fail: a head split written with numpy (as the program once had it) raises there."""
+    from simcluster.numerics.ops import Ops
+
+    monkeypatch.setattr(Ops, "heads", lambda self, x, d: np.ascontiguousarray(
+        np.asarray(x).reshape(x.shape[0], x.shape[1], -1, d).transpose(0, 2, 1, 3)))
+    with pytest.raises(Exception, match="meta"):
+        step_on("meta", "gpt")
