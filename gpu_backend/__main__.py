@@ -97,8 +97,8 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
             text = str(exc) if isinstance(exc, ProgramError) else f"{type(exc).__name__}: {exc}"
             say_error(err, f"rank {dist.get_rank()}: {text}")
             return 1
-        runs = [None] * dist.get_world_size()
-        dist.all_gather_object(runs, mine)
+        runs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, runs, dst=0)  # to rank 0 alone, which reports
         if dist.get_rank() != 0:
             return 0
     finally:

@@ -1,12 +1,12 @@
 """Run simcluster programs unchanged on torch.distributed: gloo on CPU, NCCL when CUDA is present.
 
-The program's yields are interpreted with torch.distributed calls. Fast mode computes with the torch
-kernel set on the rank's device (torch_ops.py: weights, activations, optimizer state and the
-collectives' buffers all live there; nothing goes through the host); exact mode with simcluster's
-exact kernels on the host, whose values cross the process boundary as tensors: float arrays as
-themselves, exact partials as their int64 limbs (integer sums are associative in gloo and NCCL alike,
-and the limbs are re-normalised after the collective). A collective over a group of one rank is the
-identity, as NCCL makes it, and touches no data.
+The program's yields are interpreted with torch.distributed calls. Every kernel runs from the torch
+kernel set on the rank's device (torch_ops.py): weights, activations, optimizer state and the
+collectives' buffers all live there, and nothing goes through the host. Fast mode is the device's
+own arithmetic; exact mode keeps its int64 limbs and sliced float64 GEMMs there too, and its partial
+sums travel as limbs (integer sums are associative in gloo and NCCL alike; the limbs are carried again
+after the collective), so a real run is the emulator's, byte for byte. A collective over a group of
+one rank is the identity, as NCCL makes it, and touches no data.
 
 Each mesh group becomes one torch process group, created for every axis combination in a fixed
 order at start-up (torch requires every process to create every group in the same order).
@@ -33,16 +33,18 @@ from simcluster.engine import simulate
 from simcluster.engine.errors import SimulationError
 from simcluster.model.memory import MemoryLedger
 from simcluster.numerics import limbs as _limbs
-from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import MetaTensor, Partial, ReduceOp, zeros_of
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
-from gpu_backend.torch_ops import TorchFastOps, deterministic_math, host_to_torch, torch_to_host
+from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.watchdog import CollectiveTimeout, FlightRecorder
 
 _REDUCE = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+
+
+KERNEL_SETS = {"exact": TorchExactOps, "fast": TorchFastOps}
 
 
 class _Streams:
@@ -104,7 +106,11 @@ class TorchBackend:
     def from_torch(self, t: torch.Tensor, like: Any) -> Any:
         partial = isinstance(like, Partial) or (isinstance(like, tuple) and like[0])
         if self.arrays is not None:  # stays on the device
-            return Partial(t, like.dtype if isinstance(like, Partial) else like[1], self.arrays) if partial else t
+            if not partial:
+                return t
+            dtype = like.dtype if isinstance(like, Partial) else like[1]
+            exact = t.dtype == torch.int64  # limbs, summed digit by digit: carried again
+            return Partial(_limbs.normalize(t, self.arrays) if exact else t, dtype, self.arrays)
         arr = torch_to_host(t)
         if partial:
             dtype = like.dtype if isinstance(like, Partial) else like[1]
@@ -117,6 +123,8 @@ class TorchBackend:
         partial, dtype, shape = spec
         if self.arrays is None:
             return self.to_torch(zeros_of(spec, exact=self.exact))
+        if partial and self.exact:
+            return self.arrays.zeros(tuple(shape) + (_limbs.LIMBS,), "int64")
         if partial:  # fast mode's accumulator
             return self.arrays.zeros(tuple(shape) + (1,), "fp64" if dtype == "fp64" else "fp32")
         return self.arrays.zeros(shape, dtype)
@@ -213,21 +221,21 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
 
 def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
              device: torch.device | None = None, watchdog_s: float = 300.0) -> RankRun:
-    """run_rank, timed from a barrier to the program's end, with the peak memory. Fast mode computes with
-    the torch kernel set on `device` (a `meta` device runs the step with no numbers at all), exact mode
-    with the exact kernels on the host. The result's tensors come back to the host (for verification)."""
+    """run_rank, timed from a barrier to the program's end, with the peak memory. The kernels are the torch
+    kernel set's on `device` (in fast mode a `meta` device runs the step with no numbers at all). The
+    result's tensors come back to the host (for verification)."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
         raise LaunchError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
     device = device or torch.device("cpu")
     backend = TorchBackend(mesh, rank, device, watchdog_s)
     backend.exact = mode == "exact"
-    if mode == "fast":
-        deterministic_math()
-        ops: Any = TorchFastOps(device)
-        backend.arrays = ops.xp
-    else:
-        ops = make_ops(mode)
+    if mode not in KERNEL_SETS:
+        raise ProgramError(f"mode {mode!r} cannot run on torch.distributed (it computes numbers): use "
+                           f"{' or '.join(KERNEL_SETS)}")
+    deterministic_math()
+    ops = KERNEL_SETS[mode](device)
+    backend.arrays = ops.xp
     comm = Comm(backend.issue, rank, mesh.world_size)
     ctx = Context(rank=rank, mesh=mesh.view(rank), ops=ops, comm=comm, streams=_Streams(), memory=MemoryLedger())
     cuda = device.type == "cuda"

@@ -20,6 +20,8 @@ kernels use, with dtypes named by their logical names: 'fp32', 'bf16', 'fp16', '
   take_last(x, index) one_hot(index, n, dtype)
   matmul(a, b) einsum(spec, a, b) sum(x, axis, dtype) max(x, axis)   (max keeps the axis)
   to_host(x)                                     a numpy array (verification and checkpoints only)
+  floor trunc abs isnan clip stack ldexp frexp full_like flip_last argmax_last any truth gather_last arange
+                                                 exact mode's limbs, slices and transcendentals
 """
 
 from __future__ import annotations
@@ -133,6 +135,54 @@ class NumpyArrays:
     @staticmethod
     def to_host(x: Any) -> np.ndarray:
         return np.asarray(x)
+
+    # -- what exact mode's limbs and slices need (limbs.py, exact.py, transcendental.py) ------------
+    floor = staticmethod(np.floor)
+    trunc = staticmethod(np.trunc)
+    abs = staticmethod(np.abs)
+    isnan = staticmethod(np.isnan)
+    clip = staticmethod(np.clip)
+    stack = staticmethod(np.stack)
+
+    @staticmethod
+    def ldexp(x: Any, e: Any) -> np.ndarray:
+        """x * 2**e exactly (e integer-valued: an int or an array of them)."""
+        return np.ldexp(x, np.asarray(e).astype(np.int64) if not isinstance(e, int) else e)
+
+    @staticmethod
+    def frexp(x: Any) -> tuple[np.ndarray, np.ndarray]:
+        m, e = np.frexp(x)
+        return m, e.astype(np.int64)
+
+    @staticmethod
+    def full_like(x: Any, value: float) -> np.ndarray:
+        return np.full_like(x, value)
+
+    @staticmethod
+    def flip_last(x: Any) -> np.ndarray:
+        return x[..., ::-1]
+
+    @staticmethod
+    def argmax_last(x: Any) -> np.ndarray:
+        return np.argmax(x, axis=-1)
+
+    @staticmethod
+    def any(x: Any, axis: Any = None) -> Any:
+        return np.any(x, axis=axis)
+
+    @staticmethod
+    def truth(x: Any) -> bool:
+        """A 0-d boolean's value on the host (exact mode's data-dependent checks)."""
+        return bool(x)
+
+    @staticmethod
+    def gather_last(x: Any, index: Any) -> np.ndarray:
+        """x[..., index[...]] for an index shaped like x without its last dim."""
+        return np.take_along_axis(x, index[..., None], -1)[..., 0]
+
+    @staticmethod
+    def arange(n: int) -> np.ndarray:
+        return np.arange(n)
 
 
 NUMPY = NumpyArrays()

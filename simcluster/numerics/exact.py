@@ -14,42 +14,48 @@ Products: operands are truncated to multiples of 2**-80 (PRODUCT_LO) so that eve
 the limb window (2**-160). Values below 2**-80 in a matmul operand contribute nothing; that is a
 deterministic rule of the kernel, the same in the reference and in every parallel version.
 Sums of single values: no truncation (every float32 is a multiple of 2**-149).
+
+Written against an array namespace `xp` (arrays.py; numpy's unless said): the slices' products are
+float64 GEMMs on whatever device holds the data, exact there too (integers below 2**53).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 
 from simcluster.numerics import limbs as _limbs
+from simcluster.numerics.arrays import NUMPY
 
 PRODUCT_LO = -80  # grid bottom for operands of products: 2 * PRODUCT_LO == limbs.WINDOW_LO
 SUM_LO = -150  # grid bottom for sums of single float32 values (below float32's smallest subnormal)
 assert 2 * PRODUCT_LO >= _limbs.WINDOW_LO and SUM_LO >= _limbs.WINDOW_LO
 
 
-def _check_finite(x: np.ndarray, what: str) -> None:
-    if not np.all(np.isfinite(x)):
-        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(x))[0])
-        raise FloatingPointError(f"{what}: non-finite input {float(x[bad])!r} at index {bad}")
+def _check_finite(x: Any, what: str, xp: Any = NUMPY) -> None:
+    if not xp.truth(xp.isfinite(x).all()):
+        host = xp.to_host(x)
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(host))[0])
+        raise FloatingPointError(f"{what}: non-finite input {float(host[bad])!r} at index {bad}")
 
 
-def slices(x: np.ndarray, beta: int, lo: int) -> list[tuple[int, np.ndarray]]:
+def slices(x: Any, beta: int, lo: int, xp: Any = NUMPY) -> list[tuple[int, Any]]:
     """[(s, X_s)]: the non-zero slices of x on the grid 2**(lo + s*beta), as integer-valued float64."""
-    x64 = np.asarray(x, dtype=np.float64)
-    mag = np.trunc(np.ldexp(np.abs(x64), -lo))  # exact: a power-of-two scaling of float32 values
-    sign = np.where(x64 < 0, -1.0, 1.0)
+    x64 = xp.astype(x, "fp64", copy=False)
+    mag = xp.trunc(xp.ldexp(xp.abs(x64), -lo))  # exact: a power-of-two scaling of float32 values
+    sign = xp.where(x64 < 0, -1.0, 1.0)
     radix = float(2**beta)
-    out: list[tuple[int, np.ndarray]] = []
+    out: list[tuple[int, Any]] = []
     s = 0
     while True:
-        high = np.floor(mag / radix)
+        high = xp.floor(mag / radix)
         low = mag - high * radix  # exact: the low beta bits of an exact integer
-        if low.any():
+        if xp.truth(xp.any(low)):
             out.append((s, sign * low))
-        if not high.any():
+        if not xp.truth(xp.any(high)):
             return out
         mag = high
         s += 1
@@ -63,16 +69,16 @@ def _beta(terms: int, operands: int) -> int:
 _SPEC = re.compile(r"^([a-z]+),([a-z]+)->([a-z]*)$")
 
 
-def einsum(spec: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def einsum(spec: str, a: Any, b: Any, xp: Any = NUMPY) -> Any:
     """Exact `np.einsum(spec, a, b)` for float32 operands, as normalized limbs (shape (*out, LIMBS))."""
     m = _SPEC.match(spec)
     if m is None:
         raise ValueError(f"exact einsum spec {spec!r} must look like 'ik,kj->ij' (letters only, two operands)")
     ia, ib, io = m.groups()
-    if len(ia) != a.ndim or len(ib) != b.ndim:
+    if len(ia) != len(a.shape) or len(ib) != len(b.shape):
         raise ValueError(f"einsum {spec!r}: operands of shapes {a.shape} and {b.shape} do not fit")
-    _check_finite(a, "exact einsum")
-    _check_finite(b, "exact einsum")
+    _check_finite(a, "exact einsum", xp)
+    _check_finite(b, "exact einsum", xp)
     size = dict(zip(ia, a.shape))
     for letter, n in zip(ib, b.shape):
         if size.setdefault(letter, n) != n:
@@ -80,42 +86,43 @@ def einsum(spec: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out_shape = tuple(size[letter] for letter in io)
     terms = math.prod(size[letter] for letter in size if letter not in io)
     beta = _beta(terms, 2)
-    acc = np.zeros(out_shape + (_limbs.LIMBS,), dtype=np.int64)
-    b_slices = slices(b, beta, PRODUCT_LO)
-    for s, xs in slices(a, beta, PRODUCT_LO):
+    acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
+    b_slices = slices(b, beta, PRODUCT_LO, xp)
+    for s, xs in slices(a, beta, PRODUCT_LO, xp):
         for t, ys in b_slices:
-            r = np.einsum(spec, xs, ys, optimize=True)  # exact: integers, all partial sums < 2**53
-            _limbs.add_scaled_integers(acc, r, 2 * PRODUCT_LO + (s + t) * beta)
-    return _limbs.normalize(acc)
+            r = xp.einsum(spec, xs, ys)  # exact: integers, all partial sums < 2**53
+            _limbs.add_scaled_integers(acc, r, 2 * PRODUCT_LO + (s + t) * beta, xp)
+    return _limbs.normalize(acc, xp)
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul(a: Any, b: Any, xp: Any = NUMPY) -> Any:
     """Exact a @ b for a (..., m, k) and b (k, n) or (..., k, n), as limbs (..., m, n, LIMBS)."""
-    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+    if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul of shapes {a.shape} and {b.shape}: need (..., m, k) @ (..., k, n)")
-    _check_finite(a, "exact matmul")
-    _check_finite(b, "exact matmul")
+    _check_finite(a, "exact matmul", xp)
+    _check_finite(b, "exact matmul", xp)
     k = a.shape[-1]
     beta = _beta(k, 2)
-    out_shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
-    acc = np.zeros(out_shape + (_limbs.LIMBS,), dtype=np.int64)
-    b_slices = slices(b, beta, PRODUCT_LO)
-    for s, xs in slices(a, beta, PRODUCT_LO):
+    out_shape = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))) + (a.shape[-2], b.shape[-1])
+    acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
+    b_slices = slices(b, beta, PRODUCT_LO, xp)
+    for s, xs in slices(a, beta, PRODUCT_LO, xp):
         for t, ys in b_slices:
-            _limbs.add_scaled_integers(acc, np.matmul(xs, ys), 2 * PRODUCT_LO + (s + t) * beta)
-    return _limbs.normalize(acc)
+            _limbs.add_scaled_integers(acc, xp.matmul(xs, ys), 2 * PRODUCT_LO + (s + t) * beta, xp)
+    return _limbs.normalize(acc, xp)
 
 
-def sum(x: np.ndarray, axis: int | tuple[int, ...] | None) -> np.ndarray:
+def sum(x: Any, axis: int | tuple[int, ...] | None, xp: Any = NUMPY) -> Any:
     """Exact sum of float32 (or float64 holding float32) values over `axis`, as limbs."""
-    x = np.asarray(x)
-    _check_finite(x, "exact sum")
-    axes = tuple(range(x.ndim)) if axis is None else ((axis,) if isinstance(axis, int) else tuple(axis))
-    axes = tuple(a % x.ndim for a in axes) if x.ndim else ()
+    x = xp.asarray(x)
+    _check_finite(x, "exact sum", xp)
+    ndim = len(x.shape)
+    axes = tuple(range(ndim)) if axis is None else ((axis,) if isinstance(axis, int) else tuple(axis))
+    axes = tuple(a % ndim for a in axes) if ndim else ()
     terms = math.prod(x.shape[a] for a in axes)
     beta = _beta(terms, 1)
     out_shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
-    acc = np.zeros(out_shape + (_limbs.LIMBS,), dtype=np.int64)
-    for s, xs in slices(x, beta, SUM_LO):
-        _limbs.add_scaled_integers(acc, np.sum(xs, axis=axes) if axes else xs, SUM_LO + s * beta)
-    return _limbs.normalize(acc)
+    acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
+    for s, xs in slices(x, beta, SUM_LO, xp):
+        _limbs.add_scaled_integers(acc, xp.sum(xs, axes) if axes else xs, SUM_LO + s * beta, xp)
+    return _limbs.normalize(acc, xp)

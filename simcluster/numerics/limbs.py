@@ -11,12 +11,21 @@ summed in any order, any split, over any number of ranks, give the same digits.
 
 Bits of a term below 2**WINDOW_LO are dropped by flooring each term on its own: a deterministic
 function of the term, so the sum of floored terms is still independent of order.
+
+Written against an array namespace `xp` (arrays.py; numpy's unless said), in int64 and float64
+arithmetic only, so that the torch backend keeps limbs on its device and gets the same digits.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import ml_dtypes
 import numpy as np
+
+from simcluster.numerics.arrays import NUMPY
+from simcluster.numerics.dtypes import dtype_name
 
 LIMB_BITS = 32
 LIMBS = 6
@@ -28,35 +37,36 @@ WINDOW_HI = WINDOW_LO + LIMB_BITS * (LIMBS - 1)  # weight of the top limb's unit
 # limb could overflow: far more than any number of ranks or slices adds up.
 TERM_LIMIT_EXP = WINDOW_HI + 40
 _RADIX = float(2**LIMB_BITS)
-_MASK = np.int64(2**LIMB_BITS - 1)
+_MASK = 2**LIMB_BITS - 1
 
 
-def from_float64(x: np.ndarray) -> np.ndarray:
+def from_float64(x: Any, xp: Any = NUMPY) -> Any:
     """Split float64 terms into limbs exactly (sub-window bits floored). Shape (*x.shape, LIMBS)."""
-    x = np.asarray(x, dtype=np.float64)
-    if not np.all(np.isfinite(x)):
-        bad = np.argwhere(~np.isfinite(x))[0]
-        raise FloatingPointError(f"non-finite term {float(x[tuple(bad)])!r} at index {tuple(int(i) for i in bad)}")
-    if x.size and np.max(np.abs(x)) >= 2.0**TERM_LIMIT_EXP:
-        big = float(np.max(np.abs(x)))
+    x = xp.astype(x, "fp64", copy=False)
+    if not xp.truth(xp.isfinite(x).all()):
+        host = xp.to_host(x)
+        bad = np.argwhere(~np.isfinite(host))[0]
+        raise FloatingPointError(f"non-finite term {float(host[tuple(bad)])!r} at index {tuple(int(i) for i in bad)}")
+    if math.prod(x.shape) and xp.truth(xp.abs(x).max() >= 2.0**TERM_LIMIT_EXP):
+        big = float(xp.to_host(xp.abs(x).max()))
         raise OverflowError(
             f"term of magnitude {big!r} is outside the exact window "
             f"[2**{WINDOW_LO}, 2**{TERM_LIMIT_EXP}); rescale the inputs or widen the window"
         )
     # Scaling by a power of two is exact; floor makes an integer-valued float64.
-    v = np.floor(np.ldexp(x, -WINDOW_LO))
-    out = np.empty(x.shape + (LIMBS,), dtype=np.int64)
-    for i in range(LIMBS - 1):
-        q = np.floor(v / _RADIX)
-        out[..., i] = (v - q * _RADIX).astype(np.int64)  # exact: the low bits of an exact integer
+    v = xp.floor(xp.ldexp(x, -WINDOW_LO))
+    digits = []
+    for _ in range(LIMBS - 1):
+        q = xp.floor(v / _RADIX)
+        digits.append(xp.astype(v - q * _RADIX, "int64"))  # exact: the low bits of an exact integer
         v = q
-    out[..., LIMBS - 1] = v.astype(np.int64)
-    return out
+    digits.append(xp.astype(v, "int64"))
+    return xp.stack(digits, -1)
 
 
-def normalize(limbs: np.ndarray) -> np.ndarray:
+def normalize(limbs: Any, xp: Any = NUMPY) -> Any:
     """Propagate carries so that all limbs but the top lie in [0, 2**LIMB_BITS). Returns a new array."""
-    out = np.array(limbs, dtype=np.int64, copy=True)
+    out = xp.astype(limbs, "int64", copy=True)
     for i in range(LIMBS - 1):
         carry = out[..., i] >> LIMB_BITS  # arithmetic shift: floor division, also for negatives
         out[..., i] &= _MASK
@@ -64,7 +74,7 @@ def normalize(limbs: np.ndarray) -> np.ndarray:
     return out
 
 
-def add_scaled_integers(acc: np.ndarray, r: np.ndarray, exponent: int) -> None:
+def add_scaled_integers(acc: Any, r: Any, exponent: int, xp: Any = NUMPY) -> None:
     """acc += r * 2**exponent exactly, for integer-valued `r` (|r| < 2**53) and exponent >= WINDOW_LO.
 
     `acc` holds limbs, not necessarily normalized (carries stay pending until `normalize`).
@@ -72,13 +82,12 @@ def add_scaled_integers(acc: np.ndarray, r: np.ndarray, exponent: int) -> None:
     e = exponent - WINDOW_LO
     if e < 0:
         raise OverflowError(f"a term of weight 2**{exponent} lies below the exact window 2**{WINDOW_LO}")
-    r = np.asarray(r)
-    if r.size:
-        big = float(np.max(np.abs(r)))
-        if big and np.ldexp(big, exponent) >= 2.0**TERM_LIMIT_EXP:
-            raise OverflowError(f"a sum of magnitude {np.ldexp(big, exponent):.4g} is outside the exact window "
+    if math.prod(r.shape):
+        big = float(xp.to_host(xp.abs(r).max()))
+        if big and math.ldexp(big, exponent) >= 2.0**TERM_LIMIT_EXP:
+            raise OverflowError(f"a sum of magnitude {math.ldexp(big, exponent):.4g} is outside the exact window "
                                 f"[2**{WINDOW_LO}, 2**{TERM_LIMIT_EXP}); rescale the inputs")
-    v = r.astype(np.int64)
+    v = xp.astype(r, "int64")
     i, o = divmod(e, LIMB_BITS)
     top = LIMBS - 1
     if i >= top:  # lands in the signed top limb as a whole (small: checked above)
@@ -92,64 +101,68 @@ def add_scaled_integers(acc: np.ndarray, r: np.ndarray, exponent: int) -> None:
     acc[..., top] += v
 
 
-def sum_terms(terms: np.ndarray, axis: int) -> np.ndarray:
+def sum_terms(terms: Any, axis: int, xp: Any = NUMPY) -> Any:
     """Exact sum of float64 terms along `axis`, as normalized limbs of the remaining shape."""
-    limbs = from_float64(terms)
-    axis = axis % terms.ndim
-    return normalize(limbs.sum(axis=axis))
+    limbs = from_float64(terms, xp)
+    axis = axis % len(terms.shape)
+    return normalize(xp.sum(limbs, axis), xp)
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-_PRECISION = {np.dtype(np.float32): 24, np.dtype(np.float16): 11, BF16: 8}  # significant bits
+_PRECISION = {"fp32": 24, "fp16": 11, "bf16": 8}  # significant bits
 
 
-def _round_to_format(mag: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _round_to_format(mag: Any, name: str, xp: Any) -> Any:
     """Correctly rounded (to nearest, ties to even) non-negative value of normalized magnitude limbs.
 
     The leading bits are kept, every bit below them folded into a sticky bit: a value with two or
     three bits more than the target's precision and the sticky bit last, exact in float32, rounds to
     the target exactly as the exact value would, in one rounding (bf16 goes through float32, where the
-    value is still exact).
+    value is still exact). The leading two digits (hi, lo, each below 2**32) stand for their 64-bit
+    concatenation without forming it: int64 arithmetic only.
     """
-    precision = _PRECISION[dtype]
+    precision = _PRECISION[name]
     top = LIMBS - 1
-    ext = np.concatenate([mag[..., :top], mag[..., top:] & _MASK, mag[..., top:] >> LIMB_BITS], axis=-1)
-    ext = ext.astype(np.uint64)  # every digit now below 2**32
+    ext = xp.concat([mag[..., :top], mag[..., top:] & _MASK, mag[..., top:] >> LIMB_BITS], -1)  # digits < 2**32
     n = ext.shape[-1]
     nonzero = ext != 0
-    lead = n - 1 - np.argmax(nonzero[..., ::-1], axis=-1)  # index of the leading digit
-    lead = np.where(nonzero.any(axis=-1), lead, 0)
-    below = np.maximum(lead - 1, 0)
-    hi = np.take_along_axis(ext, lead[..., None], -1)[..., 0]
-    lo = np.where(lead > 0, np.take_along_axis(ext, below[..., None], -1)[..., 0], np.uint64(0))
-    top64 = (hi << np.uint64(LIMB_BITS)) | lo  # value = top64 * 2**(32*(lead-1)) + rest
-    index = np.arange(n)
-    sticky = ((ext != 0) & (index < (lead - 1)[..., None])).any(axis=-1)
-    bits = np.frexp(top64.astype(np.float64))[1].astype(np.int64)  # bit length, or one more
-    shift = np.maximum(bits - (precision + 3), 0).astype(np.uint64)
-    kept = top64 >> shift
-    sticky |= (top64 & ((np.uint64(1) << shift) - np.uint64(1))) != 0
-    m = (kept << np.uint64(1)) | sticky.astype(np.uint64)  # at most precision + 4 bits: exact in float32
-    exponent = shift.astype(np.int64) - 1 + LIMB_BITS * (np.where(lead > 0, lead, 1) - 1) + WINDOW_LO
-    exponent = np.where(lead > 0, exponent, WINDOW_LO)
-    value = np.ldexp(m.astype(np.float64), exponent)
-    return value.astype(np.float32).astype(dtype) if dtype == BF16 else value.astype(dtype)
+    lead = (n - 1) - xp.argmax_last(xp.astype(xp.flip_last(nonzero), "int32"))  # index of the leading digit
+    lead = xp.where(xp.any(nonzero, -1), lead, 0)
+    below = xp.maximum(lead - 1, 0)
+    hi = xp.gather_last(ext, lead)
+    lo = xp.where(lead > 0, xp.gather_last(ext, below), 0)
+    sticky = xp.any(nonzero & (xp.arange(n) < (lead - 1)[..., None]), -1)
+    # bit length of hi * 2**32 + lo, or one more: its float64 rounding's exponent (both forms round the
+    # exact integer once, to nearest)
+    bits = xp.frexp(xp.astype(hi, "fp64") * 2.0**LIMB_BITS + xp.astype(lo, "fp64"))[1]
+    shift = xp.maximum(bits - (precision + 3), 0)  # in [0, 54]
+    wide = shift >= LIMB_BITS  # the kept bits all come from hi
+    s_hi = xp.where(wide, shift - LIMB_BITS, 0)
+    s_lo = xp.where(wide, 0, shift)
+    kept = xp.where(wide, hi >> s_hi, (hi << (LIMB_BITS - s_lo)) | (lo >> s_lo))
+    dropped = xp.where(wide, (lo != 0) | ((hi & ((1 << s_hi) - 1)) != 0), (lo & ((1 << s_lo) - 1)) != 0)
+    sticky = sticky | dropped
+    m = (kept << 1) | xp.astype(sticky, "int64")  # at most precision + 4 bits: exact in float32
+    exponent = shift - 1 + LIMB_BITS * (xp.where(lead > 0, lead, 1) - 1) + WINDOW_LO
+    exponent = xp.where(lead > 0, exponent, WINDOW_LO)
+    value = xp.ldexp(xp.astype(m, "fp64"), exponent)
+    return xp.astype(xp.astype(value, "fp32"), name) if name == "bf16" else xp.astype(value, name)
 
 
-def to_float(limbs: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarray:
+def to_float(limbs: Any, dtype: Any = np.float32, xp: Any = NUMPY) -> Any:
     """Round normalized limbs once to `dtype`: correctly rounded for float32, bfloat16 and float16.
 
     float64 results (used only by fast mode and diagnostics) come from Horner's scheme on the
     magnitude, within an ulp.
     """
-    limbs = normalize(limbs)
+    limbs = normalize(limbs, xp)
     negative = limbs[..., LIMBS - 1] < 0
-    mag = normalize(np.where(negative[..., None], -limbs, limbs))  # all digits non-negative
-    dt = np.dtype(dtype)
-    if dt in _PRECISION:
-        out = _round_to_format(mag, dt)
-        return np.where(negative, -out, out).astype(dt)
-    acc = mag[..., 0].astype(np.float64)
+    mag = normalize(xp.where(negative[..., None], -limbs, limbs), xp)  # all digits non-negative
+    name = dtype_name(dtype)
+    if name in _PRECISION:
+        out = _round_to_format(mag, name, xp)
+        return xp.astype(xp.where(negative, -out, out), name)
+    acc = xp.astype(mag[..., 0], "fp64")
     for i in range(1, LIMBS):
-        acc = acc / _RADIX + mag[..., i].astype(np.float64)
-    return np.ldexp(np.where(negative, -acc, acc), WINDOW_HI).astype(dt)
+        acc = acc / _RADIX + xp.astype(mag[..., i], "fp64")
+    return xp.astype(xp.ldexp(xp.where(negative, -acc, acc), WINDOW_HI), name)

@@ -16,30 +16,34 @@ from simcluster.numerics import kernels as _k
 from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
 
 
-class _ExactNum:
-    """Exact mode's primitives: sums in limbs, transcendentals from correctly rounded operations."""
+class ExactNum:
+    """Exact mode's primitives: sums in limbs, transcendentals from correctly rounded operations, on the
+    array namespace `xp` (numpy here; torch on a device gives the same bits)."""
 
-    xp = NUMPY
+    def __init__(self, xp: Any = NUMPY) -> None:
+        self.xp = xp
 
-    def einsum(self, spec: str, a: np.ndarray, b: np.ndarray, partial: bool = False) -> Any:
-        p = Partial(_exact.einsum(spec, a, b), dtype_name(np.result_type(a, b)))
-        return p if partial else p.finalize(np.result_type(a, b))
+    def einsum(self, spec: str, a: Any, b: Any, partial: bool = False) -> Any:
+        xp = self.xp
+        dtype = xp.name(xp.result_type(a, b))
+        p = Partial(_exact.einsum(spec, a, b, xp), dtype, xp)
+        return p if partial else p.finalize(dtype)
 
-    def sum(self, x: np.ndarray, axis: Any, partial: bool = False) -> Any:
-        p = Partial(_exact.sum(x, axis), dtype_name(x.dtype))
+    def sum(self, x: Any, axis: Any, partial: bool = False) -> Any:
+        p = Partial(_exact.sum(x, axis, self.xp), self.xp.name(x.dtype), self.xp)
         return p if partial else p.finalize(x.dtype)
 
-    def round(self, p: Any, dtype: Any) -> np.ndarray:
+    def round(self, p: Any, dtype: Any) -> Any:
         return p.finalize(dtype)
 
-    def exp(self, x: np.ndarray) -> np.ndarray:
-        return _tr.exp(x).astype(x.dtype)
+    def exp(self, x: Any) -> Any:
+        return self.xp.astype(_tr.exp(x, self.xp), x.dtype)
 
-    def log(self, x: np.ndarray) -> np.ndarray:
-        return _tr.log(x).astype(x.dtype)
+    def log(self, x: Any) -> Any:
+        return self.xp.astype(_tr.log(x, self.xp), x.dtype)
 
-    def tanh(self, x: np.ndarray) -> np.ndarray:
-        return _tr.tanh(x).astype(x.dtype)
+    def tanh(self, x: Any) -> Any:
+        return self.xp.astype(_tr.tanh(x, self.xp), x.dtype)
 
 
 class FastNum:
@@ -118,21 +122,21 @@ class ExactOps(Ops):
     """Sums that an algorithm may split are exact (limbs); everything else is correctly rounded."""
 
     mode = Mode.EXACT
-    _num = _ExactNum()
+    _num = ExactNum()
 
-    def _matmul(self, a: np.ndarray, b: np.ndarray, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        dtype = np.result_type(a, b)
-        p = Partial(_exact.matmul(a, b), dtype_name(dtype))  # the sum over k is exact (numerics/exact.py)
+    def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
+        xp = self.xp
+        dtype = xp.name(xp.result_type(a, b))
+        p = Partial(_exact.matmul(a, b, xp), dtype, xp)  # the sum over k is exact (numerics/exact.py)
         return p if partial else p.finalize(dtype)
 
-    def _finalize(self, p: Partial, dtype: Any) -> np.ndarray:
+    def _finalize(self, p: Partial, dtype: Any) -> Any:
         if not isinstance(p, Partial):
             raise TypeError(f"finalize expects a Partial in exact mode, got {type(p).__name__}")
         return p.finalize(dtype)
 
-    def _sum(self, x: np.ndarray, axis: int | None, partial: bool, out_shape: tuple[int, ...]) -> Any:
-        p = Partial(_exact.sum(x, axis), dtype_name(x.dtype))
-        return p if partial else p.finalize(x.dtype)
+    def _sum(self, x: Any, axis: int | None, partial: bool, out_shape: tuple[int, ...]) -> Any:
+        return self._num.sum(x, axis, partial)
 
 
 class FastOps(Ops):

@@ -214,7 +214,7 @@ class Ops(FlatBuffers):
         if values.__class__ is MetaTensor:
             return MetaTensor(values.shape, values.dtype, True)
         if self.mode is Mode.EXACT:
-            return Partial.from_values(self.xp.astype(values, "fp64"))
+            return Partial.from_values(self.xp.astype(values, "fp64"), xp=self.xp)
         return Partial.accumulating(values, self.xp.name(values.dtype), self.xp)
 
     def constant(self, table: Any, dtype: Any) -> Any:

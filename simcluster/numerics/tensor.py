@@ -43,9 +43,9 @@ class Partial:
         return cls(_limbs.sum_terms(terms, axis), dtype)
 
     @classmethod
-    def from_values(cls, values: np.ndarray, dtype: str = "fp32") -> "Partial":
+    def from_values(cls, values: Any, dtype: str = "fp32", xp: Any = NUMPY) -> "Partial":
         """A partial that holds `values` exactly (a sum of one term each)."""
-        return cls(_limbs.normalize(_limbs.from_float64(values)), dtype)
+        return cls(_limbs.normalize(_limbs.from_float64(values, xp), xp), dtype, xp)
 
     @classmethod
     def accumulating(cls, values: Any, dtype: Any, xp: Any = NUMPY) -> "Partial":
@@ -69,13 +69,13 @@ class Partial:
             raise TypeError(f"can only add a Partial of shape {self.shape} to a Partial, got {describe(other)}")
         if not self.exact:
             return Partial(self.limbs + other.limbs, self.dtype, self.xp)
-        return Partial(_limbs.normalize(self.limbs + other.limbs), self.dtype)
+        return Partial(_limbs.normalize(self.limbs + other.limbs, self.xp), self.dtype, self.xp)
 
     def finalize(self, dtype: Any = np.float32) -> Any:
         """Round the value once, to `dtype`."""
         if not self.exact:
-            return self.xp.astype(self.limbs[..., 0], dtype)
-        return _limbs.to_float(self.limbs, numpy_dtype(dtype) if isinstance(dtype, str) else dtype)
+            return self.xp.astype(self.limbs[..., 0], dtype, copy=False)
+        return _limbs.to_float(self.limbs, dtype, self.xp)
 
     def __repr__(self) -> str:
         return f"Partial(shape={self.shape}, dtype={self.dtype}{'' if self.exact else ', fast'})"

@@ -115,7 +115,7 @@ def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: i
         out.print()
         out.print(measured_table(outcome.report))
         a, v = section["against_emulator"], section["verification"]
-        same = f"{a['identical']} of {a['compared']} outputs byte-identical to the emulator's" + (
+        same = a["status"] if "status" in a else f"{a['identical']} of {a['compared']} outputs byte-identical to the emulator's" + (
             f", {a['within_tolerance']} within their bound (relative norm error)" if a["within_tolerance"] else "") + (
             f" ({a['not_compared']} not compared: weights and moments after Adam)" if a["not_compared"] else "")
         out.print(f"torch.distributed against the emulator: {same}" + (
