@@ -362,7 +362,7 @@ class Ops(FlatBuffers):
         if self.mode is Mode.META:
             return MetaTensor(out_shape, table.dtype)
         xp = self.xp
-        local = ids - row_offset
+        local = xp.asarray(ids) - row_offset  # (ids made on the host move to the data's device)
         mine = (local >= 0) & (local < table.shape[0])
         return xp.where(mine[..., None], table[xp.where(mine, local, 0)], xp.const(table, 0))
 
@@ -371,7 +371,7 @@ class Ops(FlatBuffers):
         self._cost("embedding_backward", tuple(dy.shape), 1, 3)
         if self.mode is Mode.META:
             return MetaTensor((rows, dy.shape[-1]), dy.dtype, True)
-        return _k.embedding_backward(self._num, ids, dy, rows, row_offset)
+        return _k.embedding_backward(self._num, self.xp.asarray(ids), dy, rows, row_offset)
 
     def dropout_keep(self, seed: int, name: str, shape: tuple[int, ...], p: float, *,
                      offset: tuple[int, ...] | None = None, full_shape: tuple[int, ...] | None = None) -> Any:
@@ -434,14 +434,14 @@ class Ops(FlatBuffers):
         self._cost("gather", tuple(index.shape), 0, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(index.shape), x.dtype)
-        return self.xp.take_last(x, index)
+        return self.xp.take_last(x, self.xp.asarray(index))
 
     def one_hot(self, index: Any, n: int, like: Any) -> Any:
         shape = tuple(index.shape) + (n,)
         self._cost("one_hot", shape, 0, 1)
         if self.mode is Mode.META:
             return MetaTensor(shape, like.dtype)
-        return self.xp.one_hot(index, n, like.dtype)
+        return self.xp.one_hot(self.xp.asarray(index), n, like.dtype)
 
     def add_partial(self, a: Any, b: Any) -> Any:
         """Sum of two partials (exact in exact mode)."""
