@@ -154,8 +154,8 @@ class TorchBackend:
         if k is CommKind.BARRIER:
             return (_Done(), lambda: None) if n == 1 else (dist.barrier(group=g, async_op=True), lambda: None)
         x = op.tensor
-        if n == 1:  # the identity: what the rank gave, as its own value
-            return _Done(), lambda: self.from_torch(self.to_torch(x), x)
+        if n == 1:  # the identity: what the rank gave (values are never changed in place)
+            return _Done(), lambda: x if self.arrays is not None else self.from_torch(self.to_torch(x), x)
         t = self.to_torch(x)
         if isinstance(x, Partial) and k in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.REDUCE) \
                 and op.op is not ReduceOp.SUM:

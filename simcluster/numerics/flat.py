@@ -28,9 +28,10 @@ class FlatBuffers:
         if isinstance(first, MetaTensor):
             return MetaTensor((total,), first.dtype, first.partial)
         if isinstance(first, Partial):
-            return Partial(first.xp.concat([x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs], 0), first.dtype,
-                           first.xp)
-        return self.xp.concat([x.reshape(-1) for x in xs], 0)
+            parts = [x.limbs.reshape(-1, x.limbs.shape[-1]) for x in xs]
+            return Partial(parts[0] if len(parts) == 1 else first.xp.concat(parts, 0), first.dtype, first.xp)
+        parts = [x.reshape(-1) for x in xs]
+        return parts[0] if len(parts) == 1 else self.xp.concat(parts, 0)  # (one tensor: a view, no copy)
 
     def unflat(self, flat: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
         """Inverse of `flat` (views); trailing padding is ignored."""

@@ -385,10 +385,15 @@ class Ops(FlatBuffers):
         return u >= self.xp.const(u, p)
 
     def where(self, mask: Any, a: Any, b: Any) -> Any:
-        shape = tuple(np.broadcast_shapes(tuple(mask.shape), tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))))
+        """a where mask, else b. A mask the host knows to be uniform may be given as True or False: the same
+        kernel is charged, and no data is read for it."""
+        shape = tuple(np.broadcast_shapes(tuple(getattr(mask, "shape", ())), tuple(getattr(a, "shape", ())),
+                                          tuple(getattr(b, "shape", ()))))
         self._cost("where", shape, 1, 3)
         if self.mode is Mode.META:
             return MetaTensor(shape, getattr(a, "dtype", "fp32") if not np.isscalar(a) else getattr(b, "dtype", "fp32"))
+        if mask is True or mask is False:
+            return self.xp.where(self.xp.asarray(mask), a, b) if np.isscalar(a if mask else b) else (a if mask else b)
         return self.xp.where(mask, a, b)
 
     def zero_where(self, keep: Any, x: Any) -> Any:
@@ -482,7 +487,7 @@ class Ops(FlatBuffers):
         self._cost("cast", tuple(x.shape), 1, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(x.shape), dtype_name(dtype))
-        return self.xp.astype(x, dtype_name(dtype))
+        return self.xp.astype(x, dtype_name(dtype), copy=False)  # (the same tensor where nothing changes)
 
     def _meta_like(self, x: Any) -> Any:
         return MetaTensor(tuple(x.shape), getattr(x, "dtype", "fp32"))

@@ -50,6 +50,11 @@ from simcluster.program.context import Context
 from simcluster.topology.cluster import HOST
 
 
+
+def _uniform(mask: Any) -> bool | None:
+    """True or False where a host mask is all one value (the kernel set needs no copy of it), else None."""
+    return True if mask.all() else False if not mask.any() else None
+
 class DPWrap:
     def __init__(self, ctx: Context, data: DPConfig, names: dict[str, list[str]],
                  shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp",
@@ -70,7 +75,8 @@ class DPWrap:
                        for u in self.units}  # fp32
         self.state = adam_init(ops, self.master)
         self.owned = self._owned(counted_elsewhere)
-        self.counted = ({u: self.ops.from_host(mask) for u, mask in self.owned.items()}  # where the gradients are
+        self.counted = ({u: _uniform(mask) if _uniform(mask) is not None else self.ops.from_host(mask)
+                         for u, mask in self.owned.items()}  # where the gradients are; True/False: every element
                         if data.clip_grad and self.owned is not None else None)
         self._new_weights({u: ops.cast(self.master[u], data.precision) for u in self.units})
         if self.stage in (1, 2):  # every rank starts with all the weights
