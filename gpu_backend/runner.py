@@ -86,7 +86,8 @@ class TorchBackend:
         self.device = device
         self.watchdog_s = watchdog_s
         self.exact = True  # the form of a partial a receive expects (set from the ops' mode)
-        self.arrays: Any = None  # the torch kernel set's namespace (fast mode): values stay tensors
+        self.arrays: Any = None  # the torch kernel set's namespace: values stay tensors on the device
+        self.p2p_sequence: dict[tuple[int, int], int] = {}  # (src, dst): messages issued so far
         self.recorder = FlightRecorder(rank, _default_store())
         self.groups: dict[tuple[str, tuple[int, ...]], Any] = {}
         timeout = timedelta(seconds=watchdog_s)
@@ -129,6 +130,14 @@ class TorchBackend:
             return self.arrays.zeros(tuple(shape) + (1,), "fp64" if dtype == "fp64" else "fp32")
         return self.arrays.zeros(shape, dtype)
 
+    def _in_order(self, src: int, dst: int) -> int:
+        """The tag of the next message from src to dst: its place in their sequence. NCCL ignores tags and
+        matches a pair's sends and receives in the order each rank issues them; so does gloo with these
+        tags, so a program that leans on its own tags to reorder messages fails here as it would on GPUs."""
+        seq = self.p2p_sequence.get((src, dst), 0)
+        self.p2p_sequence[(src, dst)] = seq + 1
+        return seq
+
     def _group(self, op: CommOp) -> Any:
         return self.groups[(op.group.name, op.group.ranks)]
 
@@ -143,10 +152,11 @@ class TorchBackend:
     def _start(self, op: CommOp) -> tuple[Any, Callable[[], Any]]:
         k = op.kind
         if k is CommKind.SEND:
-            return dist.isend(self.to_torch(op.tensor), dst=op.peer, tag=op.tag), lambda: None
+            return dist.isend(self.to_torch(op.tensor), dst=op.peer, tag=self._in_order(self.rank, op.peer)), lambda: None
         if k is CommKind.RECV:
             buf = self._receive_buffer(op.spec)
-            return dist.irecv(buf, src=op.peer, tag=op.tag), lambda: self.from_torch(buf, op.spec)
+            return (dist.irecv(buf, src=op.peer, tag=self._in_order(op.peer, self.rank)),
+                    lambda: self.from_torch(buf, op.spec))
         if k is CommKind.COPY:  # to the host's memory (NVMe: the host's too, here), or back to the device
             moved = self.to_torch(op.tensor).to(self.device if op.tiers[1] == "gpu" else "cpu", copy=True)
             return _Done(), lambda: self.from_torch(moved.to(self.device), op.tensor)

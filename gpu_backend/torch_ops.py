@@ -277,9 +277,16 @@ class TorchArrays:
             view = [1] * len(shape)
             view[d] = s
             flat = flat * n + torch.arange(o, o + s, dtype=torch.int64, device=self.device).reshape(view)
-        z = self._mix(flat * _signed(int(_random._GOLDEN)) + _signed(key))
-        u = self._shr(z, 40).to(torch.float64) * 2.0**-24  # [0, 1), 24 bits
-        return (low + (high - low) * u).to(torch.float32)
+        flat = flat.reshape(-1)
+        out = torch.empty(flat.shape, dtype=torch.float32, device=self.device)
+        # on a CPU, a block at a time stays in cache (some twenty passes over each element; 3x faster
+        # for a 12.6M-element weight, measured); a GPU takes the whole tensor at once
+        block = flat.numel() if self.device.type != "cpu" else 1 << 16
+        for at in range(0, flat.numel(), block):
+            z = self._mix(flat[at:at + block] * _signed(int(_random._GOLDEN)) + _signed(key))
+            u = self._shr(z, 40).to(torch.float64) * 2.0**-24  # [0, 1), 24 bits
+            out[at:at + block] = low + (high - low) * u
+        return out.reshape(tuple(shape))
 
 
 SIXTEEN = (torch.bfloat16, torch.float16)

@@ -82,3 +82,18 @@ def test_the_walk_finds_a_numpy_call_on_data():
     assert offences(source, "model/gpt.py") == {
         "model/gpt.py:GPT._heads": ["np.ascontiguousarray at line 3"],
         "model/gpt.py:GPT.cast": [".astype() at line 5"]}
+
+
+DATA_MOVERS = {"split", "concat", "reduce", "copy", "zeros_of"}  # tensor.py's numpy helpers (the emulator's)
+
+
+def test_programs_take_no_numpy_helper_of_the_emulator():
+    """tensor.py's split/concat/reduce are the emulator's collectives' numpy code: a program that takes
+    them moves its data through numpy (as Megatron's scatter of pipeline messages once did)."""
+    taken = []
+    for package in PROGRAMS:
+        for path in sorted((ROOT / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "simcluster.numerics.tensor":
+                    taken += [f"{package}/{path.name}: {a.name}" for a in node.names if a.name in DATA_MOVERS]
+    assert not taken, f"use ctx.ops (split) instead: {taken}"

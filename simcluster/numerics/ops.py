@@ -19,6 +19,7 @@ import numpy as np
 from simcluster.numerics import kernels as _k
 from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.flat import FlatBuffers
+from simcluster.numerics import tensor as _tensor
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
@@ -177,6 +178,16 @@ class Ops(FlatBuffers):
             shape[dim] *= n
             return MetaTensor(tuple(shape), x.dtype)
         return self.xp.repeat(x, n, dim)
+
+    def split(self, x: Any, parts: int, dim: int) -> list[Any]:
+        """`parts` equal pieces along `dim` (views: no kernel; a message's share, Megatron's scatter)."""
+        if x.__class__ is MetaTensor:
+            return _tensor.split(x, parts, dim)
+        dim %= len(x.shape)
+        if x.shape[dim] % parts:
+            raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {parts} equal parts")
+        n = x.shape[dim] // parts
+        return [x[(slice(None),) * dim + (slice(i * n, (i + 1) * n),)] for i in range(parts)]
 
     def maximum(self, a: Any, b: Any) -> Any:
         """Elementwise max (a running row maximum: part of the attention kernel, no kernel of its own)."""

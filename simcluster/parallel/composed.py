@@ -28,7 +28,7 @@ import numpy as np
 from simcluster import checkpoint
 from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
 from simcluster.numerics.ops import Mode
-from simcluster.numerics.tensor import MetaTensor, split
+from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import KINDS
 from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.gpt_shard import GPTShard
@@ -94,7 +94,7 @@ class Stage:
         return MetaTensor((b, s, h // self.model.t if self.scatter else h), self.plan.data.precision)
 
     def pack(self, value: Any) -> Any:
-        return split(value, self.model.t, 2)[self.model.tr] if self.scatter else value
+        return self.ctx.ops.split(value, self.model.t, 2)[self.model.tr] if self.scatter else value
 
     def unpack(self, message: Any) -> Generator[Any, Any, Any]:
         if not self.scatter:
