@@ -1,9 +1,13 @@
 """`simcluster calibrate`: measure the machine it runs on and write a hardware profile (topology/profile.py).
 
-What it measures, with torch (the GPU if there is one, else the CPU):
-- GEMM throughput on a grid of shapes (m, n, k) per dtype, and the batched products attention is
-  timed by in the cost model (q k^T and weights x v: batch = batch * heads);
-- memory bandwidth (a large copy: bytes read + written over its time);
+What it measures, with the torch kernel set the backend runs (torch_ops.py; the GPU if there is one,
+else the CPU):
+- GEMM throughput on a grid of shapes (m, n, k) per dtype, through the kernel set's matmul (its
+  16-bit GEMMs as the device runs them: native on a GPU, widened to fp32 on a CPU), and the batched
+  products attention is timed by in the cost model (q k^T and weights x v: batch = batch * heads);
+- memory bandwidth as the kernel set's elementwise kernels reach it: the bytes the cost model charges
+  a mix of them (norms, activations and their gradients, softmax, residual adds, masks, casts,
+  AdamW) over their time, less each kernel's launch; a plain copy's rate beside it;
 - the time of the smallest kernel (a one-element add: launch and dispatch overhead);
 - all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
@@ -29,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_backend.runner import LaunchError, check_backend, cpu_share, in_processes
+from gpu_backend.torch_ops import TorchFastOps
 from simcluster.cli import say_error
 from simcluster.topology import profile as _profile
 from simcluster.topology.profile import Gemm
@@ -100,6 +105,43 @@ def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int) -
     return out
 
 
+def elementwise_rate(device: torch.device, grid: Grid, timed: Callable[[Callable[[], Any], int], float],
+                     overhead_s: float) -> float:
+    """GB/s the cost model should charge the kernel set's elementwise kernels at: the bytes it charges a
+    transformer layer's mix of them (ops.py's own accounting), over their measured time less a launch
+    each."""
+    charged = [0.0, 0]
+
+    def record(name: str, work: Any, nbytes: float) -> None:
+        charged[0] += nbytes
+        charged[1] += 1
+
+    ops = TorchFastOps(device, record)
+    rows, h = max(1, (grid.copy_bytes // 4) // (16 * 1024)), 1024  # (rows, h): a sixteenth of the copy's size
+    x, dy = (torch.randn(rows, h, device=device) for _ in range(2))
+    g, b = torch.ones(h, device=device), torch.zeros(h, device=device)
+    keep = torch.rand(rows, h, device=device) > 0.1
+    p, m, v = (torch.randn(rows * h, device=device) for _ in range(3))
+    v = v.abs()
+
+    def mix() -> None:
+        y, mean, rstd = ops.layer_norm(x, g, b)
+        ops.layer_norm_backward(dy, x, g, mean, rstd)
+        ops.gelu_backward(dy, ops.gelu(y))
+        e = ops.attention_weights(y, ops.max(y, -1))
+        ops.attention_probs(e, ops.sum(e, -1, partial=True))
+        ops.add(ops.scale(ops.zero_where(keep, y), 1.1), x)
+        ops.mul(ops.cast(ops.cast(y, "bf16"), "fp32"), dy)
+        ops.adam(p, p, m.clone(), v.clone(), 3, lr=1e-3, weight_decay=0.01)
+
+    mix()
+    charged[:] = [0.0, 0]
+    mix()
+    nbytes, kernels = charged
+    seconds = timed(mix, grid.repeats)
+    return nbytes / max(seconds - kernels * overhead_s, seconds / 2) / 1e9
+
+
 def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tuple[float, int]:
     """(bus bandwidth in GB/s, latency per ring step in ns) of t = alpha + ring_bytes / beta, least squares;
     ring_bytes = 2(p-1)/p * bytes is what each rank sends in a ring all-reduce."""
@@ -144,8 +186,10 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     src = torch.empty(grid.copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), grid.repeats)
-    memory = 2 * grid.copy_bytes / copy_s / 1e9
-    say(f"  memory: {memory:.1f} GB/s ({grid.copy_bytes >> 20} MiB copies)")
+    copy_rate = 2 * grid.copy_bytes / copy_s / 1e9
+    memory = elementwise_rate(device, grid, timed, overhead)
+    say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({copy_rate:.1f} GB/s a copy)")
+    ops = TorchFastOps(device)
 
     gemm: list[Gemm] = []
     shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
@@ -155,7 +199,8 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
         for batch, m, n, k in shapes:
             a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
             b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
-            t = timed(lambda: torch.bmm(a, b), grid.repeats)
+            product = (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
+            t = timed(product, grid.repeats)
             rate = 2.0 * batch * m * n * k / max(t - overhead, t / 2) / 1e12  # the kernel, not its launch
             gemm.append(Gemm(dt, batch, m, n, k, rate))
         best = max(g.tflops for g in gemm if g.dtype == dt)

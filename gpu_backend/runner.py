@@ -96,12 +96,15 @@ class TorchBackend:
                                               if g.size < mesh.world_size else None)
 
     # -- values <-> tensors --------------------------------------------------------------------
-    def to_torch(self, x: Any) -> torch.Tensor:
+    def to_torch(self, x: Any, copy: bool = False) -> torch.Tensor:
+        """x as a contiguous tensor on this rank's device; `copy`: one the program does not hold (for a
+        collective that writes into its input: all_reduce, broadcast, reduce, and reduce_scatter, which
+        gloo may use as scratch)."""
         if isinstance(x, MetaTensor):
             raise ProgramError("meta tensors carry no data and cannot run on torch.distributed; use exact or fast mode")
         data = x.limbs if isinstance(x, Partial) else x
-        if isinstance(data, torch.Tensor):  # a device tensor: copied there (collectives work in place)
-            return data.clone(memory_format=torch.contiguous_format)
+        if isinstance(data, torch.Tensor):
+            return data.clone(memory_format=torch.contiguous_format) if copy else data.contiguous()
         return host_to_torch(np.array(data, copy=True, order="C"), self.device)
 
     def from_torch(self, t: torch.Tensor, like: Any) -> Any:
@@ -158,7 +161,7 @@ class TorchBackend:
             return (dist.irecv(buf, src=op.peer, tag=self._in_order(op.peer, self.rank)),
                     lambda: self.from_torch(buf, op.spec))
         if k is CommKind.COPY:  # to the host's memory (NVMe: the host's too, here), or back to the device
-            moved = self.to_torch(op.tensor).to(self.device if op.tiers[1] == "gpu" else "cpu", copy=True)
+            moved = self.to_torch(op.tensor).to(self.device if op.tiers[1] == "gpu" else "cpu", copy=True)  # (a copy)
             return _Done(), lambda: self.from_torch(moved.to(self.device), op.tensor)
         g, n = self._group(op), op.group.size
         if k is CommKind.BARRIER:
@@ -166,7 +169,8 @@ class TorchBackend:
         x = op.tensor
         if n == 1:  # the identity: what the rank gave (values are never changed in place)
             return _Done(), lambda: x if self.arrays is not None else self.from_torch(self.to_torch(x), x)
-        t = self.to_torch(x)
+        t = self.to_torch(x, copy=k in (CommKind.ALL_REDUCE, CommKind.BROADCAST, CommKind.REDUCE, CommKind.REDUCE_SCATTER)
+                          and not op.donate)
         if isinstance(x, Partial) and k in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.REDUCE) \
                 and op.op is not ReduceOp.SUM:
             raise ProgramError(f"a Partial can only be reduced with SUM, not {op.op.name}")

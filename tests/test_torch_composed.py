@@ -191,3 +191,21 @@ def test_pipeline_messages_scattered_and_gathered_on_gloo():
     model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False)
     data = DPConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16")
     same_on_gloo(data, DeviceMesh(pp=2, tp=2), scatter_gather=True, schedule="1f1b")
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_fast_bound_catches_a_swapped_shard_on_gloo(broken):
+    """The torch kernel set in fast mode on gloo: the correct tp2 program is within the derived bound of
+    one device; the one whose tp ranks compute each other's heads (tests/broken.py) is not."""
+    from broken import swapped_tp
+    from simcluster import report
+    from simcluster.numerics import tolerance
+
+    model = GPTConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
+    data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
+    plan, mesh = Plan(data=data), DeviceMesh(tp=2)
+    got = spawn(swapped_tp if broken else composed, plan, mesh=mesh, mode="fast", backend="gloo")
+    outputs = assemble(got, [mesh.coords(r) for r in range(mesh.world_size)], plan)
+    bounds = tolerance.training_bounds("bf16", model.layers, data.global_batch * model.seq)
+    verdict = report.verification("fast", reference(data, "fast"), outputs, bounds)
+    assert verdict["passed"] is (not broken), verdict

@@ -190,11 +190,11 @@ class DPWrap:
     def _reduce(self, unit: str, flat: Any) -> Generator[Any, Any, None]:
         comm = self.ctx.comm
         if self.stage == 0:
-            self.pending.append((unit, comm.all_reduce(flat, group=self.group, async_op=True)))
+            self.pending.append((unit, comm.all_reduce(flat, group=self.group, async_op=True, donate=True)))
             return
         if self.cp_first is not None:  # ZeRO over dp alone: the cp ranks' sum first
             flat = yield comm.all_reduce(flat, group=self.cp_first)
-        work = comm.reduce_scatter(flat, group=self.group, async_op=True)
+        work = comm.reduce_scatter(flat, group=self.group, async_op=True, donate=True)
         if self.host is not None:  # down to the host once reduced (waited on the copy stream, not the compute one)
             with self.ctx.stream("copy:gpu->cpu"):
                 part = yield work

@@ -145,8 +145,8 @@ class GPTShard:
         if self.t == 1:
             return self.ops.finalize(partial)
         if self.sp:
-            return self.ops.finalize((yield self.ctx.comm.reduce_scatter(partial, group=self.tp, dim=1)))
-        return self.ops.finalize((yield self.ctx.comm.all_reduce(partial, group=self.tp)))
+            return self.ops.finalize((yield self.ctx.comm.reduce_scatter(partial, group=self.tp, dim=1, donate=True)))
+        return self.ops.finalize((yield self.ctx.comm.all_reduce(partial, group=self.tp, donate=True)))
 
     def gather(self, x: Any) -> Generator[Any, Any, Any]:
         """Into the tensor-parallel region with SP: the whole (cp-local) sequence, (b, s/cp, h)."""

@@ -65,6 +65,7 @@ class CommOp:
     tag: int = 0
     stream: str = ""
     tiers: tuple[str, str] = ("", "")  # a copy's (from, to)
+    donate: bool = False  # the program will not read `tensor` again: a backend may reduce into it
 
     @property
     def spec(self) -> tuple | None:
@@ -167,7 +168,7 @@ class Comm:
 
     def _group_op(self, kind: CommKind, tensor: Any, group: Any, async_op: bool, stream: str | None,
                   op: ReduceOp | None = None, peer: int | None = None, dim: int = 0, split_dim: int = 0,
-                  concat_dim: int = 0) -> Work:
+                  concat_dim: int = 0, donate: bool = False) -> Work:
         # (the commonest path of every program: the checks' usual outcomes are tested inline first)
         g = group if group.__class__ is ProcessGroup and self.rank in group.ranks else \
             _check_group(group, self.rank, kind.value)
@@ -178,20 +179,24 @@ class Comm:
         if self.pending_sync is not None and not self.pending_sync.waited:
             raise self._unyielded()
         work = self._issue(CommOp(kind, self.rank, g, tensor, op, peer, dim, split_dim, concat_dim, sig, 0,
-                                  stream or ""), not async_op)
+                                  stream or "", ("", ""), donate), not async_op)
         self.pending_sync = None if async_op else work
         return work
 
     def all_reduce(self, tensor: Any, *, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM,
-                   async_op: bool = False, stream: str | None = None) -> Work:
-        """Every rank gets the reduction (SUM, MAX, MIN) of all ranks' tensors."""
-        return self._group_op(CommKind.ALL_REDUCE, tensor, group, async_op, stream, op=_reduce_op(op))
+                   async_op: bool = False, stream: str | None = None, donate: bool = False) -> Work:
+        """Every rank gets the reduction (SUM, MAX, MIN) of all ranks' tensors. `donate`: the program will
+        not read `tensor` again (a gradient bucket, a partial sum), so a backend may reduce in place, as
+        torch.distributed does, without copying it first."""
+        return self._group_op(CommKind.ALL_REDUCE, tensor, group, async_op, stream, op=_reduce_op(op), donate=donate)
 
     def reduce_scatter(self, tensor: Any, *, group: ProcessGroup, dim: int = 0, op: ReduceOp = ReduceOp.SUM,
-                       async_op: bool = False, stream: str | None = None) -> Work:
-        """Group rank i gets chunk i (along `dim`) of the reduction of all ranks' tensors."""
+                       async_op: bool = False, stream: str | None = None, donate: bool = False) -> Work:
+        """Group rank i gets chunk i (along `dim`) of the reduction of all ranks' tensors (`donate`: as in
+        all_reduce)."""
         _check_dim(tensor, dim, "reduce_scatter", _check_group(group, self.rank, "reduce_scatter").size)
-        return self._group_op(CommKind.REDUCE_SCATTER, tensor, group, async_op, stream, op=_reduce_op(op), dim=dim)
+        return self._group_op(CommKind.REDUCE_SCATTER, tensor, group, async_op, stream, op=_reduce_op(op), dim=dim,
+                              donate=donate)
 
     def all_gather(self, tensor: Any, *, group: ProcessGroup, dim: int = 0,
                    async_op: bool = False, stream: str | None = None) -> Work:
