@@ -354,6 +354,19 @@ class TorchFastOps(FastOps):
               beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False)
         return param, m, v
 
+    def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any]:
+        """torch's scaled_dot_product_attention (FlashAttention on a GPU, its fused CPU kernel here): the
+        s x s scores never exist; the backward is its own, through autograd on the kept graph."""
+        q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
+        with torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)
+        return out.detach(), (out, q_, k_, v_)
+
+    def fused_attention_backward(self, state: Any, dout: Any) -> tuple[Any, Any, Any]:
+        out, q, k, v = state
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        return dq, dk, dv
+
     def embedding_backward(self, ids: Any, dy: Any, rows: int, row_offset: int = 0) -> Any:
         """The rows' sums of dy as torch's embedding backward forms them: added row by row (index_add),
         not as the one-hot GEMM the exact form needs (tokens x rows x hidden multiply-adds, most of them by

@@ -237,3 +237,23 @@ def test_a_kernel_that_reads_host_data_fails_on_the_meta_device(one_process_grou
         np.asarray(x).reshape(x.shape[0], x.shape[1], -1, d).transpose(0, 2, 1, 3)))
     with pytest.raises(Exception, match="meta"):
         step_on("meta", "gpt")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_fused_attention_agrees_with_the_two_pass_core(dtype):
+    """torch's scaled_dot_product_attention (the kernel set's fused attention, used where there is no
+    dropout) against the model's two-pass core in numpy's fast mode: output and dq, dk, dv within the
+    derived bound of a softmax's reductions (the keys)."""
+    from simcluster.model.gpt import GPT, GPTConfig, Slice
+
+    cfg = GPTConfig(hidden=32, heads=4, seq=16, causal=True)
+    q, k, v, dout = (draw(n, (2, 4, 16, 8), dtype) for n in ("q", "k", "v", "dout"))
+    host, device = GPT(HOST, cfg), GPT(DEVICE, cfg)
+    want = host.attention_core(q, k, v, 0, 0, Slice(0, 2))
+    got = device.attention_core(*(DEVICE.xp.asarray(t) for t in (q, k, v)), 0, 0, Slice(0, 2))
+    assert "flash" in got and "e" not in got  # the fused kernel ran, no scores kept
+    within_one_rounding(got["out"], want["out"], dtype, 16)
+    grads = device.attention_backward(DEVICE.xp.asarray(dout), got)
+    wants = host.attention_backward(dout, want | {"q": q, "k": k, "v": v})
+    for g, w in zip(grads, wants):
+        within_one_rounding(g, w, dtype, 16)

@@ -91,8 +91,13 @@ class GPT:
         return self._mask
 
     def attention_core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
-        """The two-pass core: e, l, keep and the output (b, a, s, d)."""
+        """The two-pass core: e, l, keep and the output (b, a, s, d); or the kernel set's fused attention
+        where it has one and there is no dropout (whose masks are ours): the output and its state."""
         ops, cfg = self.ops, self.cfg
+        fused = None if cfg.dropout else ops.fused_attention(q, k, v, causal=cfg.causal,
+                                                               scale=1.0 / math.sqrt(cfg.head_dim))
+        if fused is not None:
+            return {"out": fused[0], "flash": fused[1]}
         with flash.forward(ops, cfg, q, k):
             s = ops.attention_scores(q, k, 1.0 / math.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
             e = ops.attention_weights(s, ops.max(s, -1))
@@ -129,7 +134,7 @@ class GPT:
         if self.cfg.recompute is Recompute.FULL:
             return {"x": cache["x"]}
         if self.cfg.recompute is Recompute.SELECTIVE:
-            return {k: v for k, v in cache.items() if k not in ("e", "l", "keep")}
+            return {k: v for k, v in cache.items() if k not in ("e", "l", "keep", "flash")}
         return cache
 
     def block_backward(self, p: dict[str, Any], dx2: Any, cache: dict[str, Any], i: int, step: int,
@@ -167,8 +172,10 @@ class GPT:
         return ops.add(dx1, dx_ln)
 
     def attention_backward(self, dout: Any, c_: dict[str, Any]) -> tuple[Any, Any, Any]:
-        """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward)."""
+        """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward), or of the fused one."""
         ops, cfg = self.ops, self.cfg
+        if "flash" in c_:
+            return ops.fused_attention_backward(c_["flash"], dout)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         with flash.backward(ops, cfg, c_["q"], c_["k"]):
             with fusion.probabilities(ops, cfg):

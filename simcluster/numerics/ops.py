@@ -179,6 +179,17 @@ class Ops(FlatBuffers):
             return MetaTensor(tuple(shape), x.dtype)
         return self.xp.repeat(x, n, dim)
 
+    def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any] | None:
+        """softmax(q k^T scale (causal)) v over whole sequences as one kernel, and what its backward needs:
+        (out, state), or None where this kernel set has none (the emulator's: its numbers come from the
+        two-pass form, which exact mode needs and whose pieces the cost model charges as the model's
+        attention kernel says). q, k, v (b, a, s, d)."""
+        return None
+
+    def fused_attention_backward(self, state: Any, dout: Any) -> tuple[Any, Any, Any]:
+        """dq, dk, dv of `fused_attention` (only a kernel set that has it is asked)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused attention")
+
     def split(self, x: Any, parts: int, dim: int) -> list[Any]:
         """`parts` equal pieces along `dim` (views: no kernel; a message's share, Megatron's scatter)."""
         if x.__class__ is MetaTensor:
