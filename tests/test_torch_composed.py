@@ -212,7 +212,7 @@ def test_the_fast_bound_catches_a_swapped_shard_on_gloo(broken):
 
 
 @pytest.mark.parametrize("layout", [
-    ("parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2"),
+    pytest.param(("parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2"), marks=pytest.mark.slow),
     ("parallel.dp=1", "parallel.cp=2", "parallel.attention=ulysses", "model.arch=llama", "model.kv_heads=2",
      "cluster.gpus_per_node=2"),
 ])

@@ -134,7 +134,8 @@ def _free_port():
 
 @pytest.mark.parametrize("numerics, layout", [
     ("exact", ("parallel.dp=2", "parallel.zero=3")),
-    ("fast", ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "parallel.zero=0")),
+    pytest.param("fast", ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "parallel.zero=0"),
+                 marks=pytest.mark.slow),  # (the suite's time: the same launcher; fast mode runs in its own tests)
 ])
 def test_torchrun_runs_a_scenario_and_compares_it(numerics, layout):
     """`torchrun --nproc-per-node 2 -m gpu_backend` (torchrun's own processes, RANK/WORLD_SIZE from its

@@ -32,8 +32,7 @@ class Partial:
     __slots__ = ("limbs", "dtype", "xp")
 
     def __init__(self, limbs: Any, dtype: str = "fp32", xp: Any = NUMPY) -> None:
-        assert (limbs.shape[-1] == _limbs.LIMBS and xp.name(limbs.dtype) == "int64") or (
-            limbs.shape[-1] == 1 and xp.name(limbs.dtype) in ("fp32", "fp64")), (limbs.dtype, limbs.shape)
+        assert limbs.shape[-1] in (1, _limbs.LIMBS), (limbs.dtype, limbs.shape)  # an accumulator, or limbs
         self.limbs = limbs
         self.dtype = dtype_name(dtype)
         self.xp = xp
