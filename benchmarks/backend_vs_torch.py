@@ -19,7 +19,6 @@ rank's. The last column is the ratio (issue 35's goal: at most 1.25).
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from typing import Any
 

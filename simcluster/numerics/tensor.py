@@ -1,12 +1,14 @@
 """The three kinds of value that flow through a program, and the data movement collectives need.
 
-- `numpy.ndarray`: a real tensor (exact and fast modes).
+- an array: a real tensor (exact and fast modes), numpy's on the emulator, torch's on a device (the
+  array namespace, arrays.py, says how to compute with it).
 - `Partial`: an unrounded exact sum, held as integer limbs (exact mode). Its `dtype` is the logical
   dtype it will be rounded to; communication and memory are charged in that dtype, never in limbs.
 - `MetaTensor`: shape and dtype only (meta mode).
 
-Collectives are written against the helpers at the bottom (`split`, `concat`, `reduce`), so that one
-definition of each collective serves all three kinds.
+The emulator's collectives are written against the helpers at the bottom (`split`, `concat`, `reduce`,
+numpy's), so that one definition of each collective serves all three kinds; programs move data through
+`ops`, never through these.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import numpy as np
 
 from simcluster.numerics import limbs as _limbs
 from simcluster.numerics.arrays import NUMPY
-from simcluster.numerics.dtypes import ITEMSIZE, accumulator_dtype, accumulator_name, dtype_name, numpy_dtype
+from simcluster.numerics.dtypes import ITEMSIZE, accumulator_name, dtype_name, numpy_dtype
 
 
 class Partial:
     """An unrounded sum of logical dtype `dtype`, to be rounded once by `finalize`. Exact mode holds it as
     integer limbs (int64, shape (*shape, LIMBS)): exact, so any order of adding gives the same value.
-    Fast mode holds a float accumulator (shape (*shape, 1), `accumulator_dtype`), as a GPU kernel
+    Fast mode holds a float accumulator (shape (*shape, 1), `accumulator_name`), as a GPU kernel
     accumulates in fp32 whatever it stores: the same signature, sums in the order they happen.
     `xp`: the array namespace that holds the limbs (arrays.py; numpy on the host unless said)."""
 
