@@ -8,9 +8,14 @@ for 16-bit inputs (TF32 off, so fp32 means fp32), 16-bit elementwise kernels wid
 fused GPU kernels run them, a fast Partial as an fp32 device tensor, and the counter-based random
 numbers (numerics/random.py) ported so that dropout masks and initial weights are bit-identical.
 
+`TorchExactOps` is exact mode over it: the int64 limbs and sliced float64 GEMMs of numerics/exact.py
+on the device, byte-identical to the emulator. Both may use a fused attention (torch's
+scaled_dot_product_attention) where the program has no dropout; 16-bit GEMMs are native on CUDA and
+widened to fp32 on a CPU (slower there natively, measured).
+
 Scalars: a constant is a Python float rounded once to the tensor's dtype (on the host, where it is
-made), so that `x * c` is one kernel with no host-to-device copy; a clipping coefficient stays a
-0-d device tensor (never read back).
+made), so that `x * c` is one kernel with no host-to-device copy (in exact mode a 0-d device tensor:
+see `const`); a clipping coefficient stays a 0-d device tensor (never read back).
 """
 
 from __future__ import annotations
@@ -107,11 +112,16 @@ class TorchArrays:
             x = self.asarray(x)
         return x.to(torch_dtype(dtype), copy=copy)
 
-    @staticmethod
-    def const(x: Any, value: Any) -> Any:
+    def const(self, x: Any, value: Any) -> Any:
+        """`value` rounded once to x's dtype: a Python float (one kernel, no copy to the device); in exact
+        mode a 0-d tensor on x's device, because CUDA divides by a host scalar as a multiplication by its
+        reciprocal (ATen's div_true kernel: "may lose one bit of precision"), not correctly rounded."""
         if isinstance(value, torch.Tensor):
             return value.to(x.dtype)
-        return _rounded(float(value), x.dtype)
+        rounded = _rounded(float(value), x.dtype)
+        if self.correctly_rounded:
+            return torch.full((), rounded, dtype=x.dtype, device=x.device)
+        return rounded
 
     @staticmethod
     def name(dtype: Any) -> str:
