@@ -19,7 +19,7 @@ import numpy as np
 from simcluster.numerics import kernels as _k
 from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.flat import FlatBuffers
-from simcluster.numerics import tensor as _tensor
+from simcluster.numerics.placement import Placement
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
@@ -47,7 +47,7 @@ def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:-1] + (b[1],)
 
 
-class Ops(FlatBuffers):
+class Ops(FlatBuffers, Placement):
     """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs. Every
     number is made by `xp`, the array namespace (arrays.py): numpy on the host here, torch on the
     rank's device in the torch backend (gpu_backend/torch_ops.py)."""
@@ -154,108 +154,6 @@ class Ops(FlatBuffers):
         if isinstance(a, MetaTensor):
             return MetaTensor(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype)
         return self.xp.swapaxes(a, -1, -2)
-
-    # -- layout and data movement without kernels of their own (views, or copies a GPU folds into the
-    #    next kernel's addressing); index bookkeeping stays on the host until it meets data --------------
-    def heads(self, x: Any, head_dim: int) -> Any:
-        """(b, s, a*d) -> (b, a, s, d)."""
-        bsz, s, width = x.shape
-        if x.__class__ is MetaTensor:
-            return MetaTensor((bsz, width // head_dim, s, head_dim), x.dtype)
-        return self.xp.contiguous(self.xp.permute(x.reshape(bsz, s, width // head_dim, head_dim), (0, 2, 1, 3)))
-
-    def merge_heads(self, x: Any) -> Any:
-        """(b, a, s, d) -> (b, s, a*d)."""
-        bsz, a, s, d = x.shape
-        if x.__class__ is MetaTensor:
-            return MetaTensor((bsz, s, a * d), x.dtype)
-        return self.xp.contiguous(self.xp.permute(x, (0, 2, 1, 3))).reshape(bsz, s, a * d)
-
-    def repeat(self, x: Any, n: int, dim: int) -> Any:
-        """Each slice along `dim` n times in a row (grouped-query attention's kv heads)."""
-        if x.__class__ is MetaTensor:
-            shape = list(x.shape)
-            shape[dim] *= n
-            return MetaTensor(tuple(shape), x.dtype)
-        return self.xp.repeat(x, n, dim)
-
-    def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any] | None:
-        """softmax(q k^T scale (causal)) v over whole sequences as one kernel, and what its backward needs:
-        (out, state), or None where this kernel set has none (the emulator's: its numbers come from the
-        two-pass form, which exact mode needs and whose pieces the cost model charges as the model's
-        attention kernel says). q, k, v (b, a, s, d)."""
-        return None
-
-    def fused_attention_backward(self, state: Any, dout: Any) -> tuple[Any, Any, Any]:
-        """dq, dk, dv of `fused_attention` (only a kernel set that has it is asked)."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused attention")
-
-    def split(self, x: Any, parts: int, dim: int) -> list[Any]:
-        """`parts` equal pieces along `dim` (views: no kernel; a message's share, Megatron's scatter)."""
-        if x.__class__ is MetaTensor:
-            return _tensor.split(x, parts, dim)
-        dim %= len(x.shape)
-        if x.shape[dim] % parts:
-            raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split into {parts} equal parts")
-        n = x.shape[dim] // parts
-        return [x[(slice(None),) * dim + (slice(i * n, (i + 1) * n),)] for i in range(parts)]
-
-    def maximum(self, a: Any, b: Any) -> Any:
-        """Elementwise max (a running row maximum: part of the attention kernel, no kernel of its own)."""
-        return self._binary(self.xp.maximum, a, b)
-
-    def finite_or(self, x: Any, other: Any) -> Any:
-        """x where finite, else `other` (a running maximum before any key was seen: part of its kernel)."""
-        if x.__class__ is MetaTensor:
-            return x
-        return self.xp.where(self.xp.isfinite(x), x, other)
-
-    def zeros_like(self, x: Any) -> Any:
-        return self._meta_like(x) if x.__class__ is MetaTensor else self.xp.zeros_like(x)
-
-    def from_host(self, x: Any) -> Any:
-        """An array made on the host (token ids, a mask of owned elements) where this rank's data lives: a
-        data loader's copy to the device; on the host, the array itself."""
-        return x if self.mode is Mode.META else self.xp.asarray(x)
-
-    def positions(self, positions: Any, batch: int) -> Any:
-        """(batch, n) indices of the host's positions `positions` (n,), for a position table's lookup."""
-        if self.mode is Mode.META:
-            return MetaTensor((batch, len(positions)), "int64")
-        return self.xp.broadcast_to(self.xp.asarray(positions), (batch, len(positions)))
-
-    def causal(self, rows: Any, cols: Any) -> Any:
-        """Which keys (positions `cols`) each query (positions `rows`) may attend to; None in meta mode."""
-        if self.mode is Mode.META:
-            return None
-        xp = self.xp
-        return xp.asarray(rows)[:, None] >= xp.asarray(cols)[None, :]
-
-    def partial_of(self, values: Any) -> Any:
-        """`values` held as a partial sum of one term each, in the mode's form (exact: limbs)."""
-        if values.__class__ is MetaTensor:
-            return MetaTensor(values.shape, values.dtype, True)
-        if self.mode is Mode.EXACT:
-            return Partial.from_values(self.xp.astype(values, "fp64"), xp=self.xp)
-        return Partial.accumulating(values, self.xp.name(values.dtype), self.xp)
-
-    def constant(self, table: Any, dtype: Any) -> Any:
-        """A table computed once on the host (rotary cos/sin), rounded once to `dtype`, where the data lives."""
-        if self.mode is Mode.META:
-            return MetaTensor(tuple(table.shape), dtype_name(dtype) if dtype.__class__ is str else self.xp.name(dtype))
-        return self.xp.astype(self.xp.asarray(table), dtype)
-
-    def clip_coefficient(self, squares: Any, max_norm: float, eps: float) -> tuple[Any, bool]:
-        """max_norm / (sqrt(round(squares)) + eps) in float32, and whether the gradients must be scaled by
-        it: on the host, where the value is at hand, only when it is below 1; a device backend answers
-        True and scales by min(1, coefficient) (scaling by 1 is exact), never reading the value back."""
-        coefficient = self._norm_coefficient(squares, max_norm, eps)
-        return coefficient, bool(coefficient < 1)
-
-    def _norm_coefficient(self, squares: Any, max_norm: float, eps: float) -> Any:
-        xp = self.xp
-        total = xp.astype(self.finalize(squares, "fp32"), "fp32")
-        return xp.const(total, max_norm) / (xp.sqrt(total) + xp.const(total, eps))
 
     def uniform(self, seed: int, name: str, shape: tuple[int, ...], *, offset: tuple[int, ...] | None = None,
                 full_shape: tuple[int, ...] | None = None, low: float = -1.0, high: float = 1.0) -> Any:
