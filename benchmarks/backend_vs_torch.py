@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_backend.runner import in_processes, launch
+from gpu_backend.processes import in_processes
+from gpu_backend.runner import launch
 from simcluster.runner import job_of
 from simcluster.scenario import load
 

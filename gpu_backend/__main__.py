@@ -43,7 +43,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if without_torch(err, "the torch backend"):
         return 2
     from gpu_backend import scenario as torch_scenario
-    from gpu_backend.runner import LaunchError, check_backend, launch
+    from gpu_backend.processes import LaunchError, check_backend
+    from gpu_backend.runner import launch
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from gpu_backend.runner import LaunchError, check_backend, cpu_share, in_processes
+from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.cli import say_error
 from simcluster.topology import profile as _profile

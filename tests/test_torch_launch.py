@@ -12,7 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
-from gpu_backend.runner import LaunchError, launch  # noqa: E402
+from gpu_backend.processes import LaunchError, free_port  # noqa: E402
+from gpu_backend.runner import launch  # noqa: E402
 from simcluster.engine import CollectiveMismatchError, DeadlockError  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 
@@ -124,14 +125,6 @@ def test_faults_are_refused_on_the_torch_backend(capsys):
     assert "[faults] are injected into the emulator's timed run" in err and "Traceback" not in err
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("numerics, layout", [
     ("exact", ("parallel.dp=2", "parallel.zero=3")),
     pytest.param("fast", ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "parallel.zero=0"),
@@ -146,7 +139,7 @@ def test_torchrun_runs_a_scenario_and_compares_it(numerics, layout):
     sets = ["cluster.gpus_per_node=2", "run.steps=2", "model.layers=1", "model.dropout=0.1",
             f"run.numerics={numerics}", *layout]
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), "-m", "gpu_backend", "--json", "--watchdog", "60"]
+            str(free_port()), "-m", "gpu_backend", "--json", "--watchdog", "60"]
     for s in sets:
         args += ["--set", s]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,155 @@
+"""Ranks as processes: the launcher under `launch`, `spawn` and `simcluster calibrate`.
+
+`in_processes` starts `world` spawned processes, each a rank of one torch.distributed process group
+(gloo or NCCL), runs a function in each with its device, and gathers what each returned; it never
+waits without a limit (a rank that fails, dies or overruns is named, with what its peers saw).
+Each process gets its share of the host's cores for its math libraries' threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpu_backend.watchdog import CollectiveTimeout
+
+
+class LaunchError(RuntimeError):
+    """The ranks could not be started, or did not all finish: the message says which and why."""
+
+
+def check_backend(requested: str, world: int) -> str:
+    """The backend a launch of `world` ranks will use ('gloo' or 'nccl'), or a LaunchError at once."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise LaunchError(f"backend {requested!r} is not valid; valid: auto, gloo, nccl")
+    kind = requested if requested != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if kind == "nccl":
+        if not torch.cuda.is_available():
+            raise LaunchError("backend 'nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
+                              "False): use gloo, which runs on the CPU")
+        if torch.cuda.device_count() < world:
+            raise LaunchError(f"backend 'nccl' runs one rank per GPU: {world} ranks, {torch.cuda.device_count()} "
+                              f"GPUs here (use torchrun over several nodes, or gloo)")
+    return kind
+
+
+def _worker(rank: int, world: int, port: int, kind: str, timeout_s: float, body: Callable[..., Any],
+            body_args: Sequence[Any], results: Any) -> None:
+    """One spawned rank: joins the process group, runs `body(device, *body_args)`, reports to the parent."""
+    try:  # everything: a worker that fails before its program starts must say so, not hang its parent
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "nccl" else torch.device("cpu")
+        if kind == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(kind, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        results.put((rank, "ok", body(device, *body_args)))
+    except CollectiveTimeout as exc:
+        results.put((rank, "error", str(exc)))
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent, which says it once)
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_share(world: int) -> int:
+    """Threads for each of `world` ranks on this CPU: its cores shared out (at least one)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+@contextlib.contextmanager
+def _threads_each(threads: int | None) -> Iterator[None]:
+    """Spawned processes inherit this many math-library threads (unless the user has set a count):
+    N ranks on one CPU, each with every core's worth of BLAS and OpenMP threads, run several times
+    slower than with their share (measured: 940 against 189 ms a step, 2 ranks on 2 cores)."""
+    if threads is None or any(v in os.environ for v in THREAD_VARIABLES):
+        yield
+        return
+    for v in THREAD_VARIABLES:
+        os.environ[v] = str(threads)
+    try:
+        yield
+    finally:
+        for v in THREAD_VARIABLES:
+            del os.environ[v]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+GRACE_S = 8.0  # after a rank's error, at most how long its peers have to report theirs (their watchdogs' accounts)
+
+
+def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int, kind: str, *, timeout_s: float,
+                 grace_s: float = GRACE_S, group_timeout_s: float = 300.0) -> list[Any]:
+    """`body(device, *body_args)` in `world` spawned processes, each a rank of one process group of `kind`
+    (module-level, so that it pickles); what each returned, by rank. Never waits without a limit: a rank
+    that fails, dies before reporting, or is still running after `timeout_s` ends the run with a
+    LaunchError naming it (after `grace_s` for its peers to report what they saw)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with _threads_each(cpu_share(world)):  # (under NCCL too: the host's threads are shared all the same)
+        procs = mp.start_processes(_worker, args=(world, free_port(), kind, group_timeout_s, body, body_args,
+                                                  results), nprocs=world, join=False, start_method="spawn").processes
+    runs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline, first_error = time.monotonic() + timeout_s, None
+    try:
+        while len(runs) + len(errors) < world:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in runs and r not in errors]
+                if gone:  # a report may still be in the pipe: read it before calling the rank dead
+                    try:
+                        rank, status, value = results.get(timeout=1.0)
+                    except queue.Empty:
+                        for r in gone:
+                            errors[r] = (f"its process exited (status {procs[r].exitcode}) before it reported: see its "
+                                         f"error above; a script that launches ranks must guard its entry point "
+                                         f"with `if __name__ == \"__main__\":`")
+                        first_error = first_error or now
+                        continue
+                elif first_error is not None and now > first_error + grace_s:
+                    break
+                elif now > deadline:
+                    for r in range(world):
+                        if r not in runs:
+                            errors.setdefault(r, f"still running after {timeout_s:g} s")
+                    break
+                else:
+                    continue
+            if status == "ok":
+                runs[rank] = value
+            else:
+                errors[rank] = value
+                first_error = first_error or time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+    if errors:
+        silent = [r for r in range(world) if r not in runs and r not in errors]
+        lines = [f"rank {r}: {errors[r]}" for r in sorted(errors)]
+        if silent:
+            lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: stopped (no report)")
+        raise LaunchError(f"torch.distributed run ({kind}, {world} processes) failed:\n" + "\n".join(lines))
+    return [runs[r] for r in range(world)]
