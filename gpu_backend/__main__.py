@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 
@@ -27,6 +27,8 @@ from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.runner import Job, Outcome
 from simcluster.scenario import Scenario, ScenarioError, load
+
+EMULATOR_S = 3600.0  # under torchrun, how long the other ranks wait for rank 0's emulator run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,10 +68,15 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 return outcome
         else:
             if err.is_terminal:
+                err.print("the emulator's run (the prediction" + (", and the numbers to compare)" if
+                          sc.run["verify"] else ")") + " ...", highlight=False)
+            emulated = torch_scenario.emulate(sc, job)
+            if err.is_terminal:
                 err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)
             runs = launch(job.program, *job.args, mesh=job.mesh, mode=job.mode, backend=kind,
-                          timeout_s=args.timeout, watchdog_s=args.watchdog, check=False)
-            outcome = torch_scenario.finish(sc, job, runs, kind)
+                          timeout_s=args.timeout, watchdog_s=args.watchdog, check=False, digests=True,
+                          expected=torch_scenario.expected(sc, emulated))
+            outcome = torch_scenario.finish(sc, job, runs, kind, emulated)
     except LaunchError as exc:
         say_error(err, str(exc))
         return 1
@@ -77,7 +84,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err: Console) -> Outcome | int:
-    """This process as rank RANK of torchrun's WORLD_SIZE: run, gather the runs on rank 0, finish there."""
+    """This process as rank RANK of torchrun's WORLD_SIZE: rank 0 runs the emulator and hands each rank the
+    digests of its expected outputs; each runs; rank 0 gathers the runs (digests, and the outputs that
+    differ) and finishes."""
     from datetime import timedelta
 
     import torch
@@ -92,19 +101,27 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
         torch.cuda.set_device(device)
     dist.init_process_group(kind, timeout=timedelta(seconds=watchdog_s))
     try:
+        first = dist.get_rank() == 0
+        # objects between the ranks over gloo, which waits as long as rank 0's emulator may take
+        talk = dist.new_group(backend="gloo", timeout=timedelta(seconds=EMULATOR_S))
+        emulated = torch_scenario.emulate(sc, job) if first else None
+        expected = torch_scenario.expected(sc, emulated) if first else None
+        mine_expected: list[Any] = [None]
+        dist.scatter_object_list(mine_expected, expected, src=0, group=talk)
         try:
-            mine = measured(job.program, job.args, job.mesh, mode=job.mode, device=device, watchdog_s=watchdog_s)
+            mine = measured(job.program, job.args, job.mesh, mode=job.mode, device=device, watchdog_s=watchdog_s,
+                            digests=True, expected=mine_expected[0])
         except Exception as exc:  # noqa: BLE001  (one line per failing rank, not a traceback each)
             text = str(exc) if isinstance(exc, ProgramError) else f"{type(exc).__name__}: {exc}"
             say_error(err, f"rank {dist.get_rank()}: {text}")
             return 1
-        runs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, runs, dst=0)  # to rank 0 alone, which reports
-        if dist.get_rank() != 0:
+        runs = [None] * dist.get_world_size() if first else None
+        dist.gather_object(mine, runs, dst=0, group=talk)  # to rank 0 alone, which reports
+        if not first:
             return 0
     finally:
         dist.destroy_process_group()
-    return torch_scenario.finish(sc, job, runs, kind)
+    return torch_scenario.finish(sc, job, runs, kind, emulated)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

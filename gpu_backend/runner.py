@@ -33,6 +33,7 @@ from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
+from gpu_backend.digests import summarize
 from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.processes import GRACE_S, LaunchError, check_backend, in_processes
 from gpu_backend.watchdog import FlightRecorder
@@ -217,6 +218,8 @@ class RankRun:
     seconds: float
     peak_bytes: int
     memory_source: str
+    outputs: int = 0  # with digests (digests.summarize): the tensors in the result, and those sent whole
+    sent: int = 0
 
 
 def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
@@ -226,10 +229,11 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
 
 
 def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
-             device: torch.device | None = None, watchdog_s: float = 300.0) -> RankRun:
+             device: torch.device | None = None, watchdog_s: float = 300.0, digests: bool = False, expected: Any = None) -> RankRun:
     """run_rank, timed from a barrier to the program's end, with the peak memory. The kernels are the torch
     kernel set's on `device` (in fast mode a `meta` device runs the step with no numbers at all). The
-    result's tensors come back to the host (for verification)."""
+    result's tensors come back to the host: whole, or with `digests` as digests.summarize makes them
+    against `expected` (the digests of the emulator's outputs of this rank; None: digests alone)."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
         raise LaunchError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")
@@ -258,16 +262,21 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         backend.recorder.publish("failed")
         raise
     backend.recorder.publish("finished")
-    if device.type != "meta":
-        result = on_host(result)
     if cuda:
         end.record()
         torch.cuda.synchronize(device)
         seconds = start.elapsed_time(end) / 1e3
-        return RankRun(result, seconds, int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated")
-    seconds = time.perf_counter() - t0
-    return RankRun(result, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                   "the process's peak resident set (host memory)")
+        peak, source = int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    else:
+        seconds = time.perf_counter() - t0
+        peak, source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, \
+            "the process's peak resident set (host memory)"
+    if device.type == "meta":
+        return RankRun(result, seconds, peak, source)
+    if not digests:
+        return RankRun(on_host(result), seconds, peak, source)
+    sent, outputs, whole = summarize(result, expected, on_host)
+    return RankRun(sent, seconds, peak, source, outputs, whole)
 
 
 def on_host(value: Any) -> Any:
@@ -301,8 +310,9 @@ def _drive(gen: Any, backend: TorchBackend) -> Any:
 
 
 def _measured_on(device: torch.device, program: Program, args: Sequence[Any], mesh: DeviceMesh, mode: str,
-                 watchdog_s: float) -> RankRun:
-    return measured(program, args, mesh, mode=mode, device=device, watchdog_s=watchdog_s)
+                 watchdog_s: float, digests: bool, expected: Sequence[Any] | None) -> RankRun:
+    return measured(program, args, mesh, mode=mode, device=device, watchdog_s=watchdog_s, digests=digests,
+                    expected=None if expected is None else expected[dist.get_rank()])
 
 
 def preflight(program: Program, args: Sequence[Any], mesh: DeviceMesh, cluster: Any = None,
@@ -317,17 +327,19 @@ def preflight(program: Program, args: Sequence[Any], mesh: DeviceMesh, cluster: 
 
 
 def launch(program: Program, *args: Any, mesh: DeviceMesh, mode: str = "exact", backend: str = "auto",
-           timeout_s: float = 600.0, watchdog_s: float = 300.0, check: bool = True) -> list[RankRun]:
+           timeout_s: float = 600.0, watchdog_s: float = 300.0, check: bool = True, digests: bool = False,
+           expected: Sequence[Any] | None = None) -> list[RankRun]:
     """Run `program` on `mesh.world_size` spawned processes; each rank's run, by rank. `check`: first the
-    preflight (which a caller that has run it already, or a test of the watchdog, turns off). Never waits
-    without a limit: a rank that fails, dies before reporting, or is still running after `timeout_s`
-    ends the launch with a LaunchError naming it (and what the watchdogs of its peers saw)."""
+    preflight (which a caller that has run it already, or a test of the watchdog, turns off). `digests`,
+    `expected` (by rank): see measured. Never waits without a limit: a rank that fails, dies before
+    reporting, or is still running after `timeout_s` ends the launch with a LaunchError naming it (and
+    what the watchdogs of its peers saw)."""
     world = mesh.world_size
     kind = check_backend(backend, world)
     if check:
         preflight(program, args, mesh)
-    return in_processes(_measured_on, (program, args, mesh, mode, watchdog_s), world, kind, timeout_s=timeout_s,
-                        grace_s=min(GRACE_S, watchdog_s) + FlightRecorder.grace_s,  # a watchdog fires, asks around
+    return in_processes(_measured_on, (program, args, mesh, mode, watchdog_s, digests, expected), world, kind,
+                        timeout_s=timeout_s, grace_s=min(GRACE_S, watchdog_s) + FlightRecorder.grace_s,  # a watchdog fires, asks around
                         group_timeout_s=watchdog_s)
 
 

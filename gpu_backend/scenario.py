@@ -5,11 +5,13 @@ puts what was measured beside what the emulator predicted.
               one variant, as many processes as the mesh has ranks;
     preflight the job on the emulator in meta mode (shapes only, seconds): a mismatched collective or a
               deadlock is refused with the emulator's diagnosis before any process starts;
-    launch    the ranks (runner.launch, or torchrun's processes calling runner.measured);
-    finish    the emulator's run (its prediction; with run.verify, in the same mode for its numbers, else in
-              meta mode, which predicts the same times at any size) and the report: the emulator's,
-              with a `torch` section of measured figures and of how the real run's outputs compare with
-              the emulator's and with one device's.
+    emulate   the emulator's run: its prediction, and with run.verify its numbers, in the same mode (else
+              meta mode, which predicts the same times at any size); `expected`: its outputs' digests,
+              by rank, which each rank checks its own against (digests.py);
+    launch    the ranks (runner.launch, or torchrun's processes calling runner.measured), which send back
+              a digest for each output the emulator computed the same, the output only where it differs;
+    finish    the report: the emulator's, with a `torch` section of measured figures and of how the real
+              run's outputs compare with the emulator's and with one device's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_backend.digests import digests, restore
 from gpu_backend.runner import preflight as check
 from simcluster.report import relative_error
 from simcluster import checkpoint
@@ -80,13 +83,25 @@ def against(expected: dict[str, Any], got: dict[str, Any], bounds: Any = None) -
             "not_compared": uncompared, "differ": differ[:10], "differing": len(differ), "passed": not differ}
 
 
-def finish(sc: Scenario, job: Job, runs: list[Any], backend: str) -> Outcome:
-    """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank)."""
-    # (the real ranks wrote the checkpoint: the emulator's run only reads one, and the manifest is theirs)
+def emulate(sc: Scenario, job: Job) -> Outcome:
+    """The emulator's run of the scenario: the prediction, and with run.verify the numbers to compare."""
+    # (the real ranks write the checkpoint: the emulator's run only reads one, and the manifest is theirs)
     verify = sc.run["verify"]
-    emulated = run_scenario(replace(sc, run=dict(sc.run, save_checkpoint=None, save_at_step=None,
-                                                 numerics=job.mode if verify else "meta")), fold=not verify)
-    real = [run.result for run in runs]
+    return run_scenario(replace(sc, run=dict(sc.run, save_checkpoint=None, save_at_step=None,
+                                             numerics=job.mode if verify else "meta")), fold=not verify)
+
+
+def expected(sc: Scenario, emulated: Outcome) -> list[Any] | None:
+    """The digests of the emulator's outputs, by rank (None without run.verify: nothing is compared)."""
+    return [digests(r) for r in emulated.result.results] if sc.run["verify"] else None
+
+
+def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
+    """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank, their
+    results against `expected(sc, emulated)`)."""
+    verify = sc.run["verify"]
+    real = [restore(run.result, mine) if verify else run.result
+            for run, mine in zip(runs, emulated.result.results)]
     steps = emulated.report["steps"]
     # Exact mode is byte-identical on any backend, except a plain float reduction (the collectives
     # program's), whose order is the backend's; fast mode leaves every sum's order to it, and is held
@@ -103,6 +118,8 @@ def finish(sc: Scenario, job: Job, runs: list[Any], backend: str) -> Outcome:
         "predicted_step_time_s": emulated.report["step_time_ns"] / 1e9,
         "peak_memory_bytes": {str(r): run.peak_bytes for r, run in enumerate(runs)},
         "memory_measure": runs[0].memory_source,
+        "outputs_sent": {"outputs": sum(run.outputs for run in runs), "sent_whole": sum(run.sent for run in runs),
+                         "rest": "digests equal to the emulator's" if verify else "digests alone (not compared)"},
         "against_emulator": (against(job.outputs(emulated.result.results), job.outputs(real), bounds) if verify
                              else {"status": "not requested (run.verify = false): the prediction ran in meta mode",
                                    "passed": True}),

@@ -49,6 +49,8 @@ def byte_identical_everywhere(report):
     same = torch_run["against_emulator"]
     assert same["compared"] > 0 and same["identical"] == same["compared"] and not same["differ"], same
     assert torch_run["verification"]["bit_exact"], torch_run["verification"]["mismatches"]
+    sent = torch_run["outputs_sent"]  # a digest for each output (all equal the emulator's), no output whole
+    assert sent["outputs"] > 0 and sent["sent_whole"] == 0, sent
     assert sorted(torch_run["step_time_s"]) == sorted(report["memory_peak_bytes"])  # a measure for every rank
     assert all(t > 0 for t in torch_run["step_time_s"].values())
 

@@ -118,6 +118,9 @@ def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: i
         same = a["status"] if "status" in a else f"{a['identical']} of {a['compared']} outputs byte-identical to the emulator's" + (
             f", {a['within_tolerance']} within their bound (relative norm error)" if a["within_tolerance"] else "") + (
             f" ({a['not_compared']} not compared: weights and moments after Adam)" if a["not_compared"] else "")
+        sent = section.get("outputs_sent")
+        if sent and "status" not in a:
+            same += f" (the ranks sent {sent['outputs'] - sent['sent_whole']} digests, {sent['sent_whole']} tensors)"
         out.print(f"torch.distributed against the emulator: {same}" + (
             "" if a["passed"] else f"; [bold red]{a['differing']} DIFFER[/]: {', '.join(a['differ'])}"), markup=True)
         verdict = v.get("status") or ("bit-exact" if v.get("bit_exact") else "passed" if v.get("passed") else "MISMATCH")
