@@ -20,13 +20,14 @@ def swapped_tp(ctx, plan):
     return (yield from composed(ctx, plan))
 
 
-def no_rescale(ops, state, scores, v, kept):
-    """ring_attention.online_merge that forgets to rescale the running sums when the maximum grows."""
-    m, l_sum, o_sum = state
-    m_new = ops.max(scores, -1) if m is None else np.maximum(m, ops.max(scores, -1))
-    e = ops.attention_weights(scores, m_new)
-    l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
-    return m_new, l_t if m is None else ops.add(l_sum, l_t), o_t if m is None else ops.add(o_sum, o_t)
+def unnormalised_merge(num, out_a, lse_a, out_b, lse_b):
+    """kernels.attention_merge that weights each block's output by its share but forgets to divide by
+    their sum: every row's output too large by the sum of its blocks' weights."""
+    xp = num.xp
+    top = xp.maximum(lse_a, lse_b)
+    safe = xp.where(xp.isfinite(top), top, 0.0)
+    wa, wb = num.exp(lse_a - safe), num.exp(lse_b - safe)
+    return out_a * wa[..., None] + out_b * wb[..., None], safe + num.log(wa + wb)
 
 
 class _WrongCoord:

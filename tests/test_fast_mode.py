@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from broken import no_rescale, swapped_tp
+from broken import swapped_tp, unnormalised_merge
 from plans import run_plan
 from simcluster import report
 from simcluster.model.gpt import GPTConfig
@@ -12,7 +12,7 @@ from simcluster.numerics import tolerance
 from simcluster.numerics.limbs import BF16
 from simcluster.numerics.ops import make_ops
 from simcluster.numerics.tensor import Partial
-from simcluster.parallel import ring_attention
+from simcluster.numerics import kernels
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.plan import Plan
@@ -104,7 +104,7 @@ def test_a_swapped_shard_fails_the_bound(dtype):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_a_wrong_merge_fails_the_bound(monkeypatch, dtype):
-    """Ring attention that forgets to rescale its running sums when the maximum grows."""
-    monkeypatch.setattr(ring_attention, "online_merge", no_rescale)
+    """Ring attention whose merge of blocks forgets to divide by their summed weights."""
+    monkeypatch.setattr(kernels, "attention_merge", unnormalised_merge)
     verdict = fast_verdict(data(dtype), cp=2, attention="ring")
     assert not verdict["passed"]

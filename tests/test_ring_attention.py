@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from simcluster import report
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig, Slice
+from simcluster.numerics import kernels
 from simcluster.parallel import ring_attention
 from simcluster.parallel.data_parallel import DPConfig, reference
 from simcluster.parallel.gpt_shard import GPTShard
@@ -15,7 +16,7 @@ from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
-from broken import no_rescale
+from broken import unnormalised_merge
 from plans import run_plan
 
 
@@ -67,9 +68,9 @@ def test_fast_online_merge_agrees_with_exact_two_pass(P, seq):
 
 
 def test_a_wrong_merge_is_caught(monkeypatch):
-    """Forgetting to rescale the running sums when the maximum grows breaks the tolerance."""
+    """A merge of blocks that forgets to divide by their summed weights breaks the tolerance."""
     exact, vmax = ring_outputs("exact", 4, 16)
-    monkeypatch.setattr(ring_attention, "online_merge", no_rescale)
+    monkeypatch.setattr(kernels, "attention_merge", unnormalised_merge)
     fast, _ = ring_outputs("fast", 4, 16)
     assert np.max(np.abs(fast - exact)) > 4 * (16 + 4) * 2.0**-24 * vmax
 

@@ -139,6 +139,39 @@ def attention_probs(num: Num, e: np.ndarray, l_sum: Any) -> np.ndarray:
     return e / num.round(l_sum, e.dtype)[..., None]
 
 
+def attention_block(num: Num, q: Any, k: Any, v: Any, scale: float, allowed: Any, keep: Any,
+                    drop_scale: float) -> tuple[Any, Any]:
+    """Fast mode: a block of keys as a FlashAttention kernel attends to it: the output normalised by the
+    block's own sum of weights (dropout's `keep` applied, times drop_scale), and each query row's
+    log-sum-exp; both float32. A row the block allows no key has lse -inf and output 0."""
+    xp = num.xp
+    s = attention_scores(num, q, k, scale, allowed)
+    top = xp.max(s, -1)
+    l_sum = num.sum(attention_weights(num, s, top), -1)
+    some = l_sum > _c(num, l_sum, 0.0)
+    one = xp.where(some, l_sum, _c(num, l_sum, 1.0))
+    lse = xp.where(some, xp.where(xp.isfinite(top[..., 0]), top[..., 0], _c(num, l_sum, 0.0)) + num.log(one),
+                   _c(num, l_sum, -np.inf))
+    p = attention_weights(num, s, top) / one[..., None]
+    if keep is not None:
+        p = xp.where(keep, p, _c(num, p, 0.0))
+    return num.einsum("bask,bakd->basd", p, v) * _c(num, q, drop_scale), lse
+
+
+def attention_merge(num: Num, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """Two blocks' (output, lse) as one: lse = log(e^lse_a + e^lse_b), out = the outputs weighted by
+    e^(lse_x - lse) (ring-flash-attention's update of out and lse); float32, in either order."""
+    xp = num.xp
+    top = xp.maximum(lse_a, lse_b)
+    safe = xp.where(xp.isfinite(top), top, _c(num, top, 0.0))
+    wa, wb = num.exp(lse_a - safe), num.exp(lse_b - safe)
+    total = wa + wb
+    some = total > _c(num, total, 0.0)
+    one = xp.where(some, total, _c(num, total, 1.0))
+    lse = xp.where(some, safe + num.log(one), _c(num, total, -np.inf))
+    return (out_a * wa[..., None] + out_b * wb[..., None]) / one[..., None], lse
+
+
 # -- cross-entropy over a (possibly sharded) vocabulary -------------------------------------------
 
 def log_sum_exp(num: Num, row_max: np.ndarray, sum_exp: Any, dtype: Any) -> np.ndarray:

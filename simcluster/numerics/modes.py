@@ -87,12 +87,14 @@ class Widened:
     """Kernels (numerics/kernels.py) as the fused GPU kernels run them on 16-bit data: inputs widened to
     float32, statistics (norms' mean and rstd, softmax's exponentials and sums) kept in float32, the
     main output rounded once to the data's dtype, partial sums tagged with it. The cross-entropy's
-    log-sum-exp stays float32, and with it the loss (Megatron-LM's cross-entropy upcasts the logits).
+    log-sum-exp stays float32, and with it the loss (Megatron-LM's cross-entropy upcasts the logits);
+    so do a flash block's output and log-sum-exp and their merge (ring-flash-attention keeps both in
+    float32 until the last block).
     The attention scores are rounded to the data's dtype, as an unfused attention's GEMM writes them
     (FlashAttention keeps them in fp32 on chip: not modelled, as the scores' dtype is what a ring or
     Ulysses program computes its merge in)."""
 
-    STAYS_WIDE = frozenset({"log_sum_exp"})
+    STAYS_WIDE = frozenset({"log_sum_exp", "attention_block", "attention_merge"})
 
     def __init__(self, xp: Any = NUMPY) -> None:
         self.xp = xp

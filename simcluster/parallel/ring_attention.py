@@ -12,8 +12,11 @@ ring, exact mode (two passes, as numerics rule 1 needs the row maximum before an
 With the model's flash kernel (the default), each block's forward and backward cost one fused
 kernel on the block's shapes (model/flash.py) and pass 2 one merge of the block's output, as
 ring-flash-attention runs; the numbers are the same.
-ring, fast mode: one pass with the online log-sum-exp merge (rescale the running sums when the
-maximum grows), keys and values travelling together.
+ring, fast mode: one pass, keys and values travelling together: each block as one flash kernel
+(ops.attention_block: the block's output and log-sum-exp, float32), merged into the running pair by
+their log-sum-exps (ops.attention_merge), as ring-flash-attention does; the backward pass recomputes
+each block's scores from q and k and takes its weights from the merged lse: no score is kept between
+the passes. allgather in fast mode: the gathered keys as one block, the same way.
 backward: keys and values travel around again; each rank adds its part of the block's dK and dV to
 accumulators that travel with the block and arrive, complete, back at its owner.
 
@@ -79,19 +82,6 @@ def _rotate(model: Any, x: Any, tag: int) -> tuple[Any, Any]:
     return send, recv
 
 
-def online_merge(ops: Any, state: tuple[Any, Any, Any], scores: Any, v: Any, kept: Any) -> tuple[Any, Any, Any]:
-    """One block of the one-pass softmax (fast mode): with running max m, sum l and output o,
-    m' = max(m, max s); l' = l exp(m - m') + sum exp(s - m'); o' = o exp(m - m') + exp(s - m') v."""
-    m, l_sum, o_sum = state
-    m_new = ops.max(scores, -1) if m is None else ops.maximum(m, ops.max(scores, -1))
-    e = ops.attention_weights(scores, m_new)
-    l_t, o_t = ops.sum(e, -1), ops.einsum("bask,bakd->basd", kept(e), v)
-    if m is None:
-        return m_new, l_t, o_t
-    fix = ops.exp(ops.sub(ops.finite_or(m, m_new), m_new))  # (b, a, s, 1)
-    return m_new, ops.add(ops.mul(l_sum, fix[..., 0]), l_t), ops.add(ops.mul(o_sum, fix), o_t)
-
-
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any,
             ring: bool = True) -> Generator[Any, Any, Any]:
     """Ring attention's forward pass (`ring`), or RSA's RingQK and RingAV (not `ring`)."""
@@ -101,26 +91,31 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     owners = [(r - t) % P for t in range(P)]
     tag = layer * 16
     scores, sends = [], []
-    if ops.mode is Mode.FAST and ring:  # one pass: the online log-sum-exp merge
-        m = l_sum = o_sum = None  # running max, sum of weights, sum of weighted values
+    if ops.mode is Mode.FAST and ring:  # one pass: each block's (out, lse), merged as they come
+        out = lse = None
         kv = (k, v)
+        b, a, sq, _ = q.shape
         for t, o in enumerate(owners):
             if t < P - 1:
                 sk, rk = _rotate(model, kv[0], tag + 1)
                 sv, rv = _rotate(model, kv[1], tag + 2)
                 sends += [sk, sv]
+            cols = _positions(model, o)
             with flash.forward(ops, model.m, q, kv[0]):
-                s = ops.attention_scores(q, kv[0], scale, model.allowed(rows, _positions(model, o)))
-                scores.append(s)
-                keep = model.block_keep(f"attn.{layer}", tuple(s.shape), step, where, rows, _positions(model, o))
-                m, l_sum, o_sum = online_merge(ops, (m, l_sum, o_sum), s, kv[1], lambda e: _kept(model, e, keep))
+                keep = model.block_keep(f"attn.{layer}", (b, a, sq, kv[0].shape[2]), step, where, rows, cols)
+                block = ops.attention_block(q, kv[0], kv[1], scale, model.allowed(rows, cols), keep,
+                                            1.0 / (1.0 - model.m.dropout))
+            if out is None:
+                out, lse = block
+            else:
+                with flash.merge(ops, model.m, q):
+                    out, lse = ops.attention_merge(out, lse, *block)
             if t < P - 1:
                 kv = tuple((yield [rk, rv]))
         if sends:
             yield sends
-        out = ops.scale(ops.div(o_sum, ops.expand_last(l_sum)), 1.0 / (1.0 - model.m.dropout))
-        return out, {"scores": scores, "max": m, "q": q, "k": k, "v": v, "out": out, "layer": layer, "step": step,
-                     "where": where}
+        out = ops.cast(out, q.dtype)
+        return out, {"lse": lse, "q": q, "k": k, "v": v, "out": out, "layer": layer, "step": step, "where": where}
 
     # exact mode, pass 1: keys around the ring, the row maximum. Ring attention's values go round with
     # its keys, as in ring-flash-attention (each block's fused kernel uses both; the merge of pass 2
@@ -180,9 +175,7 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
     delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))  # (b, a, s, 1): over d, never split
-    l_sum = core.get("l")
-    if l_sum is None:  # fast mode: the running sum at the final maximum
-        l_sum = ops.sum(ops.concat([ops.attention_weights(s, core["max"]) for s in core["scores"]], -1), -1)
+    lse = core.get("lse")  # fast mode: the scores again from q and k, the weights from the merged lse
     kv = (core["k"], core["v"])
     dk_acc = dv_acc = None
     dq_parts, sends = [], []
@@ -193,10 +186,14 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
             sv, rv = _rotate(model, kv[1], tag + 2)
             sends += [sk, sv]
         with flash.backward(ops, m, core["q"], kv[0]):  # (a block's backward as one fused kernel, with flash)
-            e = ops.attention_weights(core["scores"][t], core["max"])
-            probs = ops.attention_probs(e, l_sum) if ops.mode is not Mode.FAST else ops.div(e, ops.expand_last(l_sum))
-            keep = model.block_keep(f"attn.{core['layer']}", tuple(e.shape), core["step"], core["where"], rows,
-                                    _positions(model, o))
+            cols = _positions(model, o)
+            if lse is None:
+                probs = ops.attention_probs(ops.attention_weights(core["scores"][t], core["max"]), core["l"])
+            else:
+                s = ops.attention_scores(core["q"], kv[0], scale, model.allowed(rows, cols))
+                probs = ops.attention_weights(s, ops.expand_last(lse))
+            keep = model.block_keep(f"attn.{core['layer']}", tuple(probs.shape), core["step"], core["where"], rows,
+                                    cols)
             dv_t = ops.einsum("bask,basd->bakd", _drop(model, probs, keep), dout, partial=True)
             dp = _drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
             ds = ops.mul(probs, ops.sub(dp, delta))
@@ -230,6 +227,14 @@ def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
     K, V = yield [ctx.comm.all_gather(x, group=cp, dim=2, async_op=True) for x in (k, v)]  # (b, a, s, d)
     cols = _every_position(model)
     rows = model.positions
+    scale, drop_scale = 1.0 / math.sqrt(model.m.head_dim), 1.0 / (1.0 - model.m.dropout)
+    if ops.mode is Mode.FAST:  # one block: the output and lse, the scores again in the backward pass
+        b, a, sq, _ = q.shape
+        with flash.forward(ops, model.m, q, K):
+            keep = model.block_keep(f"attn.{layer}", (b, a, sq, K.shape[2]), step, where, rows, cols)
+            out, lse = ops.attention_block(q, K, V, scale, model.allowed(rows, cols), keep, drop_scale)
+        out = ops.cast(out, q.dtype)
+        return out, {"lse": lse, "allowed": (rows, cols), "keep": keep, "q": q, "K": K, "V": V, "out": out}
     with flash.forward(ops, model.m, q, K):
         s = ops.attention_scores(q, K, 1.0 / math.sqrt(model.m.head_dim), model.allowed(rows, cols))
         row_max = ops.max(s, -1)
@@ -245,8 +250,11 @@ def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator
     ops, ctx, cp = model.ops, model.ctx, model.cp
     scale = 1.0 / math.sqrt(model.m.head_dim)
     with flash.backward(ops, model.m, core["q"], core["K"]):
-        e = ops.attention_weights(core["scores"][0], core["max"])
-        probs = ops.attention_probs(e, core["l"])
+        if "lse" in core:
+            s = ops.attention_scores(core["q"], core["K"], scale, model.allowed(*core["allowed"]))
+            probs = ops.attention_weights(s, ops.expand_last(core["lse"]))
+        else:
+            probs = ops.attention_probs(ops.attention_weights(core["scores"][0], core["max"]), core["l"])
         delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
         dV = ops.einsum("bask,basd->bakd", _drop(model, probs, core["keep"]), dout, partial=True)
         ds = ops.mul(probs, ops.sub(_drop(model, ops.einsum("basd,bakd->bask", dout, core["V"]), core["keep"]), delta))
