@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 from rich.console import Console
 
+from simcluster import checkpoint
 from simcluster.cli import say_error, say_warnings, scenario_arguments, torch_arguments, without_torch
 from simcluster.viz.outcome_view import render_torch
 from simcluster.engine.errors import SimulationError
@@ -62,24 +64,29 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if not under_torchrun or os.environ["RANK"] == "0":
         say_warnings(err, sc)
     try:
-        if under_torchrun:
-            outcome = _as_torchrun_rank(sc, job, kind, args.watchdog, err)
-            if isinstance(outcome, int):  # not rank 0 (0), or this rank failed (1, said on stderr)
-                return outcome
-        else:
-            if err.is_terminal:
-                err.print("the emulator's run (the prediction" + (", and the numbers to compare)" if
-                          sc.run["verify"] else ")") + " ...", highlight=False)
-            emulated = torch_scenario.emulate(sc, job)
-            if err.is_terminal:
-                err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)
-            runs = launch(job.program, *job.args, mesh=job.mesh, mode=job.mode, backend=kind,
-                          timeout_s=args.timeout, watchdog_s=args.watchdog, check=False, digests=True,
-                          expected=torch_scenario.expected(sc, emulated))
-            outcome = torch_scenario.finish(sc, job, runs, kind, emulated)
+        # the checkpoint folder (if the run saves) locked by the process that commits the checkpoint
+        with checkpoint.saving(sc) if not under_torchrun or os.environ["RANK"] == "0" else nullcontext():
+            if under_torchrun:
+                outcome = _as_torchrun_rank(sc, job, kind, args.watchdog, err)
+                if isinstance(outcome, int):  # not rank 0 (0), or this rank failed (1, said on stderr)
+                    return outcome
+            else:
+                if err.is_terminal:
+                    err.print("the emulator's run (the prediction" + (", and the numbers to compare)" if
+                              sc.run["verify"] else ")") + " ...", highlight=False)
+                emulated = torch_scenario.emulate(sc, job)
+                if err.is_terminal:
+                    err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)
+                runs = launch(job.program, *job.args, mesh=job.mesh, mode=job.mode, backend=kind,
+                              timeout_s=args.timeout, watchdog_s=args.watchdog, check=False, digests=True,
+                              expected=torch_scenario.expected(sc, emulated))
+                outcome = torch_scenario.finish(sc, job, runs, kind, emulated)
     except LaunchError as exc:
         say_error(err, str(exc))
         return 1
+    except ScenarioError as exc:  # a checkpoint folder another run is saving into; one that cannot be written
+        say_error(err, str(exc))
+        return 2
     return render_torch(outcome, out, args.json)
 
 

@@ -2,44 +2,63 @@
 elements of which global tensor each file holds, and a resume re-slices on load
 (torch.distributed.checkpoint's idea; the format is ours, documented in docs/checkpoint.md).
 
-A folder holds:
-  manifest.json                 written last, under a temporary name and then renamed: the commit
+A checkpoint folder (--save-checkpoint DIR) holds one folder per complete checkpoint, as
+torch.distributed.checkpoint's and Orbax's managers keep them:
+  step-00000003/                one checkpoint: its manifest and the rank files (a second save of the same
+                                step beside it: step-00000003-2)
+  latest                        the name of the newest complete one, switched atomically, last
+  .partial-step-00000003/       a save in progress: the ranks write here; renamed into place when complete
+  .lock                         held (fcntl) by the run that saves: a second one is refused
+A save never touches a complete checkpoint: its files and manifest are written and fsynced under
+.partial-*, the folder is renamed into place, `latest` switched, and only then are the oldest
+checkpoints beyond run.keep_checkpoints deleted. Killed at any point, DIR still holds the previous
+checkpoint whole, and --resume DIR takes the newest complete one.
+
+In a checkpoint:
+  manifest.json                 written last
   rank{r:05d}-step{k}.bin       one per rank that holds elements no other rank writes: raw arrays
 The manifest (JSON, sorted keys):
   format, version, step         steps completed; the next step to run is `step` (0-based)
   training                      what makes two runs the same training (model, seed, optimizer, numerics):
                                 a resume must match it; the layout (parallel.*, micro_batch) may differ
   saved_by                      the mesh and ZeRO stage that wrote it (for people; a resume ignores it)
+  sequence                      the order of the saves into one folder (1, 2, ...)
   states                        state -> dtype: master (fp32), adam_m, adam_v, and in mixed precision the
                                 16-bit working copy `working`
   tensors                       name -> global shape
   files                         file -> {bytes, sha256}
   pieces                        [{tensor, file, runs: [start, length, ...], offsets: {state: byte offset}}]
+  checksum                      the sha256 of the manifest without this key (as written: indent 1, sorted)
 A piece holds the tensor's elements at row-major indices start .. start+length-1 for each run, in that
 order; each state's values of them lie contiguously at its offset, little-endian, in the state's dtype.
 Every element of every tensor is in exactly one piece: a rank writes only what no lower replica holds
 (DDP's replicas, tensors tensor parallelism replicates), as the gradient norm counts them (dp_wrap.py).
+A resume checks the whole manifest (validate) before it reads any data.
 
 Data position and dropout masks are functions of (seed, step) here, so the step restores both.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from simcluster.numerics.tensor import dtype_name, numpy_dtype
 from simcluster.scenario import Scenario, ScenarioError
 
-FORMAT, VERSION = "simcluster-checkpoint", 1
-MANIFEST = "manifest.json"
+FORMAT, VERSION = "simcluster-checkpoint", 2  # 2: step folders, `sequence` and `checksum` (1 is still read)
+MANIFEST, LATEST, LOCK, PARTIAL = "manifest.json", "latest", ".lock", ".partial-step-"
+STEP_FOLDER = re.compile(r"step-(\d{8})(?:-(\d+))?")  # what commit names a checkpoint
 
 
 class CheckpointError(ScenarioError):
@@ -48,11 +67,18 @@ class CheckpointError(ScenarioError):
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """What a run does with checkpoints: save after `at` steps into `save`; resume from `resume`."""
+    """What a run does with checkpoints: save after `at` steps into the folder `save`, keeping the newest
+    `keep`; resume from `resume` (one checkpoint's folder: resolve)."""
 
     save: str | None = None
     at: int | None = None
     resume: str | None = None
+    keep: int = 2
+
+    @property
+    def staging(self) -> str:
+        """Where the ranks write this save while it is in progress."""
+        return str(Path(self.save or ".") / f"{PARTIAL}{self.at:08d}")
 
 
 def of(sc: Scenario) -> Checkpointing | None:
@@ -62,7 +88,87 @@ def of(sc: Scenario) -> Checkpointing | None:
             raise CheckpointError("run.save_at_step (--at-step) needs run.save_checkpoint (--save-checkpoint DIR)")
         return None
     return Checkpointing(r["save_checkpoint"], r["steps"] if r["save_at_step"] is None else r["save_at_step"],
-                         r["resume"])
+                         resolve(r["resume"]) if r["resume"] else None, r["keep_checkpoints"])
+
+
+def _phase(name: str) -> None:
+    """A point of a save where a process may be killed (tests/test_checkpoint_kills.py stops one at each)."""
+
+
+def resolve(folder: str) -> str:
+    """The checkpoint --resume DIR names: the one DIR/latest names; where `latest` is missing or names no
+    complete checkpoint, DIR's newest complete one; else DIR itself when it holds a manifest (one
+    checkpoint's folder, or one saved before step folders)."""
+    d = Path(folder)
+    try:
+        name = (d / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    if STEP_FOLDER.fullmatch(name) and (d / name / MANIFEST).is_file():
+        return str(d / name)
+    complete = complete_checkpoints(d)
+    if complete:
+        return str(complete[-1])
+    if (d / MANIFEST).is_file():
+        return folder
+    if not d.is_dir():
+        raise CheckpointError(f"--resume {folder!r}: no such folder" if not d.exists() else
+                              f"--resume {folder!r} is not a folder; give the checkpoint folder")
+    raise CheckpointError(f"--resume {folder!r}: no complete checkpoint there (no {MANIFEST}, no step folder with "
+                          f"one: not a checkpoint folder, or no save into it finished)")
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints in a checkpoint folder, oldest save first (their manifests' sequence)."""
+    found = []
+    try:
+        entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    except OSError:
+        entries = []
+    for d in entries:
+        if STEP_FOLDER.fullmatch(d.name) and (d / MANIFEST).is_file():
+            try:
+                sequence = json.loads((d / MANIFEST).read_text()).get("sequence", 0)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                continue  # (a damaged one is not complete)
+            found.append((sequence if isinstance(sequence, int) else 0, d.name, d))
+    return [d for _, _, d in sorted(found)]
+
+
+@contextmanager
+def saving(sc: Scenario) -> Iterator[None]:
+    """Around a run that saves (a no-op for one that does not): the folder's lock held, so that a second
+    save into it at the same time is refused in one line; what an earlier, killed save left behind
+    removed; and if this run fails, what it wrote. (A killed process's lock goes with it.)"""
+    ck = of(sc)
+    if ck is None or not ck.save:
+        yield
+        return
+    folder = Path(ck.save)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"--save-checkpoint {ck.save!r}: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise CheckpointError(f"--save-checkpoint {ck.save!r}: another run is saving into this folder"
+                                  f"{f' (process {holder})' if holder.isdigit() else ''}; wait for it to finish, "
+                                  f"or save into another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        for stale in folder.glob(PARTIAL + "*"):  # a save that was killed: never complete, never read
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(ck.staging, ignore_errors=True)
+            raise
+    finally:
+        os.close(fd)
 
 
 def training(sc: Scenario) -> dict[str, Any]:
@@ -153,7 +259,7 @@ def _runs(index: np.ndarray) -> list[int]:
 
 
 # -- writing ---------------------------------------------------------------------------------------------
-RANK_FILE = re.compile(r"rank\d{5}-step\d+\.bin")  # what write_rank names a file
+RANK_FILE = re.compile(r"rank\d{5}-step\d+\.bin")  # what write_rank names a file (and all a manifest may name)
 
 
 def write_rank(folder: str, rank: int, step: int, units: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -178,7 +284,12 @@ def write_rank(folder: str, rank: int, step: int, units: list[dict[str, Any]]) -
         return None
     name = f"rank{rank:05d}-step{step}.bin"
     data = b"".join(blobs)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {folder!r}: {exc.strerror or exc}") from None
     _write_atomically(Path(folder) / name, data)
+    _phase("rank file")
     for p in pieces:
         p["file"] = name
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": pieces}
@@ -194,29 +305,79 @@ def _write_atomically(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)  # (a full disk: what was written goes, and the space with it)
         raise CheckpointError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def _sync_folder(folder: Path) -> None:
+    """A rename or a new file in `folder` on disk (the folder's own entry fsynced), where the OS allows."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checksum(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's text without its checksum (json, indent 1, sorted keys)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, indent=1, sort_keys=True).encode()).hexdigest()
 
 
 def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, int],
            shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """After every rank has written its file: the manifest (the checkpoint exists once it is renamed
-    into place). Returns what the report says of it."""
+    """After every rank has written its file: the manifest, then the checkpoint renamed into place (it
+    exists from then on), `latest` switched to it, and the oldest beyond run.keep_checkpoints deleted.
+    Returns what the report says of it."""
     ck = of(sc)
     assert ck is not None and ck.save
+    folder, staging = Path(ck.save), Path(ck.staging)
     precision = dtype_name(sc.model["dtype"])
     states = {"master": "fp32", "adam_m": "fp32", "adam_v": "fp32"} | (
         {"working": precision} if precision != "fp32" else {})
     files = {w["file"]: {"bytes": w["bytes"], "sha256": w["sha256"]} for w in written if w}
+    before = complete_checkpoints(folder)
+    sequence = 1 + max((_sequence(d) for d in before), default=0)
     manifest = {"format": FORMAT, "version": VERSION, "step": ck.at, "training": training(sc),
-                "saved_by": {"mesh": mesh, "zero": sc.parallel["zero"], "scenario": sc.name},
+                "saved_by": {"mesh": mesh, "zero": sc.parallel["zero"], "scenario": sc.name}, "sequence": sequence,
                 "states": states, "tensors": {k: list(v) for k, v in shapes.items()}, "files": files,
                 "pieces": [p for w in written if w for p in w["pieces"]]}
-    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-    _write_atomically(Path(ck.save) / MANIFEST, text.encode())
-    for old in Path(ck.save).glob("rank*-step*.bin"):  # a previous save's files, now unlisted
-        if RANK_FILE.fullmatch(old.name) and old.name not in files:
-            old.unlink(missing_ok=True)
-    return {"saved": ck.save, "step": ck.at, "files": len(files), "bytes": sum(f["bytes"] for f in files.values())}
+    manifest["checksum"] = checksum(manifest)
+    _phase("files")
+    _write_atomically(staging / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    _sync_folder(staging)
+    _phase("manifest")
+    name, n = f"step-{ck.at:08d}", 1
+    while (folder / name).exists():
+        n += 1
+        name = f"step-{ck.at:08d}-{n}"
+    try:
+        os.rename(staging, folder / name)
+        _sync_folder(folder)
+        _phase("renamed")
+        _write_atomically(folder / LATEST, (name + "\n").encode())
+        _sync_folder(folder)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {str(folder / name)!r}: {exc.strerror or exc}") from None
+    _phase("latest")
+    old = [d for d in complete_checkpoints(folder) if d.name != name]
+    for d in old[:max(0, len(old) - (ck.keep - 1))]:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"saved": str(folder / name), "step": ck.at, "files": len(files),
+            "bytes": sum(f["bytes"] for f in files.values()), "kept": 1 + min(len(old), ck.keep - 1)}
+
+
+def _sequence(checkpoint: Path) -> int:
+    try:
+        value = json.loads((checkpoint / MANIFEST).read_text()).get("sequence", 0)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return 0
+    return value if isinstance(value, int) else 0
 
 
 # -- reading ---------------------------------------------------------------------------------------------
@@ -232,10 +393,89 @@ def read_manifest(folder: str) -> dict[str, Any]:
                               f"damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"--resume {folder!r}: {MANIFEST} is not a simcluster checkpoint's")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (1, VERSION):
         raise CheckpointError(f"--resume {folder!r}: format version {manifest.get('version')!r}; this simcluster "
-                              f"reads version {VERSION}")
+                              f"reads versions 1 and {VERSION}")
+    validate(manifest, folder)
     return manifest
+
+
+def validate(manifest: dict[str, Any], folder: str) -> None:
+    """The whole manifest, before any data is read: its checksum (version 2), every field's type and
+    range, every piece inside its file, every element of every tensor in exactly one piece. A refusal
+    names the field."""
+    def bad(field: str, what: str) -> CheckpointError:
+        return CheckpointError(f"--resume {folder!r}: {MANIFEST}: {field} {what}; the checkpoint is damaged")
+
+    def count(value: Any, field: str, least: int = 0) -> int:
+        if type(value) is not int or value < least:
+            raise bad(field, f"is {str(value)[:40]!r}, not an integer of at least {least}")
+        return value
+
+    if manifest["version"] >= 2 and manifest.get("checksum") != checksum(manifest):
+        raise bad("checksum", "does not match the manifest's contents (edited or corrupted)")
+    count(manifest.get("step"), "step")
+    for key in ("training", "states", "tensors", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise bad(key, "is missing or not a table")
+    states = manifest["states"]
+    for state in ("master", "adam_m", "adam_v"):
+        if state not in states:
+            raise bad("states", f"lacks {state}")
+    for state, dtype in states.items():
+        if dtype not in ("fp32", "bf16", "fp16"):
+            raise bad(f"states.{state}", f"is {str(dtype)[:20]!r}, not fp32, bf16 or fp16")
+    size = {}
+    for name, shape in manifest["tensors"].items():
+        if not isinstance(shape, list) or not shape:
+            raise bad(f"tensors.{name}", "is not a shape")
+        size[name] = int(np.prod([count(n, f"tensors.{name}", 1) for n in shape], dtype=np.int64))
+    for name, entry in manifest["files"].items():
+        if not RANK_FILE.fullmatch(name):
+            raise bad(f"files.{name[:40]}", "is not a rank file's name")
+        if not isinstance(entry, dict):
+            raise bad(f"files.{name}", "is not a table")
+        count(entry.get("bytes"), f"files.{name}.bytes")
+        if not (isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise bad(f"files.{name}.sha256", "is not a sha256 digest")
+    pieces = manifest.get("pieces")
+    if not isinstance(pieces, list):
+        raise bad("pieces", "is missing or not a list")
+    starts: dict[str, list[np.ndarray]] = {k: [] for k in size}
+    for i, piece in enumerate(pieces):
+        field = f"pieces[{i}]"
+        if not isinstance(piece, dict):
+            raise bad(field, "is not a table")
+        tensor, file, runs, offsets = (piece.get(k) for k in ("tensor", "file", "runs", "offsets"))
+        if tensor not in size:
+            raise bad(f"{field}.tensor", f"names {str(tensor)[:40]!r}, which is not in tensors")
+        if file not in manifest["files"]:
+            raise bad(f"{field}.file", f"names {str(file)[:40]!r}, which is not in files")
+        if not isinstance(runs, list) or len(runs) % 2 or not runs:
+            raise bad(f"{field}.runs", "is not a list of (start, length) pairs")
+        for j, v in enumerate(runs):
+            count(v, f"{field}.runs[{j}]", j % 2)
+        pairs = np.asarray(runs, np.int64).reshape(-1, 2)
+        if int((pairs[:, 0] + pairs[:, 1]).max()) > size[tensor]:
+            raise bad(f"{field}.runs", f"reach past the {size[tensor]} elements of {tensor}")
+        if not isinstance(offsets, dict) or set(offsets) != set(states):
+            raise bad(f"{field}.offsets", f"has states {sorted(offsets) if isinstance(offsets, dict) else offsets!r}, "
+                                          f"not {sorted(states)}")
+        n = int(pairs[:, 1].sum())
+        for state, at in offsets.items():
+            end = count(at, f"{field}.offsets.{state}") + n * numpy_dtype(states[state]).itemsize
+            if end > manifest["files"][file]["bytes"]:
+                raise bad(f"{field}.offsets.{state}", f"puts {n} values past the end of {file}")
+        starts[tensor].append(pairs)
+    for name, runs_of in starts.items():
+        edges = np.zeros(size[name] + 1, np.int64)
+        for pairs in runs_of:
+            np.add.at(edges, pairs[:, 0], 1)
+            np.add.at(edges, pairs[:, 0] + pairs[:, 1], -1)
+        held = np.cumsum(edges[:-1])
+        if not (held == 1).all():
+            raise bad("pieces", f"hold {int((held == 0).sum())} elements of {name} in no piece and "
+                                f"{int((held > 1).sum())} in several")
 
 
 def _file(folder: str, name: str, entry: dict[str, Any]) -> bytes:

@@ -241,6 +241,11 @@ def run_scenario(sc: Scenario, *, fold: bool = True, trace: bool = True) -> Outc
     at less time and memory (the result's trace has no events)."""
     budget.check(sc, fold)
     checkpoint.check_scenario(sc)
+    with checkpoint.saving(sc):  # (the folder locked until the checkpoint is complete)
+        return _run_scenario(sc, fold, trace)
+
+
+def _run_scenario(sc: Scenario, fold: bool, trace: bool) -> Outcome:
     faults = faults_of(sc)
     aims = _aims(sc)
     job = job_of(sc, fold=fold)

@@ -136,8 +136,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                "its own shards and a manifest, docs/checkpoint.md)"),
         "save_at_step": Key(int, None, "save the checkpoint after this many steps (--at-step; default: run.steps)",
                             minimum=0),
-        "resume": Key(str, None, "gpt: start from this checkpoint folder, under any layout (--resume): the steps "
-                      "after it are byte-identical to the uninterrupted run's"),
+        "resume": Key(str, None, "gpt: start from this checkpoint folder, under any layout (--resume): its newest "
+                      "complete checkpoint, or the one a step folder holds; the steps after it are byte-identical "
+                      "to the uninterrupted run's"),
+        "keep_checkpoints": Key(int, 2, "how many complete checkpoints a save into run.save_checkpoint keeps (the "
+                                "oldest are deleted only once the new one is complete)", minimum=1),
     },
     "faults": {
         "straggler_rank": Key(int, None, "a rank whose kernels run slow (a throttled GPU)", minimum=0),

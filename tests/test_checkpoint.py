@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simcluster.checkpoint import CheckpointError, read_manifest
+from simcluster.checkpoint import CheckpointError, read_manifest, resolve
 from simcluster.cli import main
 from simcluster.runner import job_of, run_scenario
 from simcluster.scenario import build
@@ -51,6 +51,11 @@ def scenario(layout, *extra, steps=3, model=MODEL):
 def outputs(sc):
     outcome = run_scenario(sc)
     return outcome, job_of(sc).outputs(outcome.result.results)
+
+
+def newest(folder):
+    """The checkpoint --resume DIR takes: the folder of the newest complete save into DIR."""
+    return Path(resolve(str(folder)))
 
 
 def same_bytes(a, b):
@@ -111,11 +116,11 @@ def test_each_element_is_written_once(tmp_path):
     for layout in ("ddp dp2", "zero3 dp8", "tp4 sp"):
         folder = tmp_path / layout.replace(" ", "_")
         outcome = run_scenario(scenario(layout, f"run.save_checkpoint={str(folder)!r}", steps=1))
-        manifest = read_manifest(str(folder))
+        manifest = read_manifest(str(newest(folder)))
         counts[layout] = len(manifest["files"])
         held = sum(n for p in manifest["pieces"] for n in p["runs"][1::2])
         assert held == outcome.report["parameters"]
-        assert not list(folder.glob("*.tmp"))
+        assert sorted(p.name for p in folder.iterdir()) == [".lock", "latest", "step-00000001"]  # nothing temporary
     assert counts == {"ddp dp2": 1, "zero3 dp8": 8, "tp4 sp": 4}
 
 
@@ -133,13 +138,13 @@ def refusal(folder, *extra):
 
 
 def test_a_truncated_file_is_refused(saved):
-    f = sorted(saved.glob("*.bin"))[1]
+    f = sorted(newest(saved).glob("*.bin"))[1]
     f.write_bytes(f.read_bytes()[:-8])
     assert "truncated" in refusal(saved) and f.name in refusal(saved)
 
 
 def test_a_corrupted_file_is_refused(saved):
-    f = sorted(saved.glob("*.bin"))[0]
+    f = sorted(newest(saved).glob("*.bin"))[0]
     data = bytearray(f.read_bytes())
     data[100] ^= 1
     f.write_bytes(bytes(data))
@@ -147,8 +152,10 @@ def test_a_corrupted_file_is_refused(saved):
 
 
 def test_a_damaged_or_missing_manifest_is_refused(saved, tmp_path):
-    assert "no manifest.json" in refusal(tmp_path / "nowhere")
-    (saved / "manifest.json").write_text('{"format": "simcluster-checkpoint", "vers')
+    assert "no such folder" in refusal(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert "no complete checkpoint there" in refusal(tmp_path / "empty")
+    (newest(saved) / "manifest.json").write_text('{"format": "simcluster-checkpoint", "vers')
     assert "damaged" in refusal(saved)
 
 
@@ -159,19 +166,25 @@ def test_another_training_is_refused(saved):
         run_scenario(scenario("tp2", f"run.resume={str(saved)!r}", steps=1))
 
 
-def test_saving_again_replaces_the_checkpoint_whole(saved):
-    """A second save into the same folder: the new manifest is renamed over the old one; no temporary
-    file is left, nor any file of the first save (4 ZeRO-1 ranks; now 2 tensor-parallel ranks, each
-    owning its half), and the checkpoint reads back at the new step."""
-    assert len(list(saved.glob("*.bin"))) == 4
-    (saved / "notes.bin").write_bytes(b"mine")  # not ours: kept
+def test_saving_again_keeps_the_newest_checkpoints(saved):
+    """A second save into the same folder is a new step folder beside the first, and `latest` names it;
+    with run.keep_checkpoints = 2 a third deletes the oldest (a save of a step already there gets a
+    folder of its own); what is not ours is kept, nothing temporary is left, and --resume DIR takes
+    the newest."""
+    first = newest(saved)
+    assert first.name == "step-00000001" and len(list(first.glob("*.bin"))) == 4  # 4 ZeRO-1 ranks
+    (saved / "notes.txt").write_text("mine")
     run_scenario(scenario("tp2", f"run.save_checkpoint={str(saved)!r}", steps=2))
-    manifest = json.loads((saved / "manifest.json").read_text())
-    assert manifest["step"] == 2 and manifest["saved_by"]["mesh"]["tp"] == 2
-    assert not list(saved.glob("*.tmp"))
-    assert sorted(f.name for f in saved.glob("*.bin")) == ["notes.bin", "rank00000-step2.bin", "rank00001-step2.bin"]
+    second = newest(saved)
+    manifest = read_manifest(str(second))
+    assert second.name == "step-00000002" and first.is_dir() and (saved / "latest").read_text() == "step-00000002\n"
+    assert manifest["step"] == 2 and manifest["saved_by"]["mesh"]["tp"] == 2 and manifest["sequence"] == 2
+    run_scenario(scenario("tp2", f"run.save_checkpoint={str(saved)!r}", "run.save_at_step=1", steps=2))
+    assert newest(saved).name == "step-00000001-2" and not first.exists() and second.is_dir()
+    assert sorted(p.name for p in saved.iterdir()) == [".lock", "latest", "notes.txt", "step-00000001-2",
+                                                       "step-00000002"]
     resumed, _ = outputs(scenario("ddp dp2", f"run.resume={str(saved)!r}", steps=3))
-    assert resumed.report["verification"]["bit_exact"]
+    assert resumed.report["verification"]["bit_exact"] and resumed.report["steps"] == 2
 
 
 def test_checkpoint_options_that_cannot_work_are_one_line(tmp_path, capsys):
@@ -197,11 +210,11 @@ def test_the_command_line_saves_and_resumes(tmp_path, capsys):
     assert main(["run", *small, "--set", "run.steps=2", "--save-checkpoint", folder, "--at-step", "1"]) == 0
     out = capsys.readouterr().out
     assert "saved" in out and "after step 1" in out
-    assert json.loads(Path(folder, "manifest.json").read_text())["step"] == 1
+    assert json.loads(Path(resolve(folder), "manifest.json").read_text())["step"] == 1
     assert main(["run", *small, "--set", "run.steps=2", "--set", "parallel.zero=0", "--resume", folder,
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["checkpoint"]["resumed"] == {"from": folder, "step": 1}
+    assert report["checkpoint"]["resumed"] == {"from": str(Path(folder) / "step-00000001"), "step": 1}
     assert report["verification"]["bit_exact"] and report["steps"] == 1
 
 
@@ -234,7 +247,7 @@ def test_llama_with_replicated_key_value_heads_resumes_elsewhere(tmp_path):
     llama = [*MODEL, "model.arch=llama", "model.kv_heads=2", "model.ffn_hidden=48"]
     folder = str(tmp_path / "ck")
     run_scenario(scenario("tp4 sp", f"run.save_checkpoint={folder!r}", "model.dropout=0.1", steps=1, model=llama))
-    held = sum(n for p in read_manifest(folder)["pieces"] for n in p["runs"][1::2])
+    held = sum(n for p in read_manifest(resolve(folder))["pieces"] for n in p["runs"][1::2])
     for layout in ("pp2 1f1b", "cp2 ring zero-over-dp"):
         resumed, rest = outputs(scenario(layout, f"run.resume={folder!r}", "model.dropout=0.1", steps=2, model=llama))
         assert resumed.report["verification"]["bit_exact"], (layout, resumed.report["verification"]["mismatches"])

@@ -18,6 +18,10 @@ from simcluster.runner import run_all
 from simcluster.scenario import library, load
 
 SCENARIOS = [f.stem for f in library()]
+# The two lessons whose exact runs take ~50 s each (64 TPU chips three times; six pipeline schedules):
+# their golden pictures run with -m slow; tests/test_torus.py and tests/test_pipeline.py check what
+# they teach in the default suite.
+HEAVY = {"torus", "pipeline_schedules"}
 
 
 def test_the_library_has_the_lessons():
@@ -28,7 +32,7 @@ def test_the_library_has_the_lessons():
 GOLDEN = Path(__file__).parent / "golden"
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in SCENARIOS])
 def test_every_scenario_verifies_and_prints_its_golden_picture(name, request):
     """The plain-text output at a fixed width matches tests/golden/NAME.txt (regenerate on purpose with
     pytest --update-golden, and read the diff): it changes only when behaviour changes."""

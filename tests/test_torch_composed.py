@@ -174,7 +174,7 @@ def test_a_checkpoint_saved_on_gloo_resumes_on_the_emulator_and_back(tmp_path):
     report = on_torch(*model, "run.steps=2", "parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2",
                       f"run.save_checkpoint={str(saved)!r}", "run.save_at_step=1")
     byte_identical_everywhere(report)
-    assert report["checkpoint"]["files"] == 2 and (saved / "manifest.json").is_file()
+    assert report["checkpoint"]["files"] == 2 and (saved / "step-00000001" / "manifest.json").is_file()
     resumed = run_scenario(build({}, [*model, "run.steps=2", "parallel.dp=1", "parallel.pp=2",
                                       "cluster.gpus_per_node=2", f"run.resume={str(saved)!r}"]))
     assert resumed.report["verification"]["bit_exact"]

@@ -227,7 +227,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     def save(step: int) -> Any:
         shapes = m.parameter_shapes()  # the states copied to the host, which writes the file
         snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
-        return checkpoint.write_rank(ck.save, ctx.rank, step, [
+        return checkpoint.write_rank(ck.staging, ctx.rank, step, [
             dict(zip(("index", "which"), checkpoint.element_index(
                 [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.n, dp.k)),
                  names=names[u], mask=dp.owned[u], states=snap[u]) for u in mine])
