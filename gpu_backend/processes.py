@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -92,6 +93,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gone(code: int | None) -> str:
+    """What a rank's process that exited before reporting died of: a signal, or an error of its own."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"its process was killed by {name} before it reported"
+    return (f"its process exited (status {code}) before it reported: see its error above; a script that launches "
+            f"ranks must guard its entry point with `if __name__ == \"__main__\":`")
+
+
+_STATES = {"T": "stopped (SIGSTOP, or ^Z)", "t": "stopped by a debugger", "D": "in an uninterruptible wait (I/O)",
+           "Z": "exited, not yet reaped"}
+
+
+def _state(pid: int | None) -> str:
+    """`; its process is stopped ...` where the OS says a process is in a state other than running or
+    sleeping (Linux: /proc/PID/stat), else nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return f"; its process is {_STATES[state]}" if state in _STATES else ""
+
+
 GRACE_S = 8.0  # after a rank's error, at most how long its peers have to report theirs (their watchdogs' accounts)
 
 
@@ -121,9 +149,7 @@ def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int,
                         rank, status, value = results.get(timeout=1.0)
                     except queue.Empty:
                         for r in gone:
-                            errors[r] = (f"its process exited (status {procs[r].exitcode}) before it reported: see its "
-                                         f"error above; a script that launches ranks must guard its entry point "
-                                         f"with `if __name__ == \"__main__\":`")
+                            errors[r] = _gone(procs[r].exitcode)
                         first_error = first_error or now
                         continue
                 elif first_error is not None and now > first_error + grace_s:
@@ -131,7 +157,7 @@ def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int,
                 elif now > deadline:
                     for r in range(world):
                         if r not in runs:
-                            errors.setdefault(r, f"still running after {timeout_s:g} s")
+                            errors.setdefault(r, f"still running after {timeout_s:g} s{_state(procs[r].pid)}")
                     break
                 else:
                     continue
@@ -141,15 +167,20 @@ def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int,
                 errors[rank] = value
                 first_error = first_error or time.monotonic()
     finally:
+        states = {r: _state(p.pid) for r, p in enumerate(procs) if p.is_alive()}
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
-            p.join(5)
+            p.join(2)
+        for p in procs:  # stopped (SIGSTOP, a debugger) or deaf to SIGTERM: SIGKILL ends either
+            if p.is_alive():
+                p.kill()
+                p.join(2)
     if errors:
         silent = [r for r in range(world) if r not in runs and r not in errors]
         lines = [f"rank {r}: {errors[r]}" for r in sorted(errors)]
         if silent:
-            lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}: stopped (no report)")
+            lines += [f"rank {r}: no report{states.get(r, '')}" for r in silent]
         raise LaunchError(f"torch.distributed run ({kind}, {world} processes) failed:\n" + "\n".join(lines))
     return [runs[r] for r in range(world)]

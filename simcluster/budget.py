@@ -77,6 +77,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     if sc.run["numerics"] == "meta":
         if sc.run["program"] != "gpt":
             return
+        _countable(sc)
         share = max(1, m["global_batch"] // sc.parallel["dp"])  # sequences a step, a data-parallel rank
         micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
         # one replica's kernels; every cp rank runs (but with Ulysses, which may fold them), and
@@ -104,21 +105,10 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
                 ("" if folds else ", or the mesh"))
         return
-    p = sc.parallel
-    v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1
-    unit = placement(p["schedule"], PipelineShape(p["pp"], 1, v)).pieces  # runs of layers the pipeline cuts
-    layers = m["layers"]
-    if sc.run["program"] != "gpt" or layers <= 2 * unit:
-        job = job_of(sc, fold=False)
-        parameters, flops = job.parameters, job.flops[0]
-    else:
-        try:
-            one, two = (job_of(replace(sc, model={**m, "layers": n * unit}, variants=()), fold=False) for n in (1, 2))
-        except ScenarioError:
-            return  # (the run itself will say what is wrong)
-        per = (two.parameters - one.parameters, (two.flops[0] - one.flops[0]))
-        k = layers // unit - 1
-        parameters, flops = one.parameters + k * per[0], one.flops[0] + k * per[1]
+    size = _size(sc)
+    if size is None:
+        return
+    parameters, flops = size
     seconds = flops / RATE.get(sc.run["numerics"], RATE["fast"])
     nbytes = float(parameters) * BYTES_PER_PARAMETER
     if seconds > LIMIT_S or nbytes > memory:
@@ -127,6 +117,48 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
             f"{_bytes(memory)}) and at least {_duration(seconds)} here for {parameters:,} parameters over "
             f"{run_steps(sc)}; use run.numerics = meta (timing and memory, without the numbers), or a smaller "
             f"model or fewer steps")
+
+
+def _size(sc: Scenario) -> tuple[int, float] | None:
+    """A program's parameters and model FLOPs, a GPT's from two small copies of it (None: the run
+    itself will say what is wrong with it)."""
+    from simcluster.runner import job_of
+
+    m, p = sc.model, sc.parallel
+    v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1
+    unit = placement(p["schedule"], PipelineShape(p["pp"], 1, v)).pieces  # runs of layers the pipeline cuts
+    layers = m["layers"]
+    try:
+        if sc.run["program"] != "gpt" or layers <= 2 * unit:
+            job = job_of(sc, fold=False)
+            return job.parameters, job.flops[0]
+        one, two = (job_of(replace(sc, model={**m, "layers": n * unit}, variants=()), fold=False) for n in (1, 2))
+    except ScenarioError:
+        return None
+    per = (two.parameters - one.parameters, (two.flops[0] - one.flops[0]))
+    k = layers // unit - 1
+    return one.parameters + k * per[0], one.flops[0] + k * per[1]
+
+
+# The emulator counts time in int64 nanoseconds and bytes in int64 (numpy's): a model whose step or
+# memory does not fit is refused, not overflowed. The step's floor: every rank at 1e16 FLOP/s, above
+# any GPU built (the B200's dense FP4 peak is 9e15, NVIDIA's datasheet).
+COUNTABLE, PEAK_FLOPS = 2**62, 1e16
+
+
+def _countable(sc: Scenario) -> None:
+    """Meta mode, where any size is allowed: refuse one the emulator cannot count."""
+    size = _size(sc)
+    if size is None:
+        return
+    parameters, flops = size
+    step_ns = flops / sc.run["steps"] / (PEAK_FLOPS * sc.world_size) * 1e9  # (meta mode: no resume)
+    if step_ns > COUNTABLE or parameters * 16 > COUNTABLE:
+        raise ScenarioError(
+            f"a model of {float(parameters):.2e} parameters ({float(flops):.2e} FLOPs) is beyond what the emulator "
+            f"counts: a step of at least {_duration(step_ns / 1e9)} even at 1e16 FLOP/s a GPU, and "
+            f"{_bytes(parameters * 16.0)} of weights and optimizer state; the largest models have about 10^12 "
+            f"parameters: lower model.hidden, model.layers or model.vocab")
 
 
 def _transfers(sc: Scenario, memory: int) -> None:

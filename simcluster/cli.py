@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -16,7 +17,7 @@ from rich.table import Table
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.options import check_options, checkpoint_overrides, ints
-from simcluster.commands import export, pick_variant, stage_rows, sweep_command
+from simcluster.commands import export, pick_variant, stage_rows, sweep_command, write_svg
 from simcluster.runner import Outcome, run_all
 from simcluster.scenario import ScenarioError, all_keys, library, load
 from simcluster.viz.outcome_view import render, repeated
@@ -405,8 +406,8 @@ def _main(argv: Sequence[str] | None) -> int:
                       soft_wrap=True)
         else:
             out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
-        if args.svg:
-            out.save_svg(args.svg, title=f"simcluster timeline: {scenario.name}")
+        if args.svg and not _svg(args.svg, out.export_svg(title=f"simcluster timeline: {scenario.name}"), err):
+            return 2
         return 0
     if args.command == "verify":
         labelled = [(label, o.report) for label, o in outcome.variants] or [(scenario.name, outcome.report)]
@@ -420,9 +421,19 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
     else:
         render(outcome, out, args.width)
-    if getattr(args, "svg", None):
-        out.save_svg(args.svg, title=f"simcluster: {scenario.name}")
+    if getattr(args, "svg", None) and not _svg(args.svg, out.export_svg(title=f"simcluster: {scenario.name}"), err):
+        return 2
     return _status(outcome, err)
+
+
+def _svg(path: str, svg: str, err: Console) -> bool:
+    """commands.write_svg, its refusal said in one line (False)."""
+    try:
+        write_svg(path, svg)
+    except ScenarioError as exc:
+        say_error(err, str(exc))
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -57,6 +57,15 @@ def export(trace: Any, args: argparse.Namespace, outcome: Outcome) -> str:
     return args.output
 
 
+def write_svg(path: str, svg: str) -> None:
+    """A picture written to `path`, or a ScenarioError saying why it cannot be (a full or read-only
+    device, a missing folder)."""
+    try:
+        Path(path).write_text(svg, encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError(f"--svg {path}: {exc.strerror or exc}") from None
+
+
 def sweep_command(args: argparse.Namespace, out: Console, err: Console) -> int:
     from simcluster.sweep import as_json, capacity, sweep
     from simcluster.viz import sweep_view
@@ -77,7 +86,7 @@ def sweep_command(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         out.print(sweep_view.table(args.key, points, capacity(points)))
     if args.svg:
-        Path(args.svg).write_text(sweep_view.svg(args.key, points, capacity(points), title=f"{base.name}: {args.key}"))
+        write_svg(args.svg, sweep_view.svg(args.key, points, capacity(points), title=f"{base.name}: {args.key}"))
     if all(p.refused for p in points):
         return 2
     return 1 if any(p.verdict == "MISMATCH" for p in points) else 0

@@ -194,7 +194,11 @@ def _suggest(name: str) -> str:
 def _check(where: str, key: Key, value: Any) -> Any:
     want = key.type
     if want is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ScenarioError(f"{where} = {str(value)[:12]}... ({len(str(value))} digits) is too large for a "
+                                f"float") from None
     if want is int and isinstance(value, float) and value.is_integer() and where.startswith("cluster."):
         value = int(value)
     if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
@@ -309,10 +313,33 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ScenarioError(f"override {text!r} must look like section.key=value, e.g. parallel.tp=4")
     key, raw = (s.strip() for s in text.split("=", 1))
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        value = _shallow(tomllib.loads(f"v = {raw}"), f"--set {key}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise _too_deep(f"--set {key}") from None
     return key, value
+
+
+MAX_DEPTH = 16  # tables and arrays within each other: a scenario needs three
+
+
+def _too_deep(where: str) -> ScenarioError:
+    return ScenarioError(f"{where}: tables or arrays nested more than {MAX_DEPTH} deep; a scenario needs at most 3")
+
+
+def _shallow(doc: Any, where: str) -> Any:
+    """`doc`, if no table or array in it is nested more than MAX_DEPTH deep (iteratively: any depth)."""
+    todo = [(doc, 0)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep(where)
+        if isinstance(value, dict):
+            todo += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(v, depth + 1) for v in value]
+    return doc
 
 
 def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "built-in default") -> Scenario:
@@ -400,7 +427,14 @@ def resolve(name_or_path: str) -> Path:
         named = LIBRARY / f"{name_or_path}.toml"
         if named.is_file():
             return named
-    except OSError as exc:  # a name too long, a folder without permission
+        if p.is_dir():
+            raise ScenarioError(f"scenario {shown!r} is a folder; give a scenario file (.toml) or a library name")
+        if p.exists():  # a FIFO, a device (/dev/zero), a socket: nothing to read a scenario from
+            raise ScenarioError(f"scenario {shown!r} is not a regular file (a pipe or a device); give a scenario "
+                                f"file (.toml)")
+        if p.is_symlink():
+            raise ScenarioError(f"scenario {shown!r} is a link that leads nowhere (a loop, or a missing file)")
+    except OSError as exc:  # a name too long, a folder without permission, a loop of links
         raise ScenarioError(f"scenario file {shown!r}: {exc.strerror or exc}") from None
     known = [f.stem for f in library()]
     close = difflib.get_close_matches(name_or_path, known, n=1)
@@ -417,9 +451,11 @@ def load(path: str | Path | None, overrides: Sequence[str] = (), *, at_scale: bo
         return build({}, overrides)
     p = resolve(str(path))
     try:
-        doc = tomllib.loads(p.read_text())
+        doc = _shallow(tomllib.loads(p.read_text()), str(p))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{p}: not valid TOML: {exc}") from None
+    except RecursionError:  # (tomllib parses nesting by recursion)
+        raise _too_deep(str(p)) from None
     except OSError as exc:
         raise ScenarioError(f"{p}: {exc.strerror or exc}") from None
     doc.setdefault("name", p.stem)

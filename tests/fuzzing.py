@@ -22,12 +22,27 @@ from typing import Any
 from simcluster.cli import main
 from simcluster.scenario import SCHEMA, library
 
+class RAW(str):
+    """A value written into TOML as it is (a date, a time)."""
+
+
 STATUSES = {0, 1, 2, 3, 4}  # verified / mismatch / refused / out of memory / hung (cli.py)
 ODD = [0, 1, 2, 3, 4, 8, -1, 7, 2**31, 10**12, 10**30, 0.5, -0.0, 1e-300, math.nan, math.inf, -math.inf, "", "x",
-       "[/x]", "[bold]oops", "é", "a" * 300, True, False, [], [1, 2], {}, {"a": 1}]
+       "[/x]", "[bold]oops", "é", "a" * 300, True, False, [], [1, 2], {}, {"a": 1},
+       # issue 36's classes: numbers no float holds, control and unicode characters, dates, nesting
+       1e308, -1e308, int("9" * 400), -int("9" * 400), 2**63, 2**40, "\x07\x1b[31m", "名前\u202e", "\t\n", " ",
+       RAW("1979-05-27T07:32:00Z"), RAW("07:32:00"), [[[[[[1]]]]]], {"a": {"b": {"c": {"d": 1}}}}]
 JUNK_KEYS = ["model.hiden", "foo.bar", "parallel", "name", "description", "run", "cluster.gpus", "model.layers.x",
              "compare", "at_scale", ""]
 COMMANDS = ["run"] * 8 + ["verify", "timeline", "timeline", "export", "list", "plan"]
+
+
+def _nested(rnd: Any) -> str:
+    """An array or inline table nested deeper than any scenario (to depths past Python's recursion limit)."""
+    depth = rnd.choice([20, 400, 1200, 3000])
+    if rnd.random() < 0.5:
+        return "[" * depth + "1" + "]" * depth
+    return "{a = " * depth + "1" + "}" * depth
 
 
 @dataclass
@@ -38,6 +53,8 @@ class Case:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, RAW):
+        return str(v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
@@ -94,6 +111,12 @@ def _document(rnd: Any) -> str:
     if rnd.random() < 0.08:
         key = _key(rnd)
         out += ["[at_scale]", f'"{key}" = {_toml_value(_value(rnd, key))}']
+    if rnd.random() < 0.05:  # a key twice (TOML refuses it)
+        out += out[-1:] if out and "=" in out[-1] else ["description = 1", "description = 2"]
+    if rnd.random() < 0.05:
+        out.insert(0, f"description = {_nested(rnd)}")
+    if rnd.random() < 0.04:
+        out += ["[at_scale]", f"model = {_nested(rnd)}"]
     text = "\n".join(out) + "\n"
     if rnd.random() < 0.06:  # broken syntax
         text = text[: rnd.randrange(0, len(text) + 1)] + rnd.choice(["[", "= =", '"', "[[x]]", "\x00"])
@@ -103,7 +126,10 @@ def _document(rnd: Any) -> str:
 def _override(rnd: Any) -> str:
     roll = rnd.random()
     if roll < 0.06:
-        return rnd.choice(["novalue", "=", "a.b.c=1", "parallel.tp=", "=3", "model.layers==2", "run.steps=1e12"])
+        return rnd.choice(["novalue", "=", "a.b.c=1", "parallel.tp=", "=3", "model.layers==2", "run.steps=1e12",
+                           "", "model.hidden", "run.lr=1" + "0" * 400])
+    if roll < 0.08:
+        return f"{_key(rnd)}={_nested(rnd)}"
     key = _key(rnd)
     value = _value(rnd, key)
     text = _toml_value(value) if rnd.random() < 0.8 else str(value)
@@ -126,7 +152,10 @@ def generate(rnd: Any, folder: Path) -> Case:
     elif roll < 0.7:
         argv.append(rnd.choice([f.stem for f in library()]))
     elif roll < 0.75:
-        argv.append(rnd.choice(["nosuch", "x" * 5000, str(folder), "zero_memry", "/dev/null", ""]))
+        argv.append(rnd.choice(["nosuch", "x" * 5000, str(folder), "zero_memry", "/dev/null", "", "/dev/zero",
+                                "名前.toml", "\x1b[2J"]))
+    elif roll < 0.8:  # special files: a FIFO (never opened), a loop of links, a file named with controls
+        argv.append(_special(rnd, folder))
     sets = [_override(rnd) for _ in range(rnd.randrange(0, 5))]
     if rnd.random() < 0.75:  # mostly shapes only: a fuzzer should try many inputs, not wait on a few
         sets.insert(0, "run.numerics=meta")
@@ -140,20 +169,37 @@ def generate(rnd: Any, folder: Path) -> Case:
         "plan": ["--simulate", "--json", "--fix"],
     }[command]
     if command == "export":
-        argv += ["-o", rnd.choice([str(folder / "t.json"), str(folder), str(folder / "no" / "t.json"), "x" * 300])]
+        argv += ["-o", rnd.choice([str(folder / "t.json"), str(folder), str(folder / "no" / "t.json"), "x" * 300,
+                                   "/dev/full"])]
     if command == "plan":
         argv += ["--simulate", rnd.choice(["1", "0", "2"])]
     for option in rnd.sample(options, rnd.randrange(0, min(3, len(options)) + 1)):
         argv += _option(rnd, option, folder)
+        if rnd.random() < 0.1:  # the same option again
+            argv += _option(rnd, option, folder)
     return Case(argv, note, folder)
+
+
+def _special(rnd: Any, folder: Path) -> str:
+    kind = rnd.choice(["fifo", "loop", "named"])
+    path = folder / f"{kind}{rnd.randrange(10**6)}"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "loop":
+        path.symlink_to(path)
+    else:
+        path = folder / f"s\x07\u202e名{rnd.randrange(10**6)}.toml"
+        path.write_text("[model]\nlayers = 2\n")
+    return str(path)
 
 
 def _option(rnd: Any, option: str, folder: Path) -> list[str]:
     pick = rnd.choice
     values = {
         "--width": [pick(["5", "20", "80", "100000", "-1", "x"])],
-        "--svg": [pick([str(folder / "p.svg"), str(folder), str(folder / "no" / "p.svg")])],
-        "--save-checkpoint": [pick([str(folder / "ck"), str(folder / "s.toml"), str(folder)])],
+        "--svg": [pick([str(folder / "p.svg"), str(folder), str(folder / "no" / "p.svg"), "/dev/full",
+                        "/proc/version"])],  # (a full device, a read-only one)
+        "--save-checkpoint": [pick([str(folder / "ck"), str(folder / "s.toml"), str(folder), "/proc/ck"])],
         "--resume": [pick([str(folder / "ck"), str(folder / "nothing"), str(folder)])],
         "--at-step": [pick(["0", "1", "2", "-1", "99"])],
         "--ranks": [pick(["0", "0,1", "99", "-1", "x", "", "0,,1"])],

@@ -1,8 +1,10 @@
 """`simcluster run`: the default scenario, --json, --set, files, and one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +238,38 @@ def test_the_pipeline_picture_draws_one_rank_per_stage_and_names_other_replicas_
     mesh = DeviceMesh(dp=2, pp=4)
     assert stage_rows(mesh, None) == ([0, 1, 2, 3], {r: f"stage {r}" for r in range(4)})
     assert stage_rows(mesh, [0, 5]) == ([0, 5], {0: "rank 0 (stage 0)", 5: "rank 5 (stage 1)"})
+
+
+def _special_files(tmp_path):
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    (tmp_path / "deep.toml").write_text("description = " + "[" * 1000 + "]" * 1000 + "\n")
+    (tmp_path / "deep_scale.toml").write_text('description = "x"\n[at_scale]\nmodel = ' + "{a = " * 400 + "1" +
+                                              "}" * 400 + "\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--set", "run.lr=1" + "0" * 400], "run.lr = 100000000000... (401 digits) is too large for a float"),
+    (["run", "--set", "run.numerics=meta", "--set", "model.hidden=1099511627776"], "beyond what the emulator counts"),
+    (["run", "TMP/deep.toml"], "nested more than 16 deep"),
+    (["run", "TMP/deep_scale.toml", "--at-scale"], "nested more than 16 deep"),
+    (["run", "--set", "model.hidden=" + "[" * 2000 + "]" * 2000], "nested more than 16 deep"),
+    (["run", "TMP/folder"], "is a folder; give a scenario file"),
+    (["run", "TMP/fifo"], "is not a regular file (a pipe or a device)"),
+    (["run", "/dev/zero"], "is not a regular file (a pipe or a device)"),
+    (["run", "TMP/loop_a"], "is a link that leads nowhere"),
+    (["run", "--svg", "/dev/full"], "--svg /dev/full: No space left on device"),
+    (["sweep", "--key", "parallel.dp", "--values", "1", "--svg", "/dev/full"], "--svg /dev/full: No space left"),
+])
+def test_inputs_that_gave_tracebacks_are_one_line(tmp_path, capsys, args, message):
+    """Issue 36's reproducers (a number too large for a float or for the emulator's counters, nesting
+    deeper than Python's recursion, special files as scenarios, output on a full device): each one
+    line, exit 2, and nothing runs away (a FIFO is not opened, /dev/zero not read)."""
+    if not Path("/dev/full").exists() and "/dev/full" in args:
+        pytest.skip("this OS has no /dev/full")
+    _special_files(tmp_path)
+    assert main([a.replace("TMP", str(tmp_path)) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

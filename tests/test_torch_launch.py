@@ -2,10 +2,13 @@
 starts, the watchdog reports a hung collective (which call, who joined), and a rank that fails or dies
 early is named."""
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +52,13 @@ def raises(ctx):
     yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
 
 
+def killed(ctx):
+    """Rank 1's process killed (SIGKILL, as the kernel's OOM killer does) in its program."""
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    yield ctx.comm.all_reduce(X, group=ctx.mesh.dp)
+
+
 @pytest.mark.parametrize("program,error,says", [
     (mismatched, CollectiveMismatchError, "rank 1 issued all_gather() of fp32(4, 2)"),
     (one_rank_missing, DeadlockError, "rank 1 has not issued it: rank 1 is finished"),
@@ -88,6 +98,51 @@ def test_an_exception_in_one_rank_is_reported_with_its_rank():
     with pytest.raises(LaunchError) as e:
         launch(raises, mesh=DeviceMesh(dp=3), backend="gloo", check=False, watchdog_s=3, timeout_s=100)
     assert "rank 2: ValueError: a bug in rank 2's program" in str(e.value)
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    with pytest.raises(LaunchError) as e:
+        launch(killed, mesh=DeviceMesh(dp=2), backend="gloo", check=False, watchdog_s=3, timeout_s=100)
+    assert "rank 1: its process was killed by SIGKILL before it reported" in str(e.value)
+    assert "__main__" not in str(e.value)  # (the hint for a script without a main guard is not this)
+
+
+def _ranks_of(launcher):
+    """The processes `launcher` spawned as ranks (multiprocessing's spawn_main), by /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_worker_stopped_while_starting_ends_the_launch_within_its_timeout():
+    """Issue 36: `kill -STOP` on a rank's process as it starts (before its rendezvous): the launch ends
+    within --timeout + 5 s, in one error naming the stopped rank, and leaves no process behind."""
+    args = [sys.executable, "-m", "simcluster.cli", "run", "--backend", "torch", "--set", "parallel.dp=2", "--set",
+            "cluster.gpus_per_node=2", "--watchdog", "2", "--timeout", "15"]
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t, stopped = time.monotonic(), None
+    while stopped is None and time.monotonic() - t < 120 and launcher.poll() is None:
+        ranks = _ranks_of(launcher.pid)
+        if ranks:
+            stopped = ranks[-1]
+            os.kill(stopped, signal.SIGSTOP)
+        time.sleep(0.02)
+    t = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    took = time.monotonic() - t
+    assert stopped is not None and launcher.returncode == 1, err[-2000:]
+    assert took < 15 + 5, took
+    assert "its process is stopped (SIGSTOP" in err and "Traceback" not in err, err[-2000:]
+    with pytest.raises(ProcessLookupError):
+        os.kill(stopped, 0)  # killed and reaped: nothing left behind
 
 
 def test_a_script_without_a_main_guard_fails_instead_of_hanging(tmp_path):
