@@ -148,6 +148,13 @@ COUNTABLE, PEAK_FLOPS = 2**62, 1e16
 
 def _countable(sc: Scenario) -> None:
     """Meta mode, where any size is allowed: refuse one the emulator cannot count."""
+    m = sc.model
+    scores = float(m["global_batch"]) * m["heads"] * float(m["seq"]) ** 2  # the attention's s x s, every head
+    if scores > COUNTABLE:
+        raise ScenarioError(
+            f"model.seq = {m['seq']:,}: attention's scores (sequence x sequence for each of {m['heads']} heads of "
+            f"{m['global_batch']} sequences, {scores:.1e} elements) are more than the emulator's int64 counts hold; "
+            f"the longest contexts trained are about 10^6 tokens")
     size = _size(sc)
     if size is None:
         return

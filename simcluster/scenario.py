@@ -245,6 +245,12 @@ class Scenario:
     def _inert(self) -> list[str]:
         p, d = self.parallel, {k: key.default for k, key in SCHEMA["parallel"].items()}
         out = []
+        f, c = self.faults, self.cluster
+        if f["degraded_rank"] is not None and f["degraded_link"] == "nic" and self.world_size <= c["gpus_per_node"]:
+            out.append("faults.degraded_link = 'nic' does nothing here: every rank is on one node, so no traffic "
+                       "crosses a NIC (degrade 'nvlink', or spread the ranks over cluster.nodes)")
+        if f["degraded_rank"] is not None and f["degraded_link"] == "nvlink" and c["gpus_per_node"] == 1:
+            out.append("faults.degraded_link = 'nvlink' does nothing with cluster.gpus_per_node = 1 (no NVLink peer)")
         if self.run["program"] != "gpt":
             return out
         if p["sp"] and p["tp"] == 1:

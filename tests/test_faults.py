@@ -182,3 +182,12 @@ def test_faults_at_scale_are_refused_when_every_rank_would_run(capsys):
     assert "1,024 copies" in err and "[faults] turn folding off" in err and len(err.strip().splitlines()) == 1
     assert main(["run", "goodput_16k", "--no-fold", "--json"]) == 2
     assert "--no-fold" in capsys.readouterr().err
+
+
+def test_a_fault_that_cannot_act_is_warned_about():
+    """Issue 36: a degraded NIC on a run whose ranks share one node changes nothing; it is said, as inert
+    parallel.* settings are. The same fault across two nodes is not warned about."""
+    one_node = build({}, ["faults.degraded_rank=0", "parallel.dp=8"])
+    assert any("faults.degraded_link = 'nic' does nothing here" in w for w in one_node.warnings())
+    two_nodes = build({}, ["faults.degraded_rank=0", "parallel.dp=16", "cluster.nodes=2", "model.global_batch=16"])
+    assert not any(w.startswith("faults.") for w in two_nodes.warnings())

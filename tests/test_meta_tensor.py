@@ -26,3 +26,33 @@ def test_a_meta_tensor_cannot_be_changed_or_made_wrong():
         MetaTensor((2, -1))
     with pytest.raises(ValueError, match="unknown dtype"):
         MetaTensor((2,), "float8")
+
+
+@pytest.mark.parametrize("extra", [[], ["model.arch=llama", "model.tied_head=false"],
+                                   ["parallel.dp=4", "parallel.cp=2", "parallel.attention=ring"],
+                                   ["parallel.dp=4", "parallel.tp=2", "parallel.sp=true"]])
+def test_meta_mode_allocates_nothing_by_tokens(extra):
+    """Issue 36: meta mode is about shapes. A 16M-token sequence (positions as runs, token ids and the
+    rotary table as shapes) peaks under 8 MB of Python allocations; it peaked at 227 MB at 1M tokens when
+    positions and token ids were arrays (and asked for 16 GiB at 2^31)."""
+    import tracemalloc
+
+    from simcluster.runner import run_scenario
+    from simcluster.scenario import build
+
+    sc = build({}, ["run.numerics=meta", "model.seq=16777216", "run.steps=1", *extra])
+    tracemalloc.start()
+    try:
+        run_scenario(sc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8e6, peak
+
+
+def test_a_sequence_too_long_to_count_is_refused_before_anything_is_built(capsys):
+    from simcluster.cli import main
+
+    assert main(["run", "--set", "run.numerics=meta", "--set", "model.seq=2147483647"]) == 2
+    err = capsys.readouterr().err
+    assert "model.seq = 2,147,483,647: attention's scores" in err and len(err.strip().splitlines()) == 1

@@ -124,6 +124,38 @@ class MetaTensor:
     def __reduce__(self) -> tuple:
         return MetaTensor, (self.shape, self.dtype, self.partial)
 
+    # Index arithmetic that a program does on integer data (a vocabulary shard's targets: targets - first,
+    # 0 <= local < rows): the result's shape and dtype, as numpy's would be.
+    def _elementwise(self, other: Any, dtype: str | None) -> "MetaTensor":
+        shape = tuple(np.broadcast_shapes(self.shape, tuple(getattr(other, "shape", ()))))
+        return MetaTensor(shape, dtype or (self.dtype if self.dtype != "bool" else getattr(other, "dtype", "int64")))
+
+    def __add__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, None)
+
+    def __sub__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, None)
+
+    def __mul__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, None)
+
+    __radd__, __rsub__, __rmul__ = __add__, __sub__, __mul__
+
+    def __ge__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, "bool")
+
+    def __lt__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, "bool")
+
+    def __and__(self, other: Any) -> "MetaTensor":
+        return self._elementwise(other, "bool")
+
+    def __getitem__(self, key: Any) -> "MetaTensor":
+        """x[..., None] (a new last axis of 1), the one view of index data a program takes."""
+        if key == (Ellipsis, None):
+            return MetaTensor(self.shape + (1,), self.dtype, self.partial)
+        raise TypeError(f"MetaTensor supports x[..., None] only, not [{key!r}]")
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

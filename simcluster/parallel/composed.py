@@ -104,7 +104,11 @@ class Stage:
     def forward(self, j: int, g: int, x: Any) -> Generator[Any, Any, Any]:
         model, dp, step = self.model, self.dp, self.step
         units = self.units[g]
-        if units[0] == "embed" or units[-1] == "head":  # (the other stages need no token ids)
+        if (units[0] == "embed" or units[-1] == "head") and self.ctx.ops.mode is Mode.META:  # shapes, no tokens
+            where, data = self.plan.data.where(self.d, self.n, j), self.plan.data
+            ids = targets = MetaTensor((data.global_batch // (self.n * data.micro_batches), len(model.positions)),
+                                       "int64")
+        elif units[0] == "embed" or units[-1] == "head":  # (the other stages need no token ids)
             where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
             ids, targets = (self.ctx.ops.from_host(x[:, model.positions]) for x in (ids, targets))  # my cp share
         else:

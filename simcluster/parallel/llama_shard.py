@@ -44,8 +44,11 @@ class LlamaShard(GPTShard):
         self.copies = max(1, self.t // m.kv_heads)  # tp ranks holding each kv head (Megatron replicates them)
         self.kv = max(1, m.kv_heads // self.t)  # this tp rank's key/value heads
         self.group = self.heads // self.kv  # this rank's query heads per kv head
-        cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
-        self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
+        if self.ops.mode is Mode.META:  # (shapes only: no table the length of the sequence)
+            self.cos = self.sin = MetaTensor((len(self.positions), m.head_dim), "fp64")
+        else:
+            cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
+            self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
         self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
 
     # -- pieces -------------------------------------------------------------------------------------

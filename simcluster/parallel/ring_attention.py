@@ -37,22 +37,23 @@ import math
 from contextlib import nullcontext
 from typing import Any, Generator
 
-import numpy as np
 
 from simcluster.model import flash
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 
 
-def _positions(model: Any, owner: int) -> np.ndarray:
+def _positions(model: Any, owner: int) -> Any:
     from simcluster.parallel.gpt_shard import layout
 
     return layout(model.m.seq, model.P, owner, model.zigzag)
 
 
-def _every_position(model: Any) -> np.ndarray:
+def _every_position(model: Any) -> Any:
     """The positions of the whole sequence in the order the all-gather puts them: rank by rank."""
-    return np.concatenate([_positions(model, o) for o in range(model.P)])
+    from simcluster.parallel.gpt_shard import Positions
+
+    return Positions.joined(_positions(model, o) for o in range(model.P))
 
 
 def _drop(model: Any, x: Any, keep: Any) -> Any:
