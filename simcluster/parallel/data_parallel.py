@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -107,10 +107,16 @@ def padded(n: int, dp: int) -> int:
 KINDS = ("params", "grads", "first_grads", "adam_m", "adam_v")
 
 
-@functools.lru_cache(maxsize=8)
 def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
     """The single-device run that every data-parallel run must equal (cached: the configuration is
-    immutable, and every variant of a comparison shares it). Do not modify what it returns."""
+    immutable, and every variant of a comparison shares it, whatever its ZeRO stage, micro-batches or
+    offload: one device has none of them). Do not modify what it returns."""
+    return _reference(replace(cfg, micro_batches=1, zero=0, prefetch=True, overlap_grad_reduce=True,
+                              offload_optimizer="none", offload_params="none"), mode)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(cfg: DPConfig, mode: str) -> dict[str, Any]:
     from simcluster.model.gpt import train
     from simcluster.numerics.ops import make_ops
 
@@ -128,15 +134,12 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
 
 
 def _one_rank(cfg: DPConfig, mode: str) -> dict[str, Any]:
-    from dataclasses import replace
-
     from simcluster.engine import simulate
     from simcluster.parallel.composed import assemble, composed
     from simcluster.parallel.plan import Plan
     from simcluster.program.mesh import DeviceMesh
     from simcluster.topology.presets import preset
 
-    plan, mesh = Plan(data=replace(cfg, micro_batches=1, zero=0, offload_optimizer="none",
-                                   offload_params="none")), DeviceMesh()
+    plan, mesh = Plan(data=cfg), DeviceMesh()
     run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
     return assemble(run.results, [mesh.coords(0)], plan)
