@@ -110,10 +110,13 @@ class GPTConfig:
         return sum(math.prod(s) for s in self.parameter_shapes().values())
 
 
-def init_params(ops: Ops, cfg: GPTConfig) -> dict[str, Any]:
-    """Deterministic initial weights: counter-based uniform, a pure function of (seed, name, index)."""
+def init_params(ops: Ops, cfg: GPTConfig, names: Any = None) -> dict[str, Any]:
+    """Deterministic initial weights: counter-based uniform, a pure function of (seed, name, index), so
+    that a rank may make just its own (`names`; default: all) and get the same values."""
     params = {}
-    for name, shape in cfg.parameter_shapes().items():
+    shapes = _parameter_shapes(cfg)
+    for name in shapes if names is None else names:
+        shape = shapes[name]
         if name.endswith(".g"):
             params[name] = ops.uniform(cfg.seed, name, shape, low=0.8, high=1.2)
         elif name.endswith(".b") or ".b_" in name:
@@ -157,14 +160,22 @@ def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
     return list(_unit_names(cfg, unit))
 
 
-@functools.lru_cache(maxsize=4096)
 def _unit_names(cfg: GPTConfig, unit: str) -> tuple[str, ...]:
-    if unit == "embed":
-        return tuple(n for n in ("wte", "wpe") if n in _parameter_shapes(cfg))
-    if unit == "head":
-        return tuple(n for n in ("lnf.g", "lnf.b", "head") if n in _parameter_shapes(cfg))
-    prefix = f"layers.{unit[len('block'):]}."
-    return tuple(n for n in _parameter_shapes(cfg) if n.startswith(prefix))
+    return _names_by_unit(cfg).get(unit, ())
+
+
+@functools.lru_cache(maxsize=64)
+def _names_by_unit(cfg: GPTConfig) -> dict[str, tuple[str, ...]]:
+    """Every unit's parameter names, made in one pass (a lookup a unit: pipelines of a thousand stages
+    ask for each of theirs on every rank)."""
+    shapes = _parameter_shapes(cfg)
+    blocks: dict[str, list[str]] = {}
+    for n in shapes:
+        if n.startswith("layers."):
+            blocks.setdefault("block" + n.split(".", 2)[1], []).append(n)
+    return {"embed": tuple(n for n in ("wte", "wpe") if n in shapes),
+            "head": tuple(n for n in ("lnf.g", "lnf.b", "head") if n in shapes),
+            **{u: tuple(names) for u, names in blocks.items()}}
 
 
 @functools.lru_cache(maxsize=64)

@@ -40,12 +40,19 @@ from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.program.context import Context
 
 
-def chunk_units(layers: int, pieces: int) -> list[list[str]]:
-    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head)."""
+@functools.lru_cache(maxsize=64)
+def _units_by_chunk(pieces: tuple[tuple[str, ...], ...], place: Any) -> tuple[tuple[str, ...], ...]:
+    return tuple(pieces[place.piece[g]] for g in range(place.chunks))
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_units(layers: int, pieces: int) -> tuple[tuple[str, ...], ...]:
+    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head).
+    (Made once for every stage of a pipeline.)"""
     out = [[f"block{i}" for i in r] for r in partition(layers, pieces)]
     out[0].insert(0, "embed")
     out[-1].append("head")
-    return out
+    return tuple(tuple(units) for units in out)
 
 
 class Stage:
@@ -202,7 +209,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     passes = stage_passes(plan.schedule, shape, s)
     neighbours = functools.lru_cache(lambda q: stage_passes(plan.schedule, shape, q))  # what they send here
     pieces = chunk_units(m.layers, place.pieces)
-    units = [pieces[place.piece[g]] for g in range(place.chunks)]
+    units = _units_by_chunk(pieces, place)
     mine = [u for c in sorted(place.piece[g] for g in place.on(s)) for u in pieces[c]]  # model order
     dual = place.pieces < place.chunks  # DualPipe: each piece twice, the reverse chain's copy not counted twice
     twin = mesh.mesh.mirror(ctx.rank) if dual else None
@@ -211,7 +218,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     ck = plan.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
     start, loaded = checkpoint.read(ck.resume, list(kinds)) if ck and ck.resume else (0, {})
-    full = loaded.pop("master") if loaded else init_params(ops, m)
+    full = loaded.pop("master") if loaded else init_params(ops, m, list(kinds))  # (this rank's tensors only)
     init = {k: shard(ops.constant(full[k], full[k].dtype) if loaded else full[k], kinds[k], t, r) for k in kinds}
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))

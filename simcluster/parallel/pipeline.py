@@ -21,6 +21,8 @@ Megatron's scatter/gather, a tp rank's 1/tp of it) and makes it whole on arrival
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from collections import deque
 from typing import Any, Callable, Generator, Protocol
@@ -31,8 +33,18 @@ from simcluster.parallel.pipeline_schedules import passes as stage_passes, place
 from simcluster.program.context import Context
 
 
+@functools.lru_cache(maxsize=64)
+def _partition(layers: int, chunks: int) -> tuple[range, ...]:
+    return tuple(partition_uncached(layers, chunks))
+
+
 def partition(layers: int, chunks: int) -> list[range]:
-    """Contiguous runs of blocks, as even as possible (the first chunks take one more)."""
+    """Contiguous runs of blocks, as even as possible (the first chunks take one more). (Made once for
+    every stage of a pipeline.)"""
+    return list(_partition(layers, chunks))
+
+
+def partition_uncached(layers: int, chunks: int) -> list[range]:
     base, extra = divmod(layers, chunks)
     out, start = [], 0
     for c in range(chunks):

@@ -75,11 +75,24 @@ class Placement:
 
     def on(self, stage: int) -> list[int]:
         """The chunks a stage holds, in chunk order."""
-        return [g for g in range(self.chunks) if self.stage[g] == stage]
+        return list(self._by_stage.get(stage, ()))
+
+    @functools.cached_property
+    def _by_stage(self) -> dict[int, tuple[int, ...]]:
+        found: dict[int, list[int]] = {}
+        for g in range(self.chunks):
+            found.setdefault(self.stage[g], []).append(g)
+        return {s: tuple(gs) for s, gs in found.items()}
 
 
 def placement(schedule: Schedule | str, shape: PipelineShape) -> Placement:
-    schedule, p = Schedule(schedule), shape.stages
+    return _placement(Schedule(schedule), shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _placement(schedule: Schedule, shape: PipelineShape) -> Placement:
+    """(Made once for every stage of a pipeline: a Placement is immutable, its neighbours cached in it.)"""
+    p = shape.stages
     if schedule is Schedule.ZB_V:
         stage = tuple(g if g < p else 2 * p - 1 - g for g in range(2 * p))
         return Placement(2 * p, stage, tuple(range(2 * p)), (tuple(range(2 * p)),))

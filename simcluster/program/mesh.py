@@ -72,6 +72,7 @@ class DeviceMesh:
         self.ranks = np.arange(self.world_size).reshape(tuple(self.sizes[a] for a in AXES))
         self._groups: dict[tuple[int, tuple[str, ...]], ProcessGroup] = {}
         self._interned: dict[ProcessGroup, ProcessGroup] = {}
+        self._along: dict[tuple, ProcessGroup] = {}
 
     def __repr__(self) -> str:
         return "DeviceMesh(" + ", ".join(f"{a}={n}" for a, n in self.sizes.items()) + ")"
@@ -88,11 +89,14 @@ class DeviceMesh:
         key = (rank, axes)
         if key not in self._groups:
             c = self.coords(rank)
-            index = tuple(slice(None) if a in axes else c[a] for a in AXES)
-            members = tuple(int(r) for r in self.ranks[index].reshape(-1))
-            name = "world" if axes == AXES else "+".join(axes)
-            g = ProcessGroup(name, members)
-            self._groups[key] = self._interned.setdefault(g, g)  # every member shares one object
+            outer = (axes, tuple(c[a] for a in AXES if a not in axes))  # what every member shares
+            g = self._along.get(outer)
+            if g is None:  # (made once a group, not once a member: a pipeline of P stages asks P times)
+                index = tuple(slice(None) if a in axes else c[a] for a in AXES)
+                members = tuple(int(r) for r in self.ranks[index].reshape(-1))
+                g = ProcessGroup("world" if axes == AXES else "+".join(axes), members)
+                g = self._along[outer] = self._interned.setdefault(g, g)  # every member shares one object
+            self._groups[key] = g
         return self._groups[key]
 
     def groups(self, *axes: str) -> list[ProcessGroup]:
