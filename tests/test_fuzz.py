@@ -11,7 +11,7 @@ import simcluster.cli
 from fuzzing import Case, attempt, generate
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)  # (the long run: benchmarks/fuzz.py)
 @given(st.randoms(use_true_random=False))
 def test_generated_command_lines_never_crash_or_hang(tmp_path_factory, rnd):
     folder = tmp_path_factory.mktemp("fuzz")

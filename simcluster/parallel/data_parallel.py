@@ -117,6 +117,7 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def _reference(cfg: DPConfig, mode: str) -> dict[str, Any]:
+    """(reference's cache: reference.cache_clear() empties it, for a caller that changes the model's code.)"""
     from simcluster.model.gpt import train
     from simcluster.numerics.ops import make_ops
 
@@ -143,3 +144,6 @@ def _one_rank(cfg: DPConfig, mode: str) -> dict[str, Any]:
     plan, mesh = Plan(data=cfg), DeviceMesh()
     run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
     return assemble(run.results, [mesh.coords(0)], plan)
+
+
+reference.cache_clear = _reference.cache_clear  # type: ignore[attr-defined]
