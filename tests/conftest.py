@@ -12,13 +12,6 @@ settings.register_profile("thorough", max_examples=250, deadline=None, derandomi
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker more than the cores. Some tests wait more than they compute (a launch waits
-    on its watchdog, a stopped worker on its timeout, spawned ranks on each other); the extra worker
-    fills those waits (measured on 2 cores: see the issue 37 note)."""
-    return (os.cpu_count() or 1) + 1
-
-
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true",
                      help="rewrite tests/golden/*.txt from the current output (review the diff before committing)")

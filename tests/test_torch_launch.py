@@ -107,8 +107,7 @@ def test_a_killed_rank_is_named_with_its_signal():
     assert "__main__" not in str(e.value)  # (the hint for a script without a main guard is not this)
 
 
-def _ranks_of(launcher):
-    """The processes `launcher` spawned as ranks (multiprocessing's spawn_main), by /proc."""
+def _children(parent, marker=b""):
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -116,9 +115,14 @@ def _ranks_of(launcher):
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == launcher and b"spawn_main" in cmdline:
+        if ppid == parent and marker in cmdline:
             found.append(int(stat.parent.name))
     return sorted(found)
+
+
+def _ranks_of(launcher):
+    """The processes `launcher` started as ranks, by /proc: forked by its forkserver (processes.START)."""
+    return [rank for server in _children(launcher, b"forkserver") for rank in _children(server)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through Linux's /proc")
