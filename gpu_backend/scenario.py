@@ -99,9 +99,9 @@ def expected(sc: Scenario, emulated: Outcome) -> list[Any] | None:
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
     """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank, their
     results against `expected(sc, emulated)`)."""
-    verify = sc.run["verify"]
-    real = [restore(run.result, mine) if verify else run.result
-            for run, mine in zip(runs, emulated.result.results)]
+    verify = sc.run["verify"]  # (without it the ranks sent digests alone: nothing to restore)
+    real = [restore(run.result, mine) for run, mine in zip(runs, emulated.result.results)] if verify \
+        else [run.result for run in runs]
     steps = emulated.report["steps"]
     # Exact mode is byte-identical on any backend, except a plain float reduction (the collectives
     # program's), whose order is the backend's; fast mode leaves every sum's order to it, and is held
