@@ -56,3 +56,13 @@ def test_a_sequence_too_long_to_count_is_refused_before_anything_is_built(capsys
     assert main(["run", "--set", "run.numerics=meta", "--set", "model.seq=2147483647"]) == 2
     err = capsys.readouterr().err
     assert "model.seq = 2,147,483,647: attention's scores" in err and len(err.strip().splitlines()) == 1
+
+
+def test_index_arithmetic_has_shapes_and_float_arithmetic_goes_through_ops():
+    targets = MetaTensor((2, 8), "int64")
+    local = targets - 16
+    mine = (local >= 0) & (local < 16)
+    assert local == MetaTensor((2, 8), "int64") and mine == MetaTensor((2, 8), "bool")
+    assert (local * mine)[..., None] == MetaTensor((2, 8, 1), "int64")
+    with pytest.raises(TypeError, match="goes through ops"):
+        MetaTensor((2, 8), "bf16") + MetaTensor((2, 8), "bf16")  # a program's data: ops.add, with its cost

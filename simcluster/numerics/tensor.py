@@ -85,6 +85,9 @@ class Partial:
 _set = object.__setattr__
 
 
+INDEX_DTYPES = ("int64", "int32", "bool")  # what a MetaTensor's own operators accept
+
+
 class MetaTensor:
     """Shape and dtype only; `partial` marks an unrounded sum (charged in `dtype`). Immutable.
 
@@ -127,6 +130,9 @@ class MetaTensor:
     # Index arithmetic that a program does on integer data (a vocabulary shard's targets: targets - first,
     # 0 <= local < rows): the result's shape and dtype, as numpy's would be.
     def _elementwise(self, other: Any, dtype: str | None) -> "MetaTensor":
+        if self.dtype not in INDEX_DTYPES or getattr(other, "dtype", "int64") not in INDEX_DTYPES:
+            raise TypeError(f"arithmetic on {self.dtype} data goes through ops (a kernel, with its cost); a "
+                            f"MetaTensor does only index arithmetic")
         shape = tuple(np.broadcast_shapes(self.shape, tuple(getattr(other, "shape", ()))))
         return MetaTensor(shape, dtype or (self.dtype if self.dtype != "bool" else getattr(other, "dtype", "int64")))
 
