@@ -2,17 +2,9 @@
 elements of which global tensor each file holds, and a resume re-slices on load
 (torch.distributed.checkpoint's idea; the format is ours, documented in docs/checkpoint.md).
 
-A checkpoint folder (--save-checkpoint DIR) holds one folder per complete checkpoint, as
-torch.distributed.checkpoint's and Orbax's managers keep them:
-  step-00000003/                one checkpoint: its manifest and the rank files (a second save of the same
-                                step beside it: step-00000003-2)
-  latest                        the name of the newest complete one, switched atomically, last
-  .partial-step-00000003/       a save in progress: the ranks write here; renamed into place when complete
-  .lock                         held (fcntl) by the run that saves: a second one is refused
-A save never touches a complete checkpoint: its files and manifest are written and fsynced under
-.partial-*, the folder is renamed into place, `latest` switched, and only then are the oldest
-checkpoints beyond run.keep_checkpoints deleted. Killed at any point, DIR still holds the previous
-checkpoint whole, and --resume DIR takes the newest complete one.
+A checkpoint folder (--save-checkpoint DIR) holds one folder per complete checkpoint, written aside,
+renamed into place and named by DIR/latest (checkpoint_folder.py: killed at any point, DIR still
+holds the previous checkpoint whole).
 
 In a checkpoint:
   manifest.json                 written last
@@ -40,12 +32,10 @@ Data position and dropout masks are functions of (seed, step) here, so the step 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,16 +43,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from simcluster import checkpoint_folder as folders
+from simcluster.checkpoint_folder import LATEST, MANIFEST, PARTIAL, CheckpointError, resolve  # noqa: F401
 from simcluster.numerics.tensor import dtype_name, numpy_dtype
-from simcluster.scenario import Scenario, ScenarioError
+from simcluster.scenario import Scenario
 
 FORMAT, VERSION = "simcluster-checkpoint", 2  # 2: step folders, `sequence` and `checksum` (1 is still read)
-MANIFEST, LATEST, LOCK, PARTIAL = "manifest.json", "latest", ".lock", ".partial-step-"
-STEP_FOLDER = re.compile(r"step-(\d{8})(?:-(\d+))?")  # what commit names a checkpoint
-
-
-class CheckpointError(ScenarioError):
-    """A checkpoint that cannot be written or resumed (one line, for the user)."""
 
 
 @dataclass(frozen=True)
@@ -88,87 +74,19 @@ def of(sc: Scenario) -> Checkpointing | None:
             raise CheckpointError("run.save_at_step (--at-step) needs run.save_checkpoint (--save-checkpoint DIR)")
         return None
     return Checkpointing(r["save_checkpoint"], r["steps"] if r["save_at_step"] is None else r["save_at_step"],
-                         resolve(r["resume"]) if r["resume"] else None, r["keep_checkpoints"])
-
-
-def _phase(name: str) -> None:
-    """A point of a save where a process may be killed (tests/test_checkpoint_kills.py stops one at each)."""
-
-
-def resolve(folder: str) -> str:
-    """The checkpoint --resume DIR names: the one DIR/latest names; where `latest` is missing or names no
-    complete checkpoint, DIR's newest complete one; else DIR itself when it holds a manifest (one
-    checkpoint's folder, or one saved before step folders)."""
-    d = Path(folder)
-    try:
-        name = (d / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if STEP_FOLDER.fullmatch(name) and (d / name / MANIFEST).is_file():
-        return str(d / name)
-    complete = complete_checkpoints(d)
-    if complete:
-        return str(complete[-1])
-    if (d / MANIFEST).is_file():
-        return folder
-    if not d.is_dir():
-        raise CheckpointError(f"--resume {folder!r}: no such folder" if not d.exists() else
-                              f"--resume {folder!r} is not a folder; give the checkpoint folder")
-    raise CheckpointError(f"--resume {folder!r}: no complete checkpoint there (no {MANIFEST}, no step folder with "
-                          f"one: not a checkpoint folder, or no save into it finished)")
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """The complete checkpoints in a checkpoint folder, oldest save first (their manifests' sequence)."""
-    found = []
-    try:
-        entries = sorted(folder.iterdir()) if folder.is_dir() else []
-    except OSError:
-        entries = []
-    for d in entries:
-        if STEP_FOLDER.fullmatch(d.name) and (d / MANIFEST).is_file():
-            try:
-                sequence = json.loads((d / MANIFEST).read_text()).get("sequence", 0)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-                continue  # (a damaged one is not complete)
-            found.append((sequence if isinstance(sequence, int) else 0, d.name, d))
-    return [d for _, _, d in sorted(found)]
+                         folders.resolve(r["resume"]) if r["resume"] else None, r["keep_checkpoints"])
 
 
 @contextmanager
 def saving(sc: Scenario) -> Iterator[None]:
-    """Around a run that saves (a no-op for one that does not): the folder's lock held, so that a second
-    save into it at the same time is refused in one line; what an earlier, killed save left behind
-    removed; and if this run fails, what it wrote. (A killed process's lock goes with it.)"""
+    """Around a run of `sc` (a no-op for one that does not save): its checkpoint folder locked
+    (checkpoint_folder.locked)."""
     ck = of(sc)
     if ck is None or not ck.save:
         yield
         return
-    folder = Path(ck.save)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise CheckpointError(f"--save-checkpoint {ck.save!r}: {exc.strerror or exc}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            raise CheckpointError(f"--save-checkpoint {ck.save!r}: another run is saving into this folder"
-                                  f"{f' (process {holder})' if holder.isdigit() else ''}; wait for it to finish, "
-                                  f"or save into another folder") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        for stale in folder.glob(PARTIAL + "*"):  # a save that was killed: never complete, never read
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            yield
-        except BaseException:
-            shutil.rmtree(ck.staging, ignore_errors=True)
-            raise
-    finally:
-        os.close(fd)
+    with folders.locked(Path(ck.save), Path(ck.staging)):
+        yield
 
 
 def training(sc: Scenario) -> dict[str, Any]:
@@ -288,39 +206,11 @@ def write_rank(folder: str, rank: int, step: int, units: list[dict[str, Any]]) -
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"cannot write {folder!r}: {exc.strerror or exc}") from None
-    _write_atomically(Path(folder) / name, data)
-    _phase("rank file")
+    folders.write_atomically(Path(folder) / name, data)
+    folders._phase("rank file")
     for p in pieces:
         p["file"] = name
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": pieces}
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Nothing is overwritten in place: a temporary name, flushed, then renamed over the old one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)  # (a full disk: what was written goes, and the space with it)
-        raise CheckpointError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-
-
-def _sync_folder(folder: Path) -> None:
-    """A rename or a new file in `folder` on disk (the folder's own entry fsynced), where the OS allows."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def checksum(manifest: dict[str, Any]) -> str:
@@ -331,53 +221,24 @@ def checksum(manifest: dict[str, Any]) -> str:
 
 def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, int],
            shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """After every rank has written its file: the manifest, then the checkpoint renamed into place (it
-    exists from then on), `latest` switched to it, and the oldest beyond run.keep_checkpoints deleted.
-    Returns what the report says of it."""
+    """After every rank has written its file: the manifest, and the checkpoint published in its folder
+    (checkpoint_folder.publish). Returns what the report says of it."""
     ck = of(sc)
     assert ck is not None and ck.save
-    folder, staging = Path(ck.save), Path(ck.staging)
     precision = dtype_name(sc.model["dtype"])
     states = {"master": "fp32", "adam_m": "fp32", "adam_v": "fp32"} | (
         {"working": precision} if precision != "fp32" else {})
     files = {w["file"]: {"bytes": w["bytes"], "sha256": w["sha256"]} for w in written if w}
-    before = complete_checkpoints(folder)
-    sequence = 1 + max((_sequence(d) for d in before), default=0)
+    sequence = folders.next_sequence(Path(ck.save))
     manifest = {"format": FORMAT, "version": VERSION, "step": ck.at, "training": training(sc),
                 "saved_by": {"mesh": mesh, "zero": sc.parallel["zero"], "scenario": sc.name}, "sequence": sequence,
                 "states": states, "tensors": {k: list(v) for k, v in shapes.items()}, "files": files,
                 "pieces": [p for w in written if w for p in w["pieces"]]}
     manifest["checksum"] = checksum(manifest)
-    _phase("files")
-    _write_atomically(staging / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-    _sync_folder(staging)
-    _phase("manifest")
-    name, n = f"step-{ck.at:08d}", 1
-    while (folder / name).exists():
-        n += 1
-        name = f"step-{ck.at:08d}-{n}"
-    try:
-        os.rename(staging, folder / name)
-        _sync_folder(folder)
-        _phase("renamed")
-        _write_atomically(folder / LATEST, (name + "\n").encode())
-        _sync_folder(folder)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {str(folder / name)!r}: {exc.strerror or exc}") from None
-    _phase("latest")
-    old = [d for d in complete_checkpoints(folder) if d.name != name]
-    for d in old[:max(0, len(old) - (ck.keep - 1))]:
-        shutil.rmtree(d, ignore_errors=True)
-    return {"saved": str(folder / name), "step": ck.at, "files": len(files),
-            "bytes": sum(f["bytes"] for f in files.values()), "kept": 1 + min(len(old), ck.keep - 1)}
-
-
-def _sequence(checkpoint: Path) -> int:
-    try:
-        value = json.loads((checkpoint / MANIFEST).read_text()).get("sequence", 0)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return 0
-    return value if isinstance(value, int) else 0
+    text = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    name, kept = folders.publish(Path(ck.save), Path(ck.staging), ck.at, text, ck.keep)
+    return {"saved": str(Path(ck.save) / name), "step": ck.at, "files": len(files),
+            "bytes": sum(f["bytes"] for f in files.values()), "kept": kept}
 
 
 # -- reading ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from simcluster import checkpoint
+from simcluster import checkpoint, checkpoint_folder
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
 from simcluster.cli import main
 from simcluster.runner import run_scenario
@@ -41,13 +41,13 @@ def files_of(checkpoint_folder):
 
 KILL = """
 import os, sys
-from simcluster import checkpoint
+from simcluster import checkpoint_folder
 seen = []
 def phase(name):
     seen.append(name)
     if name == sys.argv[1] and seen.count(name) == int(sys.argv[2]):
         os._exit(137)  # as kill -9: no clean-up runs
-checkpoint._phase = phase
+checkpoint_folder._phase = phase
 from simcluster.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -117,7 +117,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_leaves_nothing(tmp_path, mon
 
     def full(fd):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    monkeypatch.setattr(checkpoint_folder.os, "fsync", full)
     argv = [a for s in [*SMALL, *ZERO3] for a in ("--set", s)]
     assert main(["run", *argv, "--save-checkpoint", str(folder), "--at-step", "2"]) == 2
     err = capsys.readouterr().err

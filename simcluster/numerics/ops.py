@@ -18,6 +18,7 @@ import numpy as np
 
 from simcluster.numerics import kernels as _k
 from simcluster.numerics.arrays import NUMPY
+from simcluster.numerics.attention_ops import AttentionOps
 from simcluster.numerics.flat import FlatBuffers
 from simcluster.numerics.placement import Placement
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
@@ -47,7 +48,7 @@ def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a[:-1] + (b[1],)
 
 
-class Ops(FlatBuffers, Placement):
+class Ops(FlatBuffers, Placement, AttentionOps):
     """Kernels of one mode. Subclasses supply the numbers; this class supplies shapes and costs. Every
     number is made by `xp`, the array namespace (arrays.py): numpy on the host here, torch on the
     rank's device in the torch backend (gpu_backend/torch_ops.py)."""
@@ -245,54 +246,6 @@ class Ops(FlatBuffers, Placement):
         if self.mode is Mode.META:
             return self._meta_like(x), MetaTensor(tuple(gamma.shape), gamma.dtype, True)
         return self._kernels.rms_norm_backward(self._num, dy, x, gamma, rstd)
-
-    def attention_scores(self, q: Any, k: Any, scale: float, allowed: Any = None) -> Any:
-        """(b, a, s, k) scores, -inf where `allowed` is False."""
-        b, a, sq, d = q.shape
-        sk = k.shape[2]
-        self._record("attention_scores", (b * a, sq, sk, d), (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
-        if self.mode is Mode.META:
-            return MetaTensor((b, a, sq, sk), q.dtype)
-        return self._kernels.attention_scores(self._num, q, k, scale, allowed)
-
-    def attention_weights(self, s: Any, row_max: Any) -> Any:
-        self._cost("attention_weights", tuple(s.shape), 10, 2)
-        return self._meta_like(s) if self.mode is Mode.META else self._kernels.attention_weights(self._num, s, row_max)
-
-    def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = "fp32", drop_scale: float = 1.0) -> Any:
-        self._cost("attention_output", tuple(o_sum.shape), 2, 2)
-        if self.mode is Mode.META:
-            return MetaTensor(tuple(o_sum.shape), dtype_name(dtype))
-        return self._kernels.attention_output(self._num, o_sum, l_sum, dtype, drop_scale)
-
-    def attention_block(self, q: Any, k: Any, v: Any, scale: float, allowed: Any = None, keep: Any = None,
-                        drop_scale: float = 1.0) -> tuple[Any, Any]:
-        """Fast mode: one block of keys and values attended to as a FlashAttention kernel does (Dao 2023;
-        torch's _scaled_dot_product_flash_attention returns the same pair): (out, lse), the block's
-        output (b, a, s, d) normalised by its own weights and each query row's log-sum-exp (b, a, s),
-        both float32 (-inf, output 0, where the block allows a row no key). Blocks combine by
-        attention_merge; the backward pass needs only q, k, v, the merged output and lse."""
-        if self.mode is Mode.EXACT:
-            raise TypeError("attention_block is fast mode's (a float merge): exact mode sums blocks exactly")
-        b, a, sq, d = q.shape
-        sk = k.shape[2]
-        self._record("attention_scores", (b * a, sq, sk, d), (b * a * (sq + sk) * d + b * a * sq * sk) * self._item)
-        self._cost("attention_weights", (b, a, sq, sk), 10, 2)
-        self._record("einsum", (b * a, sq, d, sk), (b * a * (sq * sk + sk * d + sq * d)) * self._item)
-        if self.mode is Mode.META:
-            return MetaTensor((b, a, sq, d), "fp32"), MetaTensor((b, a, sq), "fp32")
-        return self._kernels.attention_block(self._num, q, k, v, scale, allowed, keep, drop_scale)
-
-    def attention_merge(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
-        """Two blocks' (out, lse) as one (attention_block), in float32."""
-        self._cost("attention_merge", tuple(out_a.shape), 4, 3)
-        if self.mode is Mode.META:
-            return MetaTensor(tuple(out_a.shape), "fp32"), MetaTensor(tuple(lse_a.shape), "fp32")
-        return self._kernels.attention_merge(self._num, out_a, lse_a, out_b, lse_b)
-
-    def attention_probs(self, e: Any, l_sum: Any) -> Any:
-        self._cost("attention_probs", tuple(e.shape), 1, 2)
-        return self._meta_like(e) if self.mode is Mode.META else self._kernels.attention_probs(self._num, e, l_sum)
 
     def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = "fp32") -> Any:
         self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2)
