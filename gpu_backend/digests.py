@@ -49,7 +49,7 @@ def digest(value: Any) -> str | None:
 
 def digests(result: Any) -> Any:
     """`result` with each tensor replaced by its digest (the emulator's side: what a rank receives)."""
-    return _walk(result, digest)
+    return walk(result, digest)
 
 
 def summarize(result: Any, expected: Any, to_host: Any) -> tuple[Any, int, int]:
@@ -78,11 +78,12 @@ def restore(sent: Any, emulated: Any) -> Any:
     return _pair(sent, emulated, lambda mine, theirs: theirs if isinstance(mine, Same) else mine)
 
 
-def _walk(value: Any, leaf: Any) -> Any:
+def walk(value: Any, leaf: Any) -> Any:
+    """A result (dicts, lists and tuples of leaves) with `leaf` applied to each leaf."""
     if isinstance(value, dict):
-        return {k: _walk(v, leaf) for k, v in value.items()}
+        return {k: walk(v, leaf) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_walk(v, leaf) for v in value)
+        return type(value)(walk(v, leaf) for v in value)
     return leaf(value)
 
 

@@ -33,7 +33,7 @@ from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
-from gpu_backend.digests import summarize
+from gpu_backend.digests import summarize, walk
 from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.processes import GRACE_S, LaunchError, check_backend, in_processes
 from gpu_backend.watchdog import FlightRecorder
@@ -275,20 +275,20 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         return RankRun(result, seconds, peak, source)
     if not digests:
         return RankRun(on_host(result), seconds, peak, source)
-    sent, outputs, whole = summarize(result, expected, on_host)
+    sent, outputs, whole = summarize(result, expected, _to_host)
     return RankRun(sent, seconds, peak, source, outputs, whole)
 
 
 def on_host(value: Any) -> Any:
     """A program's result with every tensor (and fast partial) as numpy on the host."""
+    return walk(value, _to_host)
+
+
+def _to_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch_to_host(value)
     if isinstance(value, Partial) and isinstance(value.limbs, torch.Tensor):
         return Partial(torch_to_host(value.limbs), value.dtype)
-    if isinstance(value, dict):
-        return {k: on_host(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(on_host(v) for v in value)
     return value
 
 
