@@ -208,6 +208,10 @@ class TorchArrays:
     def to_host(x: Any) -> np.ndarray:
         return torch_to_host(x) if isinstance(x, torch.Tensor) else np.asarray(x)
 
+    @staticmethod
+    def write(dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
     # -- exact mode's limbs, slices and transcendentals (numerics/limbs.py, exact.py, transcendental.py) --
     floor = staticmethod(torch.floor)
     trunc = staticmethod(torch.trunc)
@@ -335,6 +339,7 @@ class TorchFastOps(FastOps):
         self.xp = TorchArrays(device)
         self._num = TorchFastNum(self.xp)
         self._kernels = Widened(self.xp)
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
         out = _gemm(a, b, partial)
@@ -347,22 +352,40 @@ class TorchFastOps(FastOps):
         return self.xp.device
 
     def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
-             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> Any:
+             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, grad_scale: Any = None,
+             donate: bool = False) -> Any:
         """AdamW as torch.optim.AdamW(fused=True) runs it: one pass over the four tensors (the unfused
         form reads and writes them some fifteen times; 4.5x slower on one CPU core, measured). The same
         mathematics in another order of roundings: fast mode. Adam's moments are updated in place (the
-        optimizer's own state: nothing else holds them); the parameter is a new tensor (a delayed update
-        still computes with the old one)."""
+        optimizer's own state: nothing else holds them); so is a donated parameter, as torch's optimizer
+        updates its own; else the parameter is a new tensor (a delayed update still computes with the old
+        one). A clipped gradient is scaled into a buffer kept for the next step (the same multiplication as
+        `scale`): a new 4-byte-an-element tensor every step would cost a page fault every 4 KiB on a host
+        whose allocator returns large blocks to the system (glibc above 32 MiB)."""
         fused = getattr(torch, "_fused_adamw_", None)
         if fused is None or param.dtype != torch.float32 or param.device.type == "meta":
             return super().adam(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                weight_decay=weight_decay)
+                                weight_decay=weight_decay, grad_scale=grad_scale, donate=donate)
+        grad = grad.to(torch.float32)
+        if grad_scale is not None:
+            self._elementwise_cost("scale", tuple(grad.shape), 1)
+            grad = torch.mul(grad, self.xp.const(grad, grad_scale), out=self._scratch(grad))
         self._cost("adam", tuple(param.shape), 12, 7)
-        param = param.clone()
+        if not donate:
+            param = param.clone()
         steps = torch.full((), float(step), dtype=torch.float32, device=param.device)
-        fused([param], [grad.to(torch.float32)], [m], [v], [], [steps], amsgrad=False, lr=lr, beta1=beta1,
+        fused([param], [grad], [m], [v], [], [steps], amsgrad=False, lr=lr, beta1=beta1,
               beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False)
         return param, m, v
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of like's shape and dtype, the same one each time it is asked for (its values are
+        the caller's to write: one user at a time)."""
+        key = (tuple(like.shape), like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.empty_like(like)
+        return buffer
 
     def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any]:
         """torch's scaled_dot_product_attention (FlashAttention on a GPU, its fused CPU kernel here): the

@@ -223,3 +223,18 @@ def test_the_ledger_keeps_each_tier_apart_and_counts_the_device_alone():
     ledger.release("gradients", "grads", "cpu")
     with pytest.raises(ValueError, match="unknown memory tier 'ram'"):
         ledger.hold("gradients", "grads", 1, "ram")
+
+
+@pytest.mark.parametrize("donated", [False, True])
+def test_the_delayed_update_keeps_the_weights_it_computes_with(monkeypatch, donated):
+    """In fp32 on the device the working weights are the master weights themselves (views, no cast):
+    with the update delayed, the step must not write the new master into them, as a donated parameter
+    is written (Ops.adam; the emulator writes in place too, so a wrong donation shows here). The broken
+    variant donates it: the next step then computes with the new weights, and the check fails."""
+    import simcluster.parallel.dp_wrap as dp_wrap
+
+    if donated:
+        step = dp_wrap.adam_step
+        monkeypatch.setattr(dp_wrap, "adam_step", lambda *a, **k: step(*a, **(k | {"donate": True})))
+    report = run("model.dtype=fp32", "parallel.delayed_update=true", "run.steps=3")
+    assert report["verification"]["passed"] is not donated

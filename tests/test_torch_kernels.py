@@ -53,7 +53,10 @@ def every_operation(HOST, DEVICE, dtype):
     p, gr, m, vv = (HOST.uniform(3, n, (64,)) for n in "pgmv")
     vv = np.abs(vv)
     adam = HOST.adam(p, gr, m, vv, 3, lr=1e-3, weight_decay=0.1)
-    tadam = DEVICE.adam(*(DEVICE.xp.asarray(t) for t in (p, gr, m, vv)), 3, lr=1e-3, weight_decay=0.1)
+    tadam = DEVICE.adam(*(DEVICE.xp.asarray(t.copy()) for t in (p, gr, m, vv)), 3, lr=1e-3, weight_decay=0.1)
+    clipped = HOST.adam(p, gr, m, vv, 3, lr=1e-3, grad_scale=np.float32(0.3))  # (torch's moments: in place)
+    tclipped = DEVICE.adam(*(DEVICE.xp.asarray(t.copy()) for t in (p, gr, m, vv)), 3, lr=1e-3,
+                           grad_scale=torch.tensor(0.3, dtype=torch.float32))
     ids = (np.arange(b * s).reshape(b, s) * 7) % v
     mask = np.tril(np.ones((s, s), bool))
     x2 = HOST.add(HOST.mul(x, x), g)  # positive
@@ -97,6 +100,7 @@ def every_operation(HOST, DEVICE, dtype):
         "adam param": (adam[0], tadam[0], 4),
         "adam m": (adam[1], tadam[1], 4),
         "adam v": (adam[2], tadam[2], 4),
+        "adam clipped": (clipped[0], tclipped[0], 4),
     }
     for name, (_, got, _) in cases.items():
         assert isinstance(got if not isinstance(got, Partial) else got.limbs, torch.Tensor), name
@@ -107,6 +111,33 @@ def every_operation(HOST, DEVICE, dtype):
 def test_every_operation_agrees_with_fast_mode_within_one_rounding(dtype):
     for name, (want, got, n) in every_operation(HOST, DEVICE, dtype).items():
         within_one_rounding(got, want, dtype, n)
+
+
+@pytest.mark.parametrize("ops", [HOST, DEVICE], ids=["numpy", "torch"])
+def test_adam_writes_a_donated_parameter_and_no_other(ops):
+    """Ops.adam: the old parameter is left as it was unless donated; donated, the same tensor holds the
+    new weights, byte for byte those of the undonated step. A clipping `grad_scale` is the step of the
+    scaled gradient (scale, then adam), byte for byte."""
+    xp = ops.xp
+    p, g, m, v = (xp.asarray(HOST.uniform(5, n, (300,))) for n in "pgmv")
+    v = xp.asarray(np.abs(HOST.xp.to_host(v)) if ops is HOST else torch.abs(v))
+
+    def fresh():
+        return [xp.asarray(np.array(xp.to_host(t))) for t in (p, g, m, v)]
+
+    before, held = xp.to_host(p).tobytes(), fresh()
+    kept = ops.adam(*held, 2, lr=1e-2, weight_decay=0.1)
+    given = fresh()
+    donated = ops.adam(*given, 2, lr=1e-2, weight_decay=0.1, donate=True)
+    assert donated[0] is given[0] and xp.to_host(donated[0]).tobytes() == xp.to_host(kept[0]).tobytes()
+    assert xp.to_host(held[0]).tobytes() == before and xp.to_host(kept[0]).tobytes() != before
+    coefficient = xp.asarray(np.float32(0.37))
+    a, b = fresh(), fresh()
+    clipped = ops.adam(*a, 2, lr=1e-2, grad_scale=coefficient)
+    scaled = ops.adam(b[0], ops.scale(b[1], coefficient), b[2], b[3], 2, lr=1e-2)
+    for x, y in zip(clipped, scaled):
+        assert xp.to_host(x).tobytes() == xp.to_host(y).tobytes()
+    assert xp.to_host(clipped[0]).tobytes() != xp.to_host(kept[0]).tobytes()
 
 
 def host_bytes(x):

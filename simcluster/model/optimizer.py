@@ -34,12 +34,15 @@ def adam_init(ops: Ops, params: dict[str, Any]) -> AdamState:
 
 
 def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: AdamState, *, lr: float,
-              weight_decay: float = 0.0) -> dict[str, Any]:
+              weight_decay: float = 0.0, clip: Any = None, donate: bool = False) -> dict[str, Any]:
+    """The new parameters. `clip`: a coefficient from clip_coefficient, the gradients scaled by it as
+    clip_by_norm scales them (None: as they are). `donate`: the old parameters are the optimizer's alone,
+    and may be overwritten (see Ops.adam)."""
     state.step += 1
     out = {}
     for k in params:
         out[k], state.m[k], state.v[k] = ops.adam(params[k], grads[k], state.m[k], state.v[k], state.step, lr=lr,
-                                                  weight_decay=weight_decay)
+                                                  weight_decay=weight_decay, grad_scale=clip, donate=donate)
     return out
 
 
@@ -53,12 +56,18 @@ def square_sum(ops: Ops, grads: list[Any]) -> Any:
     return total
 
 
-def clip_by_norm(ops: Ops, grads: dict[str, Any], squares: Any, max_norm: float) -> dict[str, Any]:
-    """Gradients scaled by max_norm / (norm + 1e-6) where that is below 1; norm = sqrt of the rounded
-    sum of squares, in float32."""
+def clip_coefficient(ops: Ops, squares: Any, max_norm: float) -> Any:
+    """What the gradients are scaled by: max_norm / (norm + 1e-6) where that is below 1, norm = sqrt of
+    the rounded sum of squares, in float32; None where they stay as they are."""
     if ops.mode is Mode.META:
-        return grads
+        return None
     coefficient, scales = ops.clip_coefficient(squares, max_norm, CLIP_EPS)
-    if not scales:
+    return coefficient if scales else None
+
+
+def clip_by_norm(ops: Ops, grads: dict[str, Any], squares: Any, max_norm: float) -> dict[str, Any]:
+    """The gradients clipped by their global norm (clip_coefficient)."""
+    coefficient = clip_coefficient(ops, squares, max_norm)
+    if coefficient is None:
         return grads
     return {k: ops.scale(g, coefficient) for k, g in grads.items()}

@@ -136,6 +136,11 @@ class NumpyArrays:
     def to_host(x: Any) -> np.ndarray:
         return np.asarray(x)
 
+    @staticmethod
+    def write(dst: Any, src: Any) -> None:
+        """src's values into dst, in place."""
+        np.copyto(dst, src)
+
     # -- what exact mode's limbs and slices need (limbs.py, exact.py, transcendental.py) ------------
     floor = staticmethod(np.floor)
     trunc = staticmethod(np.trunc)

@@ -306,13 +306,23 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return self._binary(self.xp.divide, a, b)
 
     def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
-             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> Any:
-        """AdamW on fp32 master weights: (param, m, v)."""
+             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, grad_scale: Any = None,
+             donate: bool = False) -> Any:
+        """AdamW on fp32 master weights: (param, m, v). `grad_scale` (a clipping coefficient): the step of
+        scale(grad, grad_scale), which a kernel set may compute without keeping the scaled gradient.
+        `donate`: the caller gives `param` up (nothing else holds it), so a kernel set may write the new
+        weights into it; without it the old tensor is left as it was."""
+        if grad_scale is not None:
+            grad = self.scale(grad, grad_scale)
         self._cost("adam", tuple(param.shape), 12, 7)
         if self.mode is Mode.META:
             return param, m, v
-        return _k.adam(self.xp, param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       weight_decay=weight_decay)
+        new, m, v = _k.adam(self.xp, param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay)
+        if not donate:
+            return new, m, v
+        self.xp.write(param, new)  # (here too, so that a parameter donated while still in use shows on the emulator)
+        return param, m, v
 
     def sgd(self, param: Any, grad: Any, *, lr: float) -> Any:
         self._cost("sgd", tuple(param.shape), 2, 3)

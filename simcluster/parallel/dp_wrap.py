@@ -43,7 +43,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.gpt import grad_dtype, model_state_bytes, unscale
-from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
+from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_coefficient, square_sum
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.program.comm import Work
 from simcluster.program.context import Context
@@ -225,13 +225,15 @@ class DPWrap:
                 if data.precision != "fp32":  # the step's fp32 gradients (module docstring)
                     self.ctx.memory.hold("temporaries", "fp32 grads", 4 * self.owned_count, self.host or "gpu")
                 unscaled = unscale(ops, grads, data.precision)
+                clip = None
                 if data.clip_grad:
                     mine = [g if self.counted is None else ops.where(self.counted[u], g, 0.0)
                             for u, g in unscaled.items()]
                     squares = yield comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
-                    unscaled = clip_by_norm(ops, unscaled, squares, data.clip_grad)
+                    clip = clip_coefficient(ops, squares, data.clip_grad)
+                # the old master weights are needed no more, save by a delayed update's working copy
                 self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
-                                        weight_decay=data.weight_decay)
+                                        weight_decay=data.weight_decay, clip=clip, donate=not data.delayed_update)
                 if data.precision != "fp32":
                     self.ctx.memory.release("temporaries", "fp32 grads", self.host or "gpu")
                 chunks: dict[str, Any] = {u: ops.cast(self.master[u], data.precision) for u in self.units}
