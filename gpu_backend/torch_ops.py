@@ -210,7 +210,7 @@ class TorchArrays:
 
     @staticmethod
     def write(dst: Any, src: Any) -> None:
-        dst.copy_(src)
+        dst.copy_(src)  # (a cast as .to() casts: the same kernel)
 
     # -- exact mode's limbs, slices and transcendentals (numerics/limbs.py, exact.py, transcendental.py) --
     floor = staticmethod(torch.floor)

@@ -225,16 +225,16 @@ def test_the_ledger_keeps_each_tier_apart_and_counts_the_device_alone():
         ledger.hold("gradients", "grads", 1, "ram")
 
 
-@pytest.mark.parametrize("donated", [False, True])
-def test_the_delayed_update_keeps_the_weights_it_computes_with(monkeypatch, donated):
-    """In fp32 on the device the working weights are the master weights themselves (views, no cast):
-    with the update delayed, the step must not write the new master into them, as a donated parameter
-    is written (Ops.adam; the emulator writes in place too, so a wrong donation shows here). The broken
-    variant donates it: the next step then computes with the new weights, and the check fails."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("overwritten", [False, True])
+def test_the_delayed_update_keeps_the_weights_it_computes_with(monkeypatch, dtype, overwritten):
+    """A step's optimizer writes its results into the last step's weights (Ops.adam's donated master; in
+    fp32 on the device the working weights are that master; in 16 bits the working chunks are cast into),
+    save with the update delayed, whose next step computes with the old weights. The emulator writes in
+    place too, so a wrong write shows: the broken variant writes regardless, and the check fails."""
     import simcluster.parallel.dp_wrap as dp_wrap
 
-    if donated:
-        step = dp_wrap.adam_step
-        monkeypatch.setattr(dp_wrap, "adam_step", lambda *a, **k: step(*a, **(k | {"donate": True})))
-    report = run("model.dtype=fp32", "parallel.delayed_update=true", "run.steps=3")
-    assert report["verification"]["passed"] is not donated
+    if overwritten:
+        monkeypatch.setattr(dp_wrap.DPWrap, "_last_weights_free", lambda self: True)
+    report = run(f"model.dtype={dtype}", "parallel.delayed_update=true", "run.steps=3")
+    assert report["verification"]["passed"] is not overwritten

@@ -138,8 +138,8 @@ class NumpyArrays:
 
     @staticmethod
     def write(dst: Any, src: Any) -> None:
-        """src's values into dst, in place."""
-        np.copyto(dst, src)
+        """src's values into dst, in place (rounded to dst's dtype as astype rounds)."""
+        np.copyto(dst, np.asarray(src).astype(dst.dtype, copy=False))
 
     # -- what exact mode's limbs and slices need (limbs.py, exact.py, transcendental.py) ------------
     floor = staticmethod(np.floor)

@@ -390,11 +390,18 @@ class Ops(FlatBuffers, Placement, AttentionOps):
                                getattr(x, "dtype", "fp32"))
         return self.sub(x, self.expand_last(lse))
 
-    def cast(self, x: Any, dtype: str) -> Any:
-        """x rounded to a storage dtype ('bf16', 'fp16', 'fp32')."""
+    def cast(self, x: Any, dtype: str, *, out: Any = None) -> Any:
+        """x rounded to a storage dtype ('bf16', 'fp16', 'fp32'). `out`: a tensor of that shape and dtype
+        that the caller gives up, which then holds the result (no new tensor)."""
         self._cost("cast", tuple(x.shape), 1, 2)
         if self.mode is Mode.META:
             return MetaTensor(tuple(x.shape), dtype_name(dtype))
+        if out is not None:
+            if tuple(out.shape) != tuple(x.shape) or self.xp.name(out.dtype) != dtype_name(dtype):
+                raise ValueError(f"cast into a {self.xp.name(out.dtype)} {tuple(out.shape)} tensor: "
+                                 f"the result is {dtype_name(dtype)} {tuple(x.shape)}")
+            self.xp.write(out, x)
+            return out
         return self.xp.astype(x, dtype_name(dtype), copy=False)  # (the same tensor where nothing changes)
 
     def _meta_like(self, x: Any) -> Any:

@@ -231,12 +231,16 @@ class DPWrap:
                             for u, g in unscaled.items()]
                     squares = yield comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
                     clip = clip_coefficient(ops, squares, data.clip_grad)
-                # the old master weights are needed no more, save by a delayed update's working copy
+                free = self._last_weights_free()
                 self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
-                                        weight_decay=data.weight_decay, clip=clip, donate=not data.delayed_update)
+                                        weight_decay=data.weight_decay, clip=clip, donate=free)
                 if data.precision != "fp32":
                     self.ctx.memory.release("temporaries", "fp32 grads", self.host or "gpu")
-                chunks: dict[str, Any] = {u: ops.cast(self.master[u], data.precision) for u in self.units}
+                # the 16-bit working chunks rounded anew into the last step's (a host's are copied to the
+                # device, not held)
+                into = self.chunks if free and data.precision != "fp32" and not self.host else {}
+                chunks: dict[str, Any] = {u: ops.cast(self.master[u], data.precision, out=into.get(u))
+                                          for u in self.units}
             if self.host == "nvme":
                 self._swap_out()
             here, to = ("cpu" if self.host else "gpu"), (self.kept if self.stage == 3 else "gpu")
@@ -250,6 +254,12 @@ class DPWrap:
         else:
             yield from self._install((chunks, moves))
         return grads
+
+    def _last_weights_free(self) -> bool:
+        """Whether this step's optimizer may write its results into the last step's weights: the master
+        (in fp32 on the device also the working weights) and the 16-bit working chunks. Nothing reads them
+        after the backward, save with a delayed update, whose next step computes with them."""
+        return not self.data.delayed_update
 
     def _install(self, new: tuple[dict[str, Any], dict[str, Work]]) -> Generator[Any, Any, None]:
         """The step's new 16-bit chunks become the working weights: (their values, their copies under way
