@@ -6,7 +6,7 @@ runs a GPT or Llama with `simcluster run --backend torch --set cluster.profile=.
 (one core each) and prints the measured step (wall clock, the slower rank, weight initialisation
 included as in the prediction) against the predicted one. Issue 35's goal: within 15 %.
 
-    python benchmarks/calibrated_prediction.py [--sizes 256,1024] [--steps 4]
+    python benchmarks/calibrated_prediction.py [--sizes 256,1024] [--arch gpt,llama] [--steps 4]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def run(profile: str, arch: str, h: int, dtype: str, zero: int, steps: int) -> t
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256,1024")
+    p.add_argument("--arch", default="gpt,llama")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +46,7 @@ def main() -> None:
                        check=True, capture_output=True)
         print(f"{'arch':<6} {'hidden':>6} {'dtype':<5} {'layout':<5} {'measured s/step':>15} {'predicted':>9} "
               f"{'measured/predicted':>18}", flush=True)
-        for arch in ("gpt", "llama"):
+        for arch in args.arch.split(","):
             for h in map(int, args.sizes.split(",")):
                 for dtype in ("fp32", "bf16"):
                     for zero, layout in ((0, "ddp"), (3, "fsdp")):

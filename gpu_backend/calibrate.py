@@ -106,20 +106,20 @@ def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int) -
 
 
 def elementwise_rate(device: torch.device, grid: Grid, timed: Callable[[Callable[[], Any], int], float],
-                     overhead_s: float) -> float:
+                     overhead_s: float, dtype: str = "fp32") -> float:
     """GB/s the cost model should charge the kernel set's elementwise kernels at: the bytes it charges a
-    transformer layer's mix of them (ops.py's own accounting), over their measured time less a launch
-    each."""
+    transformer layer's mix of them in a `dtype` run (ops.py's own accounting: activations in `dtype`,
+    the master weights and Adam in fp32), over their measured time less a launch each."""
     charged = [0.0, 0]
 
     def record(name: str, work: Any, nbytes: float) -> None:
         charged[0] += nbytes
         charged[1] += 1
 
-    ops = TorchFastOps(device, record)
+    ops = TorchFastOps(device, record, cost_dtype=dtype)
     rows, h = max(1, (grid.copy_bytes // 4) // (16 * 1024)), 1024  # (rows, h): a sixteenth of the copy's size
-    x, dy = (torch.randn(rows, h, device=device) for _ in range(2))
-    g, b = torch.ones(h, device=device), torch.zeros(h, device=device)
+    x, dy = (torch.randn(rows, h, device=device).to(TORCH_DTYPES[dtype]) for _ in range(2))
+    g, b = (torch.full((h,), v, device=device).to(TORCH_DTYPES[dtype]) for v in (1.0, 0.0))
     keep = torch.rand(rows, h, device=device) > 0.1
     p, m, v = (torch.randn(rows * h, device=device) for _ in range(3))
     v = v.abs()
@@ -131,7 +131,7 @@ def elementwise_rate(device: torch.device, grid: Grid, timed: Callable[[Callable
         e = ops.attention_weights(y, ops.max(y, -1))
         ops.attention_probs(e, ops.sum(e, -1, partial=True))
         ops.add(ops.scale(ops.zero_where(keep, y), 1.1), x)
-        ops.mul(ops.cast(ops.cast(y, "bf16"), "fp32"), dy)
+        ops.mul(ops.cast(ops.cast(y, "fp32"), dtype), dy)
         ops.adam(p, p, m.clone(), v.clone(), 3, lr=1e-3, weight_decay=0.01)
 
     mix()
@@ -180,16 +180,18 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     timed = _timer(device)
 
     say(f"calibrating {name}")
-    one = torch.ones(1, device=device)
-    overhead = timed(lambda: torch.add(one, one), grid.repeats * 20)
+    one, ops = torch.ones(1, device=device), TorchFastOps(device)
+    # through the kernel set, as a program calls it: its Python is part of every kernel's cost
+    overhead = timed(lambda: ops.add(one, one), grid.repeats * 20)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
     src = torch.empty(grid.copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), grid.repeats)
     copy_rate = 2 * grid.copy_bytes / copy_s / 1e9
     memory = elementwise_rate(device, grid, timed, overhead)
-    say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({copy_rate:.1f} GB/s a copy)")
-    ops = TorchFastOps(device)
+    sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
+    say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({copy_rate:.1f} GB/s a copy)"
+        + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))
 
     gemm: list[Gemm] = []
     shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
@@ -228,9 +230,11 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
              if link else "one rank: no links measured (the preset's stay)"]
     _profile.write(path, device=name, peak_tflops=peak16, peak_tflops_fp32=peak32, memory_gbyte_per_s=memory,
                    kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
-                   allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes)
+                   allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes,
+                   memory_gbyte_per_s_16bit=sixteen)
     _profile.load(path)  # what was written reads back
     return {"device": name, "backend": kind, "ranks": nproc, "overhead_s": overhead, "memory_gbyte_per_s": memory,
+            "memory_gbyte_per_s_16bit": sixteen,
             "gemm": gemm, "link": link, "allreduce": allreduce, "peak_tflops": peak16, "path": path}
 
 
@@ -248,6 +252,8 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     t.add_column("measured", justify="right")
     t.add_row("smallest kernel", f"{got['overhead_s'] * 1e6:.1f} us")
     t.add_row("memory bandwidth", f"{got['memory_gbyte_per_s']:.3g} GB/s")
+    if got["memory_gbyte_per_s_16bit"] is not None:
+        t.add_row("memory bandwidth, 16-bit run", f"{got['memory_gbyte_per_s_16bit']:.3g} GB/s")
     for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
         rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
         t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")

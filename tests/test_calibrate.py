@@ -16,14 +16,27 @@ from simcluster.topology.presets import preset
 from simcluster.topology.profile import Gemm
 
 
-def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0):
-    """A made-up profile; `scale` multiplies every rate in it."""
+def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None):
+    """A made-up profile; `scale` multiplies every rate in it; `sixteen`: its 16-bit run's bandwidth."""
     gemm = [Gemm(d, 1, s, s, s, scale * r) for d, r0 in (("bf16", 40.0), ("fp32", 10.0))
             for s, r in ((64, r0 / 4), (4096, r0))]
     profile.write(path, device="test device", peak_tflops=scale * 40.0, peak_tflops_fp32=scale * 10.0,
                   memory_gbyte_per_s=scale * 500.0, kernel_overhead_ns=overhead_ns, gemm=gemm,
-                  link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[])
+                  link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[],
+                  memory_gbyte_per_s_16bit=sixteen)
     return path
+
+
+def test_a_16bit_run_moves_its_bytes_at_the_bandwidth_measured_for_one(tmp_path):
+    """A CPU widens 16-bit data to compute on it: its elementwise kernels move half the bytes in no less
+    time, and calibrate measures the bandwidth a 16-bit run's kernels reach apart. A kernel of a 16-bit
+    run is timed at it; fp32 at the other; a profile without it times both at the one figure."""
+    measured = Cluster(profile.apply(preset("dgx-a100"), profile.load(write_profile(tmp_path / "a.toml", sixteen=125.0))))
+    one = Cluster(profile.apply(preset("dgx-a100"), profile.load(write_profile(tmp_path / "b.toml"))))
+    assert measured.kernel_ns(10.0, 1e6, "bf16") == measured.kernel_ns(10.0, 1e6, "fp16") == 8000  # 1 MB at 125 GB/s
+    assert measured.kernel_ns(10.0, 1e6, "fp32") == one.kernel_ns(10.0, 1e6, "bf16") == 2000  # at 500 GB/s
+    assert profile.load(tmp_path / "a.toml").memory_gbyte_per_s_16bit == 125.0
+    assert profile.load(tmp_path / "b.toml").memory_gbyte_per_s_16bit is None
 
 
 def test_a_gemm_runs_at_the_rate_measured_nearest_its_shape(tmp_path):
@@ -124,6 +137,7 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     assert set(measured.dtypes) == {"bf16", "fp32"} and measured.link_gbyte_per_s > 0
     assert any(g.batch > 1 for g in measured.gemm)  # attention's batched products
     assert all(g.tflops > 0 for g in measured.gemm) and measured.memory_gbyte_per_s > 0
+    assert measured.memory_gbyte_per_s_16bit > 0  # (bf16 was measured: a 16-bit run's bandwidth too)
     run = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--json", "--set", f"cluster.profile={out}",
                           "--set", "run.numerics=meta"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

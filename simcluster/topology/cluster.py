@@ -58,6 +58,8 @@ class Cluster:
         self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency for d, r in peak.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
         self.profile = spec.profile
+        sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
+        self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -173,5 +175,5 @@ class Cluster:
             rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
         else:
             flops, rate = work, self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
-        t = max(flops / rate, nbytes / self._bytes_per_ns)
+        t = max(flops / rate, nbytes / self._bytes_per_ns_by_dtype.get(dtype, self._bytes_per_ns))
         return int(math.ceil(t)) + self.spec.kernel_overhead_ns

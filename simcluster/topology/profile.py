@@ -5,7 +5,10 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
     device = "..."                 what was measured
     peak_tflops = 2.1              16-bit GEMM peak: the datasheet's on a GPU a preset names, else the best
     peak_tflops_fp32 = 1.4         measured GEMM rate (so MFU is against what this machine achieves)
-    memory_gbyte_per_s = 9.5       achieved copy bandwidth (read + write)
+    memory_gbyte_per_s = 9.5       the bandwidth the elementwise kernels reach (the bytes the cost model
+                                   charges them over their time)
+    memory_gbyte_per_s_16bit = 4.1 the same in a 16-bit run (optional; a CPU widens 16-bit data to compute,
+                                   so it moves half the bytes in no less time)
     kernel_overhead_ns = 4000      the time of the smallest kernel
     link_gbyte_per_s = 1.2         fitted from all-reduce times over the measured ranks (absent with one
     link_latency_ns = 30000        rank): bus bandwidth, and latency per ring step
@@ -63,6 +66,7 @@ class Profile:
     link_gbyte_per_s: float | None = None
     link_latency_ns: int | None = None
     memory_gbyte: float | None = None
+    memory_gbyte_per_s_16bit: float | None = None
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -121,13 +125,15 @@ def parse(text: str, source: str) -> Profile:
     if (link is None) != (latency is None):
         raise ProfileError(f"{source}: link_gbyte_per_s and link_latency_ns go together")
     memory = _number(doc, "memory_gbyte", source, optional=True)
+    sixteen = _number(doc, "memory_gbyte_per_s_16bit", source, optional=True)
     return Profile(source=source, device=str(doc.get("device", "profiled")),
                    peak_tflops=float(_number(doc, "peak_tflops", source)),
                    peak_tflops_fp32=float(_number(doc, "peak_tflops_fp32", source)),
                    memory_gbyte_per_s=float(_number(doc, "memory_gbyte_per_s", source)),
                    kernel_overhead_ns=_number(doc, "kernel_overhead_ns", source, integer=True), gemm=tuple(gemm),
                    link_gbyte_per_s=None if link is None else float(link), link_latency_ns=latency,
-                   memory_gbyte=None if memory is None else float(memory))
+                   memory_gbyte=None if memory is None else float(memory),
+                   memory_gbyte_per_s_16bit=None if sixteen is None else float(sixteen))
 
 
 def load(path: str | Path) -> Profile:
@@ -158,7 +164,7 @@ def apply(spec: Any, profile: Profile) -> Any:
 def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32: float, memory_gbyte_per_s: float,
           kernel_overhead_ns: int, gemm: list[Gemm], link: tuple[float, int] | None,
           allreduce: list[tuple[int, float]], ranks: int, backend: str, memory_gbyte: float | None,
-          notes: list[str]) -> None:
+          notes: list[str], memory_gbyte_per_s_16bit: float | None = None) -> None:
     """Write a profile file (readable by `load`), with comments saying what each figure is."""
     def g(x: float) -> str:
         return repr(float(f"{x:.4g}"))
@@ -171,8 +177,10 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
              f"ranks = {ranks}",
              f"peak_tflops = {g(peak_tflops)}",
              f"peak_tflops_fp32 = {g(peak_tflops_fp32)}",
-             f"memory_gbyte_per_s = {g(memory_gbyte_per_s)}  # achieved copy bandwidth, read + write",
+             f"memory_gbyte_per_s = {g(memory_gbyte_per_s)}  # reached by the elementwise kernels, as charged",
              f"kernel_overhead_ns = {int(kernel_overhead_ns)}  # the smallest kernel's time"]
+    if memory_gbyte_per_s_16bit is not None:
+        lines.append(f"memory_gbyte_per_s_16bit = {g(memory_gbyte_per_s_16bit)}  # the same in a 16-bit run")
     if memory_gbyte is not None:
         lines.append(f"memory_gbyte = {g(memory_gbyte)}")
     if link is not None:
