@@ -142,6 +142,36 @@ def elementwise_rate(device: torch.device, grid: Grid, timed: Callable[[Callable
     return nbytes / max(seconds - kernels * overhead_s, seconds / 2) / 1e9
 
 
+def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[], Any], int], float],
+                 overhead_s: float, dtype: str = "fp32") -> list[Any]:
+    """Kernels timed alone, as a `dtype` run charges them (the bytes ops.py records for each over its
+    time, less a launch), where their rates are far from the mix's: those a step runs on tensors the
+    size of the weights -- the fused AdamW (one pass over four fp32 tensors), the new master weights
+    cast to the working dtype, the gradients flattened into a bucket -- and the weights' initialisation
+    (the counter-based generator: some twenty integer passes for each element it charges one write)."""
+    charged: list[tuple[str, float]] = []
+    ops = TorchFastOps(device, lambda name, work, nbytes: charged.append((name, nbytes)), cost_dtype=dtype)
+    n = grid.copy_bytes // 4  # (weight-sized: far more than a cache holds)
+    p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
+    v = v.abs()
+    half = [t.to(TORCH_DTYPES[dtype]) for t in (m[: n // 2], v[: n // 2])]
+    cases = {"adam": lambda: ops.adam(p, g, m, v, 3, lr=1e-3, weight_decay=0.01, donate=True),
+             "cast": lambda: ops.cast(g[: n // 2], dtype, out=None if dtype == "fp32" else half[0]),
+             "flatten": lambda: ops.flat(half),
+             "uniform": lambda: ops.uniform(7, "weights", (n // 2,))}
+    out = []
+    for name, fn in cases.items():
+        fn()
+        charged.clear()
+        fn()
+        calls = [b for k, b in charged if k == name]
+        if not calls or len(calls) != len(charged):  # (it must record that kernel alone)
+            continue
+        seconds = timed(fn, grid.repeats)
+        out.append(_profile.Kernel(name, dtype, sum(calls) / max(seconds - len(calls) * overhead_s, seconds / 2) / 1e9))
+    return out
+
+
 def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tuple[float, int]:
     """(bus bandwidth in GB/s, latency per ring step in ns) of t = alpha + ring_bytes / beta, least squares;
     ring_bytes = 2(p-1)/p * bytes is what each rank sends in a ring all-reduce."""
@@ -190,6 +220,8 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     copy_rate = 2 * grid.copy_bytes / copy_s / 1e9
     memory = elementwise_rate(device, grid, timed, overhead)
     sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
+    measured = [k for dt in ("fp32",) + (("bf16",) if sixteen else ()) for k in kernel_rates(device, grid, timed, overhead, dt)]
+    measured += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in measured if k.dtype == "bf16"]
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({copy_rate:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))
 
@@ -231,10 +263,10 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     _profile.write(path, device=name, peak_tflops=peak16, peak_tflops_fp32=peak32, memory_gbyte_per_s=memory,
                    kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
                    allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes,
-                   memory_gbyte_per_s_16bit=sixteen)
+                   memory_gbyte_per_s_16bit=sixteen, kernels=measured, shares_cores=device.type == "cpu" and nproc > 1)
     _profile.load(path)  # what was written reads back
     return {"device": name, "backend": kind, "ranks": nproc, "overhead_s": overhead, "memory_gbyte_per_s": memory,
-            "memory_gbyte_per_s_16bit": sixteen,
+            "memory_gbyte_per_s_16bit": sixteen, "kernels": measured,
             "gemm": gemm, "link": link, "allreduce": allreduce, "peak_tflops": peak16, "path": path}
 
 
@@ -254,6 +286,9 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     t.add_row("memory bandwidth", f"{got['memory_gbyte_per_s']:.3g} GB/s")
     if got["memory_gbyte_per_s_16bit"] is not None:
         t.add_row("memory bandwidth, 16-bit run", f"{got['memory_gbyte_per_s_16bit']:.3g} GB/s")
+    for k in got["kernels"]:
+        if k.dtype != "fp16":
+            t.add_row(f"{k.name}, {k.dtype} run", f"{k.gbyte_per_s:.3g} GB/s")
     for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
         rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
         t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")

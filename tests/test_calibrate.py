@@ -16,15 +16,61 @@ from simcluster.topology.presets import preset
 from simcluster.topology.profile import Gemm
 
 
-def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None):
-    """A made-up profile; `scale` multiplies every rate in it; `sixteen`: its 16-bit run's bandwidth."""
+def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, kernels=(), shares_cores=False):
+    """A made-up profile; `scale` multiplies every rate in it; `sixteen`: its 16-bit run's bandwidth;
+    `kernels`: (name, dtype, GB/s) measured one by one; `shares_cores`: a CPU's collectives."""
     gemm = [Gemm(d, 1, s, s, s, scale * r) for d, r0 in (("bf16", 40.0), ("fp32", 10.0))
             for s, r in ((64, r0 / 4), (4096, r0))]
     profile.write(path, device="test device", peak_tflops=scale * 40.0, peak_tflops_fp32=scale * 10.0,
                   memory_gbyte_per_s=scale * 500.0, kernel_overhead_ns=overhead_ns, gemm=gemm,
                   link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[],
-                  memory_gbyte_per_s_16bit=sixteen)
+                  memory_gbyte_per_s_16bit=sixteen, kernels=[profile.Kernel(*k) for k in kernels],
+                  shares_cores=shares_cores)
     return path
+
+
+SMALL_DDP = ["run.numerics=meta", "model.dtype=fp32", "model.layers=1", "model.hidden=256", "model.heads=4",
+             "model.ffn_hidden=1024", "model.seq=64", "model.vocab=512", "parallel.dp=2", "cluster.gpus_per_node=2"]
+
+
+def test_a_kernel_measured_by_name_runs_at_its_own_bandwidth(tmp_path):
+    """calibrate times some kernels alone (the fused AdamW moves its bytes far faster than the mix of
+    activation kernels, the weights' generator far slower); a run's kernel of that name, in a run of
+    that dtype, is timed at it: in the engine too, where a kernel's name carries its label."""
+    slow_adam = write_profile(tmp_path / "a.toml", kernels=[("adam", "fp32", 5.0)])
+    cluster = Cluster(profile.apply(preset("dgx-a100"), profile.load(slow_adam)))
+    assert cluster.kernel_ns(10.0, 1e6, "fp32", "O0/adam") == 200_000  # 1 MB at 5 GB/s
+    assert cluster.kernel_ns(10.0, 1e6, "fp32", "gelu") == cluster.kernel_ns(10.0, 1e6, "bf16", "adam") == 2000
+
+    def adam_ns(path):
+        out = run_scenario(load(None, SMALL_DDP + [f"cluster.profile={path}"]))
+        return [e.end - e.start for e in out.result.trace if e.name.endswith("/adam")], out.report["step_time_ns"]
+    (slow, slow_step), (plain, plain_step) = adam_ns(slow_adam), adam_ns(write_profile(tmp_path / "b.toml"))
+    big = [i for i, t in enumerate(plain) if t > 1000]  # (the largest units': memory-bound)
+    assert big and len(slow) == len(plain) and all(slow[i] > 50 * plain[i] for i in big)
+    assert slow_step > plain_step
+    with pytest.raises(profile.ProfileError, match="kernels"):
+        profile.parse(slow_adam.read_text().replace('name = "adam", ', ""), "p.toml")
+
+
+def test_collectives_on_a_cpus_cores_take_turns_with_its_kernels(tmp_path):
+    """On a CPU a collective runs on the cores that compute (gloo's threads): calibrate says so, and the
+    run's communication then runs on the stream that issued it, overlapping nothing: the step is its
+    kernels' time plus its communication's. Without it the gradients' all-reduce hides under the
+    backward pass."""
+    def overlap(shares):
+        """ns of rank 0's communication under its kernels, and its step"""
+        path = write_profile(tmp_path / f"{shares}.toml", shares_cores=shares, latency_ns=1000)
+        out = run_scenario(load(None, SMALL_DDP + [f"cluster.profile={path}", "model.layers=4"]))
+        mine = [e for e in out.result.trace if e.rank == 0 and e.end > e.start]
+        comm, kernels = [e for e in mine if e.group], [e for e in mine if not e.group]
+        both = sum(max(0, min(c.end, k.end) - max(c.start, k.start)) for c in comm for k in kernels)
+        return both, len(comm), out.report["step_time_ns"]
+    (serial, n, serial_step), (overlapped, _, overlapped_step) = overlap(True), overlap(False)
+    assert n > 0 and serial == 0 and overlapped > 0 and overlapped_step < serial_step
+    assert profile.load(tmp_path / "True.toml").shares_cores and not profile.load(tmp_path / "False.toml").shares_cores
+    with pytest.raises(profile.ProfileError, match="collectives_share_cores must be true or false"):
+        profile.parse((tmp_path / "True.toml").read_text().replace("= true", "= 1"), "p.toml")
 
 
 def test_a_16bit_run_moves_its_bytes_at_the_bandwidth_measured_for_one(tmp_path):
@@ -138,6 +184,8 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     assert any(g.batch > 1 for g in measured.gemm)  # attention's batched products
     assert all(g.tflops > 0 for g in measured.gemm) and measured.memory_gbyte_per_s > 0
     assert measured.memory_gbyte_per_s_16bit > 0  # (bf16 was measured: a 16-bit run's bandwidth too)
+    assert {(k.name, k.dtype) for k in measured.kernels} >= {("adam", "fp32"), ("uniform", "bf16")}
+    assert measured.shares_cores  # (2 ranks on the CPU)
     run = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--json", "--set", f"cluster.profile={out}",
                           "--set", "run.numerics=meta"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

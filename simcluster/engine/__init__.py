@@ -106,7 +106,8 @@ def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMes
               mode: Mode | str, cost_dtype: str, fold: Fold | None, faults: Faults | None = None,
               events: bool = True) -> RunResult:
     with gc_paused():  # (one pause over both passes: the collector then walks their objects once)
-        interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold)
+        interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold,
+                             serial_comm=topo.profile is not None and topo.profile.shares_cores)
         results = interp.run(program, *args)
         replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults, events)
         trace = replay.run()

@@ -39,8 +39,11 @@ class Interpreter:
     """Runs every rank's program, or with a fold (engine/fold.py) the representatives'."""
 
     def __init__(self, mesh: DeviceMesh, mode: Mode | str, *, cost_dtype: str = "fp32",
-                 fold: Fold | None = None) -> None:
+                 fold: Fold | None = None, serial_comm: bool = False) -> None:
         self.mesh = mesh
+        # communication on the stream that issues it (a CPU's collectives run on the cores that compute:
+        # they take turns, nothing overlaps)
+        self.serial_comm = serial_comm
         self.mode = Mode(mode) if isinstance(mode, str) else mode
         self.cost_dtype = cost_dtype
         self.fold = fold
@@ -237,6 +240,8 @@ class Interpreter:
 
     def _place(self, st: RankState, ch: Channel, pos: int, op: CommOp, sync: bool, call: Call) -> EmulatedWork:
         """Put member `pos`'s part of `call` on the stream it runs on; its work."""
+        if self.serial_comm and op.kind is not _COPY:
+            op.stream = st.cur.name
         if not op.stream:
             op.stream = ch.streams[pos]
         target = st.streams.get(op.stream) or st.stream(op.stream)
@@ -248,7 +253,7 @@ class Interpreter:
                 ch.mixed = True
         cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
-        j = wait_index(target, cur, len(cur.items) - 1) if cur.items else -1
+        j = wait_index(target, cur, len(cur.items) - 1) if cur.items and target is not cur else -1
         target.items.append((COMM, call, op.kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
         return EmulatedWork(op, sync, target, len(target.items) - 1, call)
 

@@ -153,7 +153,8 @@ class Replay:
         spans = sums.spans  # [start, end] of its busy time, runs of back-to-back events joined
         comm = sums.comm
         kernel_ns = self.cluster.host_kernel_ns if name == HOST else self.cluster.kernel_ns
-        durations: dict[tuple[float, float], int] = {}
+        named = name != HOST and self.cluster.named_rates  # (a profile's rates by kernel: keyed by name too)
+        durations: dict[tuple, int] = {}
         runs: dict[int, int] = {}  # a run of kernels' total, by the run's id
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
@@ -170,14 +171,15 @@ class Replay:
             if tag == KERNEL or tag == KERNELS:
                 if at_once:  # the sums of a kernel, or of a run, at once
                     if tag == KERNEL:
-                        n, total = 1, durations.get((item[3], item[4]))
+                        key = (item[1], item[3], item[4]) if named else (item[3], item[4])
+                        n, total = 1, durations.get(key)
                         if total is None:
-                            total = durations[(item[3], item[4])] = kernel_ns(item[3], item[4], dtype)
+                            total = durations[key] = kernel_ns(item[3], item[4], dtype, item[1])
                     else:
                         run = item[3]  # (the tape's: one object, alive while items hold it, so its id is its own)
                         n, total = len(run), runs.get(id(run))
                         if total is None:
-                            total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype) for _, flops, nb in run)
+                            total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype, op) for op, flops, nb in run)
                     busy += total
                     count += n
                     if total:
@@ -195,9 +197,10 @@ class Replay:
                 for op, flops, nb in run:
                     if dies is not None and t >= dies:
                         yield []  # failed: never runs again
-                    d = durations.get((flops, nb))
+                    key = (op, flops, nb) if named else (flops, nb)
+                    d = durations.get(key)
                     if d is None:
-                        d = durations[(flops, nb)] = kernel_ns(flops, nb, dtype)
+                        d = durations[key] = kernel_ns(flops, nb, dtype, op)
                     if slow is not None and t >= slow[1]:
                         d = math.ceil(d * slow[0])
                     if label:

@@ -60,6 +60,9 @@ class Cluster:
         self.profile = spec.profile
         sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
         self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
+        # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
+        self._named = {(k.name, k.dtype): k.gbyte_per_s for k in self.profile.kernels} if self.profile else {}
+        self.named_rates = bool(self._named)
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -145,13 +148,14 @@ class Cluster:
             return f"spine:rail{rail}-{'down' if down else 'up'}"
         return f"rank{link // 4}:{PORT_NAMES[link % 4]}"
 
-    def host_kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:
+    def host_kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str,
+                       name: str = "") -> int:
         """A kernel on the host's cores (the "cpu" stream): its FLOPs at the rank's share of the host's
         rate (ADAM_FLOPS x the CPU Adam throughput / GPUs a node), plus the launch gap."""
         flops = 2.0 * math.prod(work) if work.__class__ is tuple else work
         return int(math.ceil(flops / self._host_flops_per_ns)) + self.spec.kernel_overhead_ns
 
-    def kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str) -> int:
+    def kernel_ns(self, work: float | tuple[int, int, int, int], nbytes: float, dtype: str, name: str = "") -> int:
         """max(compute-bound, memory-bound) time plus the per-kernel overhead, in whole ns.
 
         `work` is a kernel's FLOPs, or a GEMM's shape (batch, m, n, k). A GEMM runs as output tiles,
@@ -161,7 +165,8 @@ class Cluster:
         waves of 108 on an A100, 89 % of them doing work. A side shorter than the tile gets a tile
         of its own size (to a multiple of 16, the tensor cores' step), and a GEMM with fewer tiles
         than SMs splits its k among them (split-K), as cuBLAS does for narrow products. With a measured
-        profile, a GEMM runs at the rate measured for the shape nearest it instead."""
+        profile, a GEMM runs at the rate measured for the shape nearest it instead, and a kernel the profile
+        measured by name (`name`, past its label; in a run of `dtype`) at the bandwidth measured for it."""
         if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
             batch, m, n, k = work
             flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype) * 1e3
@@ -175,5 +180,8 @@ class Cluster:
             rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
         else:
             flops, rate = work, self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
-        t = max(flops / rate, nbytes / self._bytes_per_ns_by_dtype.get(dtype, self._bytes_per_ns))
+        bandwidth = self._named.get((name.rpartition("/")[2], dtype)) if self._named else None
+        if bandwidth is None:
+            bandwidth = self._bytes_per_ns_by_dtype.get(dtype, self._bytes_per_ns)
+        t = max(flops / rate, nbytes / bandwidth)
         return int(math.ceil(t)) + self.spec.kernel_overhead_ns

@@ -13,6 +13,9 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
     link_gbyte_per_s = 1.2         fitted from all-reduce times over the measured ranks (absent with one
     link_latency_ns = 30000        rank): bus bandwidth, and latency per ring step
     gemm = [{dtype = "bf16", batch = 1, m = 256, n = 256, k = 256, tflops = 0.8}, ...]
+    kernels = [{name = "adam", dtype = "bf16", gbyte_per_s = 11.0}, ...]   (optional) kernels measured one
+                                   by one: the bytes the cost model charges each in a run of that dtype
+                                   over its time (the others at the figures above)
     allreduce = [{bytes = 1024, seconds = 2e-05, busbw_gbyte_per_s = 0.05}, ...]   (shown, not used)
 
 `apply(spec, profile)` turns a preset's spec into the profiled one: the measured figures replace the
@@ -29,7 +32,7 @@ import math
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 DTYPES = ("bf16", "fp16", "fp32", "fp64")
 SAME_RATE = {"fp16": "bf16", "bf16": "fp16"}  # tensor cores run both at one rate: either stands for the other
@@ -55,6 +58,13 @@ class Gemm:
 
 
 @dataclass(frozen=True)
+class Kernel:
+    name: str  # as ops.py records it ("adam", "uniform", ...)
+    dtype: str  # the run's cost dtype it was charged in
+    gbyte_per_s: float
+
+
+@dataclass(frozen=True)
 class Profile:
     source: str
     device: str
@@ -67,6 +77,8 @@ class Profile:
     link_latency_ns: int | None = None
     memory_gbyte: float | None = None
     memory_gbyte_per_s_16bit: float | None = None
+    kernels: tuple[Kernel, ...] = ()
+    shares_cores: bool = False  # collectives run on the cores that compute (a CPU's): nothing overlaps
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -105,6 +117,13 @@ def _number(doc: dict[str, Any], key: str, where: str, *, integer: bool = False,
     return v
 
 
+def _flag(doc: dict[str, Any], key: str, where: str) -> bool:
+    v = doc.get(key, False)
+    if not isinstance(v, bool):
+        raise ProfileError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
+
 def parse(text: str, source: str) -> Profile:
     try:
         doc = tomllib.loads(text)
@@ -120,6 +139,15 @@ def parse(text: str, source: str) -> Profile:
             raise ProfileError(f"{where}: needs dtype, one of {', '.join(DTYPES)}")
         gemm.append(Gemm(row["dtype"], *(_number(row, k, where, integer=True) for k in ("batch", "m", "n", "k")),
                          float(_number(row, "tflops", where))))
+    kernels = []
+    table = doc.get("kernels", [])
+    if not isinstance(table, list):
+        raise ProfileError(f"{source}: kernels must be a list of {{name, dtype, gbyte_per_s}}")
+    for i, row in enumerate(table):
+        where = f"{source}: kernels[{i}]"
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str) or row.get("dtype") not in DTYPES:
+            raise ProfileError(f"{where}: needs a name and a dtype, one of {', '.join(DTYPES)}")
+        kernels.append(Kernel(row["name"], row["dtype"], float(_number(row, "gbyte_per_s", where))))
     link = _number(doc, "link_gbyte_per_s", source, optional=True)
     latency = _number(doc, "link_latency_ns", source, integer=True, optional=True)
     if (link is None) != (latency is None):
@@ -133,7 +161,8 @@ def parse(text: str, source: str) -> Profile:
                    kernel_overhead_ns=_number(doc, "kernel_overhead_ns", source, integer=True), gemm=tuple(gemm),
                    link_gbyte_per_s=None if link is None else float(link), link_latency_ns=latency,
                    memory_gbyte=None if memory is None else float(memory),
-                   memory_gbyte_per_s_16bit=None if sixteen is None else float(sixteen))
+                   memory_gbyte_per_s_16bit=None if sixteen is None else float(sixteen), kernels=tuple(kernels),
+                   shares_cores=_flag(doc, "collectives_share_cores", source))
 
 
 def load(path: str | Path) -> Profile:
@@ -164,7 +193,8 @@ def apply(spec: Any, profile: Profile) -> Any:
 def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32: float, memory_gbyte_per_s: float,
           kernel_overhead_ns: int, gemm: list[Gemm], link: tuple[float, int] | None,
           allreduce: list[tuple[int, float]], ranks: int, backend: str, memory_gbyte: float | None,
-          notes: list[str], memory_gbyte_per_s_16bit: float | None = None) -> None:
+          notes: list[str], memory_gbyte_per_s_16bit: float | None = None, kernels: Sequence[Kernel] = (),
+          shares_cores: bool = False) -> None:
     """Write a profile file (readable by `load`), with comments saying what each figure is."""
     def g(x: float) -> str:
         return repr(float(f"{x:.4g}"))
@@ -179,6 +209,8 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
              f"peak_tflops_fp32 = {g(peak_tflops_fp32)}",
              f"memory_gbyte_per_s = {g(memory_gbyte_per_s)}  # reached by the elementwise kernels, as charged",
              f"kernel_overhead_ns = {int(kernel_overhead_ns)}  # the smallest kernel's time"]
+    if shares_cores:
+        lines.append("collectives_share_cores = true  # a CPU's: communication and compute take turns")
     if memory_gbyte_per_s_16bit is not None:
         lines.append(f"memory_gbyte_per_s_16bit = {g(memory_gbyte_per_s_16bit)}  # the same in a 16-bit run")
     if memory_gbyte is not None:
@@ -190,6 +222,11 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
     lines += [f"  {{dtype = {_quote(r.dtype)}, batch = {r.batch}, m = {r.m}, n = {r.n}, k = {r.k}, "
               f"tflops = {g(r.tflops)}}}," for r in gemm]
     lines.append("]")
+    if kernels:
+        lines.append("kernels = [  # kernels measured one by one: the bytes charged over the time")
+        lines += [f"  {{name = {_quote(k.name)}, dtype = {_quote(k.dtype)}, gbyte_per_s = {g(k.gbyte_per_s)}}},"
+                  for k in kernels]
+        lines.append("]")
     if allreduce:
         factor = 2 * (ranks - 1) / ranks
         lines.append(f"allreduce = [  # measured over {ranks} ranks (busbw = 2(p-1)/p * bytes / seconds); not read")
