@@ -24,7 +24,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -84,19 +84,26 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
     return timed
 
 
-def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int) -> list[float]:
-    """(In each rank's process.) Seconds per all-reduce of each size in bytes (fp32), the median of
-    `repeats`, each started together after a barrier."""
+def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int, kind: str = "all_reduce") -> list[float]:
+    """(In each rank's process.) Seconds per all-reduce (or `kind`: all_gather, reduce_scatter) of each
+    size in bytes (fp32: the whole tensor, gathered or scattered), the median of `repeats`, each started
+    together after a barrier."""
     out = []
+    p = dist.get_world_size()
     for nbytes in sizes:
-        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        n = max(p, nbytes // 4 // p * p)
+        x = torch.ones(n, dtype=torch.float32, device=device)
+        part = torch.ones(n // p, dtype=torch.float32, device=device)
+        call = {"all_reduce": lambda: dist.all_reduce(x),
+                "all_gather": lambda: dist.all_gather_single(x, part),
+                "reduce_scatter": lambda: dist.reduce_scatter_single(part, x)}[kind]
         times = []
         for i in range(repeats + 2):
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            dist.all_reduce(x)
+            call()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= 2:
@@ -189,6 +196,51 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -> tupl
     return 1.0 / slope / 1e9, int(round(alpha * per_step))
 
 
+def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[str, Any]:
+    """This process's figures: the smallest kernel, a copy's rate, the elementwise mixes, the kernels
+    timed alone, the GEMM grid."""
+    timed = _timer(device)
+    one, ops = torch.ones(1, device=device), TorchFastOps(device)
+    # through the kernel set, as a program calls it: its Python is part of every kernel's cost
+    overhead = timed(lambda: ops.add(one, one), grid.repeats * 20)
+    src = torch.empty(grid.copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_rate = 2 * grid.copy_bytes / timed(lambda: dst.copy_(src), grid.repeats) / 1e9
+    memory = elementwise_rate(device, grid, timed, overhead)
+    sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
+    measured = [k for dt in ("fp32",) + (("bf16",) if sixteen else ()) for k in kernel_rates(device, grid, timed, overhead, dt)]
+    measured += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in measured if k.dtype == "bf16"]
+    gemm: list[Gemm] = []
+    shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
+    for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
+        shapes += [(bh, s, s, d), (bh, s, d, s)]
+    for dt in dtypes:
+        for batch, m, n, k in shapes:
+            a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
+            b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
+            product = (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
+            t = timed(product, grid.repeats)
+            rate = 2.0 * batch * m * n * k / max(t - overhead, t / 2) / 1e12  # the kernel, not its launch
+            gemm.append(Gemm(dt, batch, m, n, k, rate))
+    return {"overhead": overhead, "copy": copy_rate, "memory": memory, "sixteen": sixteen, "kernels": measured,
+            "gemm": gemm}
+
+
+def _measure_rank(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[str, Any]:
+    return _measure(device, grid, dtypes)  # (in each rank's process, its threads its share of the cores)
+
+
+def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figure by figure, the slowest rank's (a step ends when its slowest rank does)."""
+    first = ranks[0]
+    return {"overhead": max(r["overhead"] for r in ranks), "copy": min(r["copy"] for r in ranks),
+            "memory": min(r["memory"] for r in ranks),
+            "sixteen": None if first["sixteen"] is None else min(r["sixteen"] for r in ranks),
+            "kernels": [replace(k, gbyte_per_s=min(r["kernels"][i].gbyte_per_s for r in ranks))
+                        for i, k in enumerate(first["kernels"])],
+            "gemm": [replace(g, tflops=min(r["gemm"][i].tflops for r in ranks)) for i, g in enumerate(first["gemm"])]}
+
+
 def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),
               quick: bool = False, timeout_s: float = 600.0, say: Callable[[str], None] = lambda _: None) -> dict:
     """Measure, write the profile at `path`, and return what was measured (for the caller to show)."""
@@ -207,38 +259,20 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
         torch.set_num_threads(cpu_share(nproc))
         name = f"cpu ({platform.machine()}, {torch.get_num_threads()} of {os.cpu_count()} cores: one rank of {nproc})"
     grid = GRIDS[(device.type, quick)]
-    timed = _timer(device)
-
     say(f"calibrating {name}")
-    one, ops = torch.ones(1, device=device), TorchFastOps(device)
-    # through the kernel set, as a program calls it: its Python is part of every kernel's cost
-    overhead = timed(lambda: ops.add(one, one), grid.repeats * 20)
+    if device.type == "cpu" and nproc > 1:  # every rank measures at once, as a run shares the caches and memory
+        say(f"  kernels measured on {nproc} ranks at once (the slowest rank's figures)")
+        ranks = in_processes(_measure_rank, (grid, tuple(dtypes)), nproc, kind, timeout_s=timeout_s)
+        got = _slowest(ranks)
+    else:
+        got = _measure(device, grid, tuple(dtypes))
+    overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
-    src = torch.empty(grid.copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), grid.repeats)
-    copy_rate = 2 * grid.copy_bytes / copy_s / 1e9
-    memory = elementwise_rate(device, grid, timed, overhead)
-    sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
-    measured = [k for dt in ("fp32",) + (("bf16",) if sixteen else ()) for k in kernel_rates(device, grid, timed, overhead, dt)]
-    measured += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in measured if k.dtype == "bf16"]
-    say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({copy_rate:.1f} GB/s a copy)"
+    say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))
-
-    gemm: list[Gemm] = []
-    shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
-    for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
-        shapes += [(bh, s, s, d), (bh, s, d, s)]
     for dt in dtypes:
-        for batch, m, n, k in shapes:
-            a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
-            b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
-            product = (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
-            t = timed(product, grid.repeats)
-            rate = 2.0 * batch * m * n * k / max(t - overhead, t / 2) / 1e12  # the kernel, not its launch
-            gemm.append(Gemm(dt, batch, m, n, k, rate))
-        best = max(g.tflops for g in gemm if g.dtype == dt)
-        say(f"  {dt} GEMMs: {len(shapes)} shapes, best {best:.3g} TFLOP/s")
+        say(f"  {dt} GEMMs: {sum(g.dtype == dt for g in gemm)} shapes, best "
+            f"{max(g.tflops for g in gemm if g.dtype == dt):.3g} TFLOP/s")
 
     def best_of(kinds: tuple[str, ...]) -> float | None:
         return max((g.tflops for g in gemm if g.dtype in kinds), default=None)
@@ -247,7 +281,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     peak16 = sheet[0] if sheet else (best_of(("bf16", "fp16")) or best_of(("fp32", "fp64")))
     peak32 = sheet[1] if sheet else (best_of(("fp32",)) or best_of(("fp64",)) or peak16)
 
-    link, allreduce = None, []
+    link, allreduce, rates = None, [], []
     if nproc > 1:
         say(f"  all-reduce over {nproc} ranks ({kind}), {len(grid.message_bytes)} sizes")
         per_rank = in_processes(_allreduce_times, (grid.message_bytes, grid.repeats), nproc, kind, timeout_s=timeout_s)
@@ -255,6 +289,13 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
         allreduce = list(zip(grid.message_bytes, seconds))
         link = fit_link(grid.message_bytes, seconds, nproc)
         say(f"  link: {link[0]:.3g} GB/s bus bandwidth, {link[1] / 1e3:.1f} us per ring step")
+        big = grid.message_bytes[-2:]  # (bandwidth-bound: the largest messages)
+        for rated in _profile.RATED:
+            per_rank = in_processes(_allreduce_times, (big, grid.repeats, rated), nproc, kind, timeout_s=timeout_s)
+            shares = [(nproc - 1) / nproc * b / (link[0] * 1e9) / max(t - (nproc - 1) * link[1] / 1e9, 1e-9)
+                      for b, t in zip(big, (max(ts) for ts in zip(*per_rank)))]  # the ring's time at the link / measured
+            rates.append((rated, min(1.0, statistics.median(shares))))
+        say("  " + ", ".join(f"{k}: {v:.2f} of the link's rate" for k, v in rates))
     memory_gbyte = (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None)
     notes = [f"measured with torch {torch.__version__} on {name}, {'quick' if quick else 'full'} grid",
              "peak_tflops: " + ("the datasheet's" if sheet else "the best GEMM measured (no datasheet for this device)"),
@@ -263,7 +304,8 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     _profile.write(path, device=name, peak_tflops=peak16, peak_tflops_fp32=peak32, memory_gbyte_per_s=memory,
                    kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
                    allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes,
-                   memory_gbyte_per_s_16bit=sixteen, kernels=measured, shares_cores=device.type == "cpu" and nproc > 1)
+                   memory_gbyte_per_s_16bit=sixteen, kernels=measured, shares_cores=device.type == "cpu" and nproc > 1,
+                   collective_rates=rates)
     _profile.load(path)  # what was written reads back
     return {"device": name, "backend": kind, "ranks": nproc, "overhead_s": overhead, "memory_gbyte_per_s": memory,
             "memory_gbyte_per_s_16bit": sixteen, "kernels": measured,

@@ -16,7 +16,8 @@ from simcluster.topology.presets import preset
 from simcluster.topology.profile import Gemm
 
 
-def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, kernels=(), shares_cores=False):
+def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, kernels=(), shares_cores=False,
+                  rates=()):
     """A made-up profile; `scale` multiplies every rate in it; `sixteen`: its 16-bit run's bandwidth;
     `kernels`: (name, dtype, GB/s) measured one by one; `shares_cores`: a CPU's collectives."""
     gemm = [Gemm(d, 1, s, s, s, scale * r) for d, r0 in (("bf16", 40.0), ("fp32", 10.0))
@@ -25,8 +26,23 @@ def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, ke
                   memory_gbyte_per_s=scale * 500.0, kernel_overhead_ns=overhead_ns, gemm=gemm,
                   link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[],
                   memory_gbyte_per_s_16bit=sixteen, kernels=[profile.Kernel(*k) for k in kernels],
-                  shares_cores=shares_cores)
+                  shares_cores=shares_cores, collective_rates=rates)
     return path
+
+
+def test_a_collective_measured_apart_runs_at_its_share_of_the_link(tmp_path):
+    """gloo's all-gather and reduce-scatter on a CPU reach a fraction of the rate its all-reduce was
+    fitted to (measured here: 0.5-0.6 and 0.3-0.4): calibrate measures them apart, and a run's gathers
+    and scatters take that much longer; an all-reduce, not measured apart, is as it was."""
+    def step(rates, zero):
+        path = write_profile(tmp_path / f"{len(rates)}.toml", rates=rates)
+        return run_scenario(load(None, SMALL_DDP + [f"cluster.profile={path}", f"parallel.zero={zero}"])).report["step_time_ns"]
+    slow = (("all_gather", 0.01), ("reduce_scatter", 0.01))
+    assert step(slow, 3) > step((), 3)
+    assert step(slow, 0) == step((), 0)
+    assert dict(profile.load(tmp_path / "2.toml").collective_rates) == {"all_gather": 0.01, "reduce_scatter": 0.01}
+    with pytest.raises(profile.ProfileError, match="collective_rates must be a table"):
+        profile.parse((tmp_path / "2.toml").read_text().replace("all_gather =", "broadcast ="), "p.toml")
 
 
 SMALL_DDP = ["run.numerics=meta", "model.dtype=fp32", "model.layers=1", "model.hidden=256", "model.heads=4",
@@ -186,6 +202,7 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     assert measured.memory_gbyte_per_s_16bit > 0  # (bf16 was measured: a 16-bit run's bandwidth too)
     assert {(k.name, k.dtype) for k in measured.kernels} >= {("adam", "fp32"), ("uniform", "bf16")}
     assert measured.shares_cores  # (2 ranks on the CPU)
+    assert {k for k, _ in measured.collective_rates} == {"all_gather", "reduce_scatter"}
     run = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--json", "--set", f"cluster.profile={out}",
                           "--set", "run.numerics=meta"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

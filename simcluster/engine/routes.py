@@ -110,6 +110,9 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
             latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
             if rate != 1.0:  # the protocol's share of the links' rate: its bytes take that much longer
                 prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
+        elif phases and cluster.collective_rates.get(call.kind.value, 1.0) != 1.0:  # (a profile measured it)
+            rate = cluster.collective_rates[call.kind.value]
+            prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
         cached = routes[key] = _timed(list(zip(latencies, prepared)),
                                       [int(round(sent.get(r, 0.0))) for r in call.members])
     return cached

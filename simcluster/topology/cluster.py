@@ -63,6 +63,7 @@ class Cluster:
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
         self._named = {(k.name, k.dtype): k.gbyte_per_s for k in self.profile.kernels} if self.profile else {}
         self.named_rates = bool(self._named)
+        self.collective_rates = dict(self.profile.collective_rates) if self.profile else {}
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node

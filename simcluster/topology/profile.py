@@ -79,6 +79,9 @@ class Profile:
     memory_gbyte_per_s_16bit: float | None = None
     kernels: tuple[Kernel, ...] = ()
     shares_cores: bool = False  # collectives run on the cores that compute (a CPU's): nothing overlaps
+    # the share of the fitted link's rate other collectives reach, by kind ("all_gather": 0.4): a
+    # backend's own algorithms for them may be slower than its all-reduce's (gloo's on a CPU are)
+    collective_rates: tuple[tuple[str, float], ...] = ()
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -124,6 +127,16 @@ def _flag(doc: dict[str, Any], key: str, where: str) -> bool:
     return v
 
 
+RATED = ("all_gather", "reduce_scatter")  # the collectives whose rates calibrate measures apart
+
+
+def _rates(doc: dict[str, Any], source: str) -> tuple[tuple[str, float], ...]:
+    table = doc.get("collective_rates", {})
+    if not isinstance(table, dict) or any(k not in RATED for k in table):
+        raise ProfileError(f"{source}: collective_rates must be a table of {', '.join(RATED)}")
+    return tuple((k, float(_number(table, k, f"{source}: collective_rates"))) for k in sorted(table))
+
+
 def parse(text: str, source: str) -> Profile:
     try:
         doc = tomllib.loads(text)
@@ -162,7 +175,7 @@ def parse(text: str, source: str) -> Profile:
                    link_gbyte_per_s=None if link is None else float(link), link_latency_ns=latency,
                    memory_gbyte=None if memory is None else float(memory),
                    memory_gbyte_per_s_16bit=None if sixteen is None else float(sixteen), kernels=tuple(kernels),
-                   shares_cores=_flag(doc, "collectives_share_cores", source))
+                   shares_cores=_flag(doc, "collectives_share_cores", source), collective_rates=_rates(doc, source))
 
 
 def load(path: str | Path) -> Profile:
@@ -194,7 +207,7 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
           kernel_overhead_ns: int, gemm: list[Gemm], link: tuple[float, int] | None,
           allreduce: list[tuple[int, float]], ranks: int, backend: str, memory_gbyte: float | None,
           notes: list[str], memory_gbyte_per_s_16bit: float | None = None, kernels: Sequence[Kernel] = (),
-          shares_cores: bool = False) -> None:
+          shares_cores: bool = False, collective_rates: Sequence[tuple[str, float]] = ()) -> None:
     """Write a profile file (readable by `load`), with comments saying what each figure is."""
     def g(x: float) -> str:
         return repr(float(f"{x:.4g}"))
@@ -209,6 +222,9 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
              f"peak_tflops_fp32 = {g(peak_tflops_fp32)}",
              f"memory_gbyte_per_s = {g(memory_gbyte_per_s)}  # reached by the elementwise kernels, as charged",
              f"kernel_overhead_ns = {int(kernel_overhead_ns)}  # the smallest kernel's time"]
+    if collective_rates:
+        lines.append("collective_rates = { " + ", ".join(f"{k} = {g(v)}" for k, v in collective_rates)
+                     + " }  # the share of the link's rate each reaches (measured apart)")
     if shares_cores:
         lines.append("collectives_share_cores = true  # a CPU's: communication and compute take turns")
     if memory_gbyte_per_s_16bit is not None:
