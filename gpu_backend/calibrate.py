@@ -226,10 +226,6 @@ def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[
             "gemm": gemm}
 
 
-def _measure_rank(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[str, Any]:
-    return _measure(device, grid, dtypes)  # (in each rank's process, its threads its share of the cores)
-
-
 def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Figure by figure, the slowest rank's (a step ends when its slowest rank does)."""
     first = ranks[0]
@@ -262,7 +258,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     say(f"calibrating {name}")
     if device.type == "cpu" and nproc > 1:  # every rank measures at once, as a run shares the caches and memory
         say(f"  kernels measured on {nproc} ranks at once (the slowest rank's figures)")
-        ranks = in_processes(_measure_rank, (grid, tuple(dtypes)), nproc, kind, timeout_s=timeout_s)
+        ranks = in_processes(_measure, (grid, tuple(dtypes)), nproc, kind, timeout_s=timeout_s)
         got = _slowest(ranks)
     else:
         got = _measure(device, grid, tuple(dtypes))

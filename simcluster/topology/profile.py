@@ -16,6 +16,10 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
     kernels = [{name = "adam", dtype = "bf16", gbyte_per_s = 11.0}, ...]   (optional) kernels measured one
                                    by one: the bytes the cost model charges each in a run of that dtype
                                    over its time (the others at the figures above)
+    collectives_share_cores = true (optional) a CPU's: collectives run on the cores that compute, so a
+                                   run's communication overlaps nothing (on the stream that issues it)
+    collective_rates = {all_gather = 0.54, reduce_scatter = 0.40}   (optional) the share of the link's
+                                   fitted rate these reach (a backend's algorithms for them may be slower)
     allreduce = [{bytes = 1024, seconds = 2e-05, busbw_gbyte_per_s = 0.05}, ...]   (shown, not used)
 
 `apply(spec, profile)` turns a preset's spec into the profiled one: the measured figures replace the
