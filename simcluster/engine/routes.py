@@ -106,12 +106,12 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
             alpha.append(phase.steps * latency)
         prepared = [network.prepare(flows) for flows in raw]
         latencies = alpha
+        rate = 1.0
         if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
             latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
-            if rate != 1.0:  # the protocol's share of the links' rate: its bytes take that much longer
-                prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
-        elif phases and cluster.collective_rates.get(call.kind.value, 1.0) != 1.0:  # (a profile measured it)
-            rate = cluster.collective_rates[call.kind.value]
+        elif phases:  # the textbook model: the share of the link a profile measured for this kind, if any
+            rate = cluster.collective_rates.get(call.kind.value, 1.0)
+        if rate != 1.0:  # the protocol's (or the measured) share of the links' rate: its bytes take that much longer
             prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
         cached = routes[key] = _timed(list(zip(latencies, prepared)),
                                       [int(round(sent.get(r, 0.0))) for r in call.members])
