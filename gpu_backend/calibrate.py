@@ -9,6 +9,11 @@ else the CPU):
   a mix of them (norms, activations and their gradients, softmax, residual adds, masks, casts,
   AdamW) over their time, less each kernel's launch; a plain copy's rate beside it;
 - the time of the smallest kernel (a one-element add: launch and dispatch overhead);
+- every other kernel of a training step as the program calls it: a real step of a small GPT and of a
+  small Llama on the kernel set, each call timed (step_profile.py) and its time put on the kernels it records,
+  so each gets the rate it reaches in a step (GELU's backward, the norms, the fused attention: 0.3 to
+  16 GB/s on this CPU against the mix's 4), not the mix's average; GEMMs and the kernels over
+  weight-sized tensors keep the figures measured for them apart;
 - all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
   over the ring's 2(p-1) steps the latency per step.
@@ -33,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
+from gpu_backend.step_profile import step_rates
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.cli import say_error
 from simcluster.topology import profile as _profile
@@ -263,6 +269,12 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     else:
         got = _measure(device, grid, tuple(dtypes))
     overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
+    say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama)")
+    runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
+    per_rank = in_processes(step_rates, (overhead, runs, nproc), nproc, kind, timeout_s=timeout_s)
+    stepped = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
+    stepped += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in stepped if k.dtype == "bf16"]
+    measured = stepped + list(measured)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))

@@ -46,7 +46,10 @@ def check_backend(requested: str, world: int) -> str:
 # Ranks are forked from a server process that has imported torch and the backend once (spawn imports them
 # anew in every rank: 1.7 s of CPU a rank here, measured); safe with CUDA, which the server never touches.
 # Each rank still imports the launching script's main module, so an unguarded script is caught as before.
-START, PRELOAD = "forkserver", ["gpu_backend.runner"]
+# The server also imports what torch imports lazily on a rank's first attention backward (autograd through
+# scaled_dot_product_attention loads torch.fx's symbolic shapes, and sympy with them: 0.24 s, measured), which
+# every rank would otherwise pay inside its first step.
+START, PRELOAD = "forkserver", ["gpu_backend.runner", "torch.fx.experimental.symbolic_shapes"]
 
 
 def _worker(rank: int, world: int, port: int, kind: str, timeout_s: float, threads: int | None,

@@ -229,10 +229,12 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
 
 
 def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
-             device: torch.device | None = None, watchdog_s: float = 300.0, digests: bool = False, expected: Any = None) -> RankRun:
+             device: torch.device | None = None, watchdog_s: float = 300.0, digests: bool = False, expected: Any = None,
+             kernels: Callable[[Any], Any] | None = None) -> RankRun:
     """run_rank, timed from a barrier to the program's end, with the peak memory. The kernels are the torch
-    kernel set's on `device` (in fast mode a `meta` device runs the step with no numbers at all). The
-    result's tensors come back to the host: whole, or with `digests` as digests.summarize makes them
+    kernel set's on `device` (in fast mode a `meta` device runs the step with no numbers at all); `kernels`,
+    if given, is handed that kernel set and returns the one the program uses (calibrate's timed wrapper).
+    The result's tensors come back to the host: whole, or with `digests` as digests.summarize makes them
     against `expected` (the digests of the emulator's outputs of this rank; None: digests alone)."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
@@ -245,6 +247,8 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
                            f"{' or '.join(KERNEL_SETS)}")
     deterministic_math()
     ops = KERNEL_SETS[mode](device)
+    if kernels is not None:
+        ops = kernels(ops)
     backend.arrays = ops.xp
     comm = Comm(backend.issue, rank, mesh.world_size)
     ctx = Context(rank=rank, mesh=mesh.view(rank), ops=ops, comm=comm, streams=_Streams(), memory=MemoryLedger())

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from simcluster.model import flash
 from simcluster.numerics import random as _random
 from simcluster.numerics.dtypes import dtype_name
 from simcluster.numerics.limbs import BF16
@@ -393,12 +394,19 @@ class TorchFastOps(FastOps):
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
         with torch.enable_grad():
             out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)
-        return out.detach(), (out, q_, k_, v_)
+        self._flash("flash_attention", q, k, causal, backward=False)
+        return out.detach(), (out, q_, k_, v_, causal)
 
     def fused_attention_backward(self, state: Any, dout: Any) -> tuple[Any, Any, Any]:
-        out, q, k, v = state
+        out, q, k, v, causal = state
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        self._flash("flash_attention_backward", q, k, causal, backward=True)
         return dq, dk, dv
+
+    def _flash(self, name: str, q: Any, k: Any, causal: bool, backward: bool) -> None:
+        """Records the fused kernel's cost, as the emulator charges it (model/flash.py)."""
+        flops, nbytes = flash.cost(tuple(q.shape), tuple(k.shape), self.xp.name(q.dtype), causal, backward)
+        self.kernel(name, flops=flops, nbytes=nbytes)
 
     def embedding_backward(self, ids: Any, dy: Any, rows: int, row_offset: int = 0) -> Any:
         """The rows' sums of dy as torch's embedding backward forms them: added row by row (index_add),

@@ -288,3 +288,47 @@ def test_the_fused_attention_agrees_with_the_two_pass_core(dtype):
     wants = host.attention_backward(dout, want | {"q": q, "k": k, "v": v})
     for g, w in zip(grads, wants):
         within_one_rounding(g, w, dtype, 16)
+
+
+def test_the_fused_attention_is_charged_as_the_emulators_flash_kernel():
+    """Where the torch kernel set runs torch's fused attention, it records the kernel the emulator charges
+    for the same core (model/flash.py: one flash_attention forward, one backward, the same FLOPs and
+    bytes), so that calibrate, which divides a kernel's charged bytes by its measured time, measures the
+    rate the emulator times it at. Before, the fused kernel recorded nothing: its time went uncharged."""
+    from simcluster.model.gpt import GPT, GPTConfig, Slice
+
+    cfg = GPTConfig(hidden=32, heads=4, seq=16, causal=True)
+    q, k, v, dout = (draw(n, (2, 4, 16, 8), "fp32") for n in ("q", "k", "v", "dout"))
+    host_log, device_log = [], []
+    host = GPT(make_ops("fast", lambda *r: host_log.append(r)), cfg)
+    ops = TorchFastOps("cpu", lambda *r: device_log.append(r))
+    device = GPT(ops, cfg)
+    want = host.attention_core(q, k, v, 0, 0, Slice(0, 2))
+    host.attention_backward(dout, want | {"q": q, "k": k, "v": v})
+    got = device.attention_core(*(ops.xp.asarray(t) for t in (q, k, v)), 0, 0, Slice(0, 2))
+    device.attention_backward(ops.xp.asarray(dout), got)
+    flash = [r for r in host_log if r[0].startswith("flash_attention")]
+    assert [r[0] for r in flash] == ["flash_attention", "flash_attention_backward"]
+    assert device_log == flash  # (name, FLOPs, bytes): the same kernels, nothing else recorded
+
+
+def test_a_timed_kernel_set_puts_each_calls_time_on_the_kernels_it_recorded():
+    """calibrate's step profile (gpu_backend/calibrate.py `TimedKernels`): each call the program makes is timed
+    once (a kernel calling others is one kernel), a fused region is the one kernel it records (its
+    enclosed ops are not charged apart), and a call that records two kernels shares its time between
+    them by the bytes each is charged."""
+    from gpu_backend.step_profile import TimedKernels
+
+    timed = TimedKernels()
+    ops = timed.wrap(TorchFastOps("cpu"))
+    x = ops.xp.asarray(np.linspace(-2, 2, 4096, dtype=np.float32).reshape(64, 64))
+    ops.gelu(x)
+    with ops.fused("bias_gelu", nbytes=3 * x.numel() * 4):
+        ops.gelu(ops.add(x, x))
+    p, g, m, v = (ops.xp.asarray(np.full(1024, f, np.float32)) for f in (1.0, 0.5, 0.0, 0.0))
+    ops.adam(p, g, m, v, 1, lr=1e-3, grad_scale=0.5, donate=True)
+    assert timed.calls == {"gelu": 1, "bias_gelu": 1, "scale": 1, "adam": 1}  # nothing inside bias_gelu apart
+    assert timed.nbytes["bias_gelu"] == 3 * 4096 * 4
+    assert all(t > 0 for t in timed.seconds.values())
+    share = timed.seconds["adam"] / (timed.seconds["adam"] + timed.seconds["scale"])
+    assert share == pytest.approx(timed.nbytes["adam"] / (timed.nbytes["adam"] + timed.nbytes["scale"]))

@@ -17,21 +17,29 @@ from typing import Any, ContextManager
 
 from simcluster.numerics.tensor import ITEMSIZE
 
-def _fused(ops: Any, cfg: Any, name: str, q: Any, k: Any, products: float, moved: int) -> ContextManager[None]:
-    """One kernel doing `products` times q k^T's FLOPs (half of them when causal) and moving `moved`
-    tensors of q's size, as many of k's, and as many fp32 statistics per query row."""
+def cost(q: tuple[int, ...], k: tuple[int, ...], dtype: str, causal: bool, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of the fused kernel on q (b, a, sq, d) and k (b, a, sk, d): `products` times q k^T's
+    FLOPs (half of them when causal), moving `moved` tensors of q's size, as many of k's, and as many fp32
+    statistics per query row (forward: 2 products, 2 moved; backward: 5 and 4)."""
+    products, moved = (5, 4) if backward else (2, 2)
+    b, a, sq, d = q
+    nq, nk = b * a * sq * d, b * a * k[2] * d
+    flops = 2.0 * products * b * a * sq * k[2] * d * (0.5 if causal else 1.0)
+    return flops, float(ITEMSIZE[dtype] * moved * (nq + nk) + 4 * moved // 2 * nq // d)
+
+
+def _fused(ops: Any, cfg: Any, name: str, q: Any, k: Any, backward: bool) -> ContextManager[None]:
+    """One kernel, costing what `cost` says."""
     if cfg.attention_kernel != "flash":
         return nullcontext()
-    b, a, sq, d = q.shape
-    nq, nk = b * a * sq * d, b * a * k.shape[2] * d
-    flops = 2.0 * products * b * a * sq * k.shape[2] * d * (0.5 if cfg.causal else 1.0)
-    return ops.fused(name, flops=flops, nbytes=ITEMSIZE[cfg.dtype] * moved * (nq + nk) + 4 * moved // 2 * nq // d)
+    flops, nbytes = cost(tuple(q.shape), tuple(k.shape), cfg.dtype, cfg.causal, backward)
+    return ops.fused(name, flops=flops, nbytes=nbytes)
 
 
 def forward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
     """Around the forward core on q (b, a, sq, d) and k (b, a, sk, d): one fused kernel, or nothing.
     Two products (QK^T, PV); reads q, k, v, writes the output and the statistics."""
-    return _fused(ops, cfg, "flash_attention", q, k, products=2, moved=2)
+    return _fused(ops, cfg, "flash_attention", q, k, backward=False)
 
 
 def merge(ops: Any, cfg: Any, q: Any) -> ContextManager[None]:
@@ -49,4 +57,4 @@ def merge(ops: Any, cfg: Any, q: Any) -> ContextManager[None]:
 def backward(ops: Any, cfg: Any, q: Any, k: Any) -> ContextManager[None]:
     """Around the backward core: five products (QK^T again, dV, dP, dQ, dK); reads q, o, dO, k, v and
     the statistics, writes dq, dk, dv (counted as four of each size), and the row sums dO.o."""
-    return _fused(ops, cfg, "flash_attention_backward", q, k, products=5, moved=4)
+    return _fused(ops, cfg, "flash_attention_backward", q, k, backward=True)

@@ -1,0 +1,131 @@
+"""calibrate's step profile: every kernel of a training step timed as the program calls it.
+
+A calibration that times each kernel alone, or a mix of them, misses what a kernel costs where a step
+runs it: a GELU backward of five temporaries, a norm's reductions, the fused attention through autograd
+(0.3 to 16 GB/s on one CPU core against a mix's 4, measured). So `step_rates` runs a real training
+step of a small GPT and of a small Llama on the torch kernel set, on the calibrated ranks, with
+`TimedKernels` around it, and gives each kernel name the rate it reached: the bytes the cost model
+charges it over its time, less a launch each. The emulator then times a kernel of that name at it
+(topology/profile.py `kernels`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from gpu_backend.runner import measured
+from simcluster.runner import job_of
+from simcluster.scenario import load
+from simcluster.topology import profile as _profile
+
+
+# Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid)
+# and the kernels over weight-sized tensors (their rates change past the caches and glibc's 32 MiB threshold,
+# beyond which every new buffer is page-faulted in: `kernel_rates` measures them at that size).
+APART = frozenset({"matmul", "einsum", "adam", "cast", "flatten", "uniform"})
+
+
+class TimedKernels:
+    """Times a kernel set's every call from the program (the outermost call only: a kernel's own calls to
+    others are part of it) and puts the time on the kernels the call recorded, in proportion to the
+    bytes it charged each; `fused` regions are calls too (the kernel they record is theirs). On a CPU a
+    kernel runs as it is called, so a call's wall time is the kernel's, its Python included.
+    `wrap(ops)` returns the kernel set timed (measured's `kernels=`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.nbytes: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.depth = 0
+
+    def wrap(self, ops: Any) -> Any:
+        for name in dir(type(ops)):
+            attr = getattr(type(ops), name, None)
+            if name.startswith("_") or not callable(attr) or isinstance(attr, (type, property)) or name == "kernel":
+                continue
+            setattr(ops, name, self._region(ops, getattr(ops, name)) if name == "fused" else self._call(ops, getattr(ops, name)))
+        return ops
+
+    def _call(self, ops: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._timing(ops, fn.__name__):
+                return fn(*args, **kwargs)
+        return call
+
+    def _region(self, ops: Any, fused: Callable[..., Any]) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        def region(*args: Any, **kwargs: Any) -> Iterator[None]:  # a fused kernel: the enclosed ops are its
+            with self._timing(ops, "fused"), fused(*args, **kwargs):
+                yield
+        return region
+
+    @contextlib.contextmanager
+    def _timing(self, ops: Any, call: str) -> Iterator[None]:
+        if self.depth:
+            yield
+            return
+        self.depth += 1
+        recorded: list[tuple[str, float]] = []
+        record = ops._record
+        ops._record = lambda name, work, nbytes: (recorded.append((name, nbytes)), record(name, work, nbytes))
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            ops._record = record
+            self.depth -= 1
+            self._charge(recorded, time.perf_counter() - t0, call)
+
+    def _charge(self, recorded: list[tuple[str, float]], seconds: float, call: str) -> None:
+        """A call's time on its kernels; one that records none (the cost model charges it nothing) on
+        `<call>`, for a reader to see (prediction_breakdown.py)."""
+        recorded = recorded or [(f"<{call}>", 0.0)]
+        total = sum(b for _, b in recorded)
+        for name, nbytes in recorded:
+            share = nbytes / total if total > 0 else 1 / len(recorded)
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds * share
+            self.nbytes[name] = self.nbytes.get(name, 0.0) + nbytes
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+
+def step_sets(arch: str, dtype: str, ranks: int) -> list[str]:
+    """The step a profile is measured on: a small model of `arch` (one block, hidden 512, 256 tokens a
+    rank) in data parallelism over the calibrated ranks, fast mode, two steps."""
+    sets = ["model.hidden=512", "model.layers=1", "model.heads=8", "model.ffn_hidden=2048", "model.seq=256",
+            "model.vocab=2048", f"model.global_batch={ranks}", f"model.dtype={dtype}", "model.tied_head=false",
+            "run.numerics=fast", f"parallel.dp={ranks}", f"cluster.gpus_per_node={ranks}", "run.verify=false",
+            "run.steps=2"]
+    return sets + (["model.arch=llama", "model.kv_heads=4"] if arch == "llama" else [])
+
+
+def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int) -> list[Any]:
+    """(In each rank's process.) The rate of every kernel a training step calls, timed as the program calls
+    it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`): the bytes the cost model charges
+    each over its time less a launch each, by kernel name and run dtype. GEMMs and the kernels over
+    weight-sized tensors are left to the figures measured for them (`APART`)."""
+    out = []
+    for dtype in dtypes:
+        seconds: dict[str, float] = {}
+        nbytes: dict[str, float] = {}
+        calls: dict[str, int] = {}
+        for arch in ("gpt", "llama"):
+            job = job_of(load(None, step_sets(arch, dtype, ranks)), fold=False)
+            timed = TimedKernels()
+            measured(job.program, job.args, job.mesh, mode="fast", device=device, kernels=timed.wrap)
+            for name, t in timed.seconds.items():
+                seconds[name] = seconds.get(name, 0.0) + t
+                nbytes[name] = nbytes.get(name, 0.0) + timed.nbytes[name]
+                calls[name] = calls.get(name, 0) + timed.calls[name]
+        for name in sorted(seconds):
+            if name in APART or nbytes[name] <= 0:
+                continue
+            t = seconds[name]
+            out.append(_profile.Kernel(name, dtype, nbytes[name] / max(t - calls[name] * overhead_s, t / 2) / 1e9))
+    return out
+
+
+__all__ = ["APART", "TimedKernels", "step_rates", "step_sets"]
