@@ -172,6 +172,22 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
+def test_a_ddp_replica_squares_no_gradient_it_does_not_count():
+    """Clipping under DDP: the first rank counts every gradient element, its replica none of them; the
+    replica squares a one-element zero (one einsum) instead of zeroing and squaring every unit's gradient
+    (one where and one einsum a unit), and the result is still the one device's, byte for byte."""
+    from simcluster.runner import run_scenario
+    from simcluster.scenario import load
+
+    out = run_scenario(load(None, ["parallel.dp=2", "parallel.zero=0", "cluster.gpus_per_node=2", "run.steps=1",
+                                   "model.layers=1", "run.numerics=exact", "run.clip_grad=1.0"]), fold=False)
+    assert out.report["verification"]["bit_exact"]
+    optimizer = [(e.rank, e.name.rpartition("/")[2]) for e in out.result.trace.events if e.name.startswith("O0/")]
+    units = 3  # embed, block0, head
+    assert optimizer.count((0, "einsum")) == units and (0, "where") not in optimizer
+    assert optimizer.count((1, "einsum")) == 1 and optimizer.count((1, "where")) == 1
+
+
 @pytest.mark.parametrize("tp,kv_heads,heads,cp,attention", [(2, 1, 2, 1, "ulysses"), (4, 1, 4, 1, "ring"),
                                                            (4, 2, 8, 2, "ring"), (3, 1, 3, 2, "allgather")])
 def test_kv_heads_replicated_when_tp_exceeds_them(tp, kv_heads, heads, cp, attention):

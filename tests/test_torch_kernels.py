@@ -140,6 +140,26 @@ def test_adam_writes_a_donated_parameter_and_no_other(ops):
     assert xp.to_host(clipped[0]).tobytes() != xp.to_host(kept[0]).tobytes()
 
 
+@pytest.mark.parametrize("ops", [HOST, DEVICE], ids=["numpy", "torch"])
+def test_a_16_bit_gradient_goes_to_its_all_reduce_in_16_bits(ops):
+    """A weight gradient (a GEMM's fp32-accumulated partial) retagged to bf16 on its way to the data-parallel
+    all-reduce holds bf16: its flat bucket is half an fp32 one's bytes on the wire, as the emulator charges
+    it, and two of them add as bf16 adds (the sum rounded once to bf16), as a bf16 all-reduce adds them."""
+    xp = ops.xp
+    a, b = (ops.cast(xp.asarray(HOST.uniform(9, n, (6, 40))), "bf16") for n in "ab")
+    grads = [ops.matmul(a, ops.transpose(b), partial=True) for _ in range(2)]
+    tagged = [ops.retag(g, "bf16") for g in grads]
+    for g, t in zip(grads, tagged):
+        assert xp.name(t.limbs.dtype) == "bf16"
+        assert xp.to_host(t.finalize("bf16")).tobytes() == xp.to_host(g.finalize("bf16")).tobytes()
+    bucket = ops.flat(tagged)
+    assert bucket.limbs.shape == (72, 1) and xp.name(bucket.limbs.dtype) == "bf16"
+    total = ops.add_partial(tagged[0], tagged[1]).finalize("bf16")
+    once = (np.asarray(xp.to_host(tagged[0].finalize("fp32")), np.float64)
+            + np.asarray(xp.to_host(tagged[1].finalize("fp32")), np.float64))  # exact: bf16 + bf16 in fp64
+    assert xp.to_host(total).tobytes() == HOST.cast(once.astype(np.float32), "bf16").tobytes()
+
+
 def host_bytes(x):
     return torch_to_host(x.limbs if isinstance(x, Partial) else x).tobytes() if isinstance(
         x.limbs if isinstance(x, Partial) else x, torch.Tensor) else np.asarray(

@@ -73,12 +73,14 @@ class FlatBuffers:
 
     def retag(self, p: Any, dtype: str) -> Any:
         """A partial charged and rounded as `dtype` from now on (its exact value unchanged); in fast
-        mode its values are rounded to `dtype`, as the inputs of a real bf16 all-reduce are."""
+        mode its values are rounded to `dtype` and held in it, as a real bf16 all-reduce holds and sums
+        its inputs (NCCL and gloo add 16-bit buffers in their own dtype: half the bytes of fp32 on the
+        wire, as the emulator charges them)."""
         if p.__class__ is MetaTensor:
             name = dtype if dtype in ITEMSIZE else dtype_name(dtype)
             return p if p.dtype == name else MetaTensor(p.shape, name, p.partial)  # (immutable: itself)
         if isinstance(p, Partial):
             if p.exact:
                 return Partial(p.limbs, dtype)
-            return Partial.accumulating(p.finalize(dtype_name(dtype)), dtype, p.xp)
+            return Partial(p.finalize(dtype_name(dtype))[..., None], dtype, p.xp)
         return self.xp.astype(p, dtype_name(dtype))

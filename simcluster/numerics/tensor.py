@@ -28,7 +28,9 @@ class Partial:
     """An unrounded sum of logical dtype `dtype`, to be rounded once by `finalize`. Exact mode holds it as
     integer limbs (int64, shape (*shape, LIMBS)): exact, so any order of adding gives the same value.
     Fast mode holds a float accumulator (shape (*shape, 1), `accumulator_name`), as a GPU kernel
-    accumulates in fp32 whatever it stores: the same signature, sums in the order they happen.
+    accumulates in fp32 whatever it stores: the same signature, sums in the order they happen; a partial
+    retagged to a 16-bit dtype (flat.py: a gradient on its way to a 16-bit all-reduce) holds and sums its
+    values in that dtype, as the all-reduce does.
     `xp`: the array namespace that holds the limbs (arrays.py; numpy on the host unless said)."""
 
     __slots__ = ("limbs", "dtype", "xp")

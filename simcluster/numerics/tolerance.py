@@ -4,7 +4,9 @@ Exact mode needs no tolerance: every layout gives the single-device bytes. Fast 
 does (numerics/modes.py: 16-bit or fp32 storage, every sum accumulated in fp32), and a distributed run
 does the same operations as one device except for the ORDER of the sums it splits (partial sums over
 shards, all-reduces, micro-batch accumulation). What may differ, then, is rounding; the bound below
-is derived from the unit roundoff and the reduction lengths, not fitted.
+is derived from the unit roundoff and the reduction lengths, not fitted. (One sum is in storage: the
+16-bit gradients' all-reduce over data-parallel ranks, as NCCL's; its roundings are the storage
+rounding of its rounding point, a few times over, well inside the bound's six deviations.)
 
 Unit roundoffs: storage u_s = 2^-8 (bf16), 2^-11 (fp16), 2^-24 (fp32); accumulation u_a = 2^-24.
 

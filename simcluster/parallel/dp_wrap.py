@@ -227,8 +227,7 @@ class DPWrap:
                 unscaled = unscale(ops, grads, data.precision)
                 clip = None
                 if data.clip_grad:
-                    mine = [g if self.counted is None else ops.where(self.counted[u], g, 0.0)
-                            for u, g in unscaled.items()]
+                    mine = self._counted(unscaled)
                     squares = yield comm.all_reduce(square_sum(ops, mine), group=self.ctx.mesh.world)
                     clip = clip_coefficient(ops, squares, data.clip_grad)
                 free = self._last_weights_free()
@@ -254,6 +253,23 @@ class DPWrap:
         else:
             yield from self._install((chunks, moves))
         return grads
+
+    def _counted(self, grads: dict[str, Any]) -> list[Any]:
+        """The gradients whose squares this rank adds to the global norm: the elements it counts (the rest
+        zero). A unit it counts none of is left out, not zeroed and squared: a DDP replica's whole pass
+        over its gradients for a sum of zeros, which the other ranks waited for at the norm's all-reduce
+        (1.3 s a step of a 2-rank Llama h2048 on this CPU, measured). A rank that counts nothing adds a
+        one-element zero. (Meta mode has no masks: every rank squares every gradient, as the counting
+        rank does, so that data-parallel replicas run one program and fold.)"""
+        if self.counted is None:
+            return list(grads.values())
+        ops = self.ops
+        mine = [g if self.counted[u] is True else ops.where(self.counted[u], g, 0.0)
+                for u, g in grads.items() if self.counted[u] is not False]
+        if not mine:
+            g = next(iter(grads.values()))
+            mine = [ops.where(False, ops.chunk(g, g.shape[0], 0), 0.0)]
+        return mine
 
     def _last_weights_free(self) -> bool:
         """Whether this step's optimizer may write its results into the last step's weights: the master
