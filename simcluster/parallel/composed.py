@@ -158,9 +158,9 @@ class Stage:
                     dy = None
                 else:
                     i = int(u[len("block"):])
-                    key = self.key("B", u, p, dy, cache[u]) if defer is None else None
+                    key = self.key("B" if defer is None else "B-W", u, p, dy, cache[u])
                     dy = yield from self.run(key, i, lambda: model.block_backward(p, dy, cache[u], i, self.step, where,
-                                                                                  grads, defer), grads)
+                                                                                  grads, defer), grads, defer)
             dp.release(u)
             if defer is None:
                 self.ctx.memory.release("activations", f"mb{j}.{u}")
@@ -171,10 +171,11 @@ class Stage:
             self.deferred[(j, g)] = defer
         return dy
 
-    def run(self, key: Any, layer: int, block: Any, grads: dict[str, Any] | None = None) -> Generator[Any, Any, Any]:
+    def run(self, key: Any, layer: int, block: Any, grads: dict[str, Any] | None = None,
+            defer: list | None = None) -> Generator[Any, Any, Any]:
         if key is None:
             return (yield from block())
-        return (yield from self.tapes.run(key, layer, block, grads))
+        return (yield from self.tapes.run(key, layer, block, grads, defer))
 
     def weight(self, j: int, g: int) -> Generator[Any, Any, None]:
         """A W pass: the deferred weight gradients, then the chunk's units are complete."""

@@ -45,13 +45,17 @@ def shape_key(x: Any) -> Any:
 
 
 class Tape:
-    __slots__ = ("events", "result", "grads", "labels", "ops")
+    __slots__ = ("events", "result", "grads", "deferred", "labels", "ops")
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.ops: dict[int, CommOp] = {}  # by event: the op its calls issued alone share
         self.result: Any = None
         self.grads: list[tuple[str, Any]] = []  # (name after the layer's prefix, value)
+        # ZB-H1's weight gradients the block left for the W pass: (name after the layer's prefix, thunk). A
+        # replay hands the recorded thunks on: in meta mode a weight gradient's kernels are its shapes', and
+        # the W pass calls each thunk then (its kernels under the W pass's label)
+        self.deferred: list[tuple[str, Any]] = []
         self.labels: set[tuple] = set()  # the recomputation's labels it recorded (the rest: the call's own)
 
 
@@ -74,23 +78,24 @@ class Tapes:
         return cls(ctx)
 
     def run(self, key: Any, layer: int, block: Callable[[], Generator[Any, Any, Any]],
-            grads: dict[str, Any] | None = None) -> Generator[Any, Any, Any]:
+            grads: dict[str, Any] | None = None, defer: list | None = None) -> Generator[Any, Any, Any]:
         """`block()`'s result, run or replayed. `key` must say everything its work depends on except
-        the layer index `layer` and the call's label; None runs it untaped."""
+        the layer index `layer` and the call's label; None runs it untaped. `defer`: the list the block
+        appends its deferred weight gradients to (name, thunk), if it defers them."""
         if key is None:
             return (yield from block())
         tape = self.tapes.get(key, False)
         if tape is False:
-            tape, result = yield from self._record(layer, block, grads)
+            tape, result = yield from self._record(layer, block, grads, defer)
             self.tapes[key] = tape
             return result
         if tape is None:
             return (yield from block())
-        return (yield from self._replay(tape, layer, grads))
+        return (yield from self._replay(tape, layer, grads, defer))
 
     # -- recording ---------------------------------------------------------------------------------
-    def _record(self, layer: int, block: Callable[[], Generator[Any, Any, Any]],
-                grads: dict[str, Any] | None) -> Generator[Any, Any, tuple[Tape | None, Any]]:
+    def _record(self, layer: int, block: Callable[[], Generator[Any, Any, Any]], grads: dict[str, Any] | None,
+                defer: list | None) -> Generator[Any, Any, tuple[Tape | None, Any]]:
         st, ops, comm = self.state, self.ops, self.comm
         kernel, issue = ops._record, comm._issue
         if kernel != st.kernel:  # inside a fused kernel, or not the emulator: nothing to tape
@@ -129,6 +134,7 @@ class Tapes:
             return work
 
         before = {k: id(v) for k, v in grads.items()} if grads is not None else {}
+        deferred = len(defer) if defer is not None else 0
         held = len(st.held)
         gen = block()
         ops._record, comm._issue = on_kernel, on_issue
@@ -165,19 +171,24 @@ class Tapes:
             ops._record, comm._issue = kernel, issue
         if len(st.held) != held or len(waited) != len(works) or not ok[0]:
             return None, result
+        prefix = f"layers.{layer}."
         if grads is not None:
-            prefix = f"layers.{layer}."
             for k, v in grads.items():
                 if before.get(k) != id(v):
                     if not k.startswith(prefix):
                         return None, result
                     tape.grads.append((k[len(prefix):], v))
+        for k, thunk in defer[deferred:] if defer is not None else ():
+            if not k.startswith(prefix):
+                return None, result
+            tape.deferred.append((k[len(prefix):], thunk))
         tape.result = result
         tape.events = _runs(tape.events)
         return tape, result
 
     # -- replaying ---------------------------------------------------------------------------------
-    def _replay(self, tape: Tape, layer: int, grads: dict[str, Any] | None) -> Generator[Any, Any, Any]:
+    def _replay(self, tape: Tape, layer: int, grads: dict[str, Any] | None,
+                defer: list | None) -> Generator[Any, Any, Any]:
         st, comm = self.state, self.comm
         own = st.label
         relabel = {lab: (lab[0], f"R{layer}") for lab in tape.labels}
@@ -218,10 +229,14 @@ class Tapes:
                         st.waited(chosen)
         finally:
             st.label = own
+        prefix = f"layers.{layer}."
         if grads is not None:
-            prefix = f"layers.{layer}."
             for name, value in tape.grads:
                 grads[prefix + name] = value
+        if tape.deferred:
+            if defer is None:
+                raise AssertionError("a tape with deferred weight gradients replayed where none are deferred")
+            defer.extend((prefix + name, thunk) for name, thunk in tape.deferred)
         return _fresh(tape.result)
 
 
