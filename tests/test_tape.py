@@ -119,7 +119,8 @@ def test_a_backward_that_defers_its_weight_gradients_is_replayed(schedule, monke
     """Zero-bubble schedules and DualPipe split each backward pass's weight gradients off into a W pass. The
     B pass is taped too (it was the largest untaped cost: 37 % of `plan llama3_4d --at-scale`); its replay
     hands the recorded weight-gradient thunks to the W pass under the replayed layer's names; the run is
-    byte-identical to the untaped one (a replay giving them the recorded layer's names is not)."""
+    byte-identical to the untaped one (a replay giving them the recorded layer's names is not); a thunk
+    called again replays its first call's kernels."""
     deferring = {"replayed": 0}
     replay = tape.Tapes._replay
 
@@ -127,10 +128,17 @@ def test_a_backward_that_defers_its_weight_gradients_is_replayed(schedule, monke
         deferring["replayed"] += defer is not None and bool(t.deferred)
         return (yield from replay(self, t, layer, grads, defer))
 
+    call = tape._Thunk.__call__
+
+    def counted_thunk(self):  # a weight gradient replayed from its first call's kernels
+        deferring["thunks"] = deferring.get("thunks", 0) + bool(self.kernels)
+        return call(self)
+
     monkeypatch.setattr(tape.Tapes, "_replay", counted)
+    monkeypatch.setattr(tape._Thunk, "__call__", counted_thunk)
     sc = load("pipeline_schedules", ["run.numerics=meta", f"parallel.schedule={schedule}", "model.layers=8"])
     taped = _runs(sc, fold=False)[0]
-    assert deferring["replayed"] > 0
+    assert deferring["replayed"] > 0 and deferring["thunks"] > 0
     monkeypatch.setattr(tape, "enabled", False)
     untaped = _runs(sc, fold=False)[0]
     assert taped.result.trace.to_jsonl() == untaped.result.trace.to_jsonl()

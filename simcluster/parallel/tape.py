@@ -178,10 +178,12 @@ class Tapes:
                     if not k.startswith(prefix):
                         return None, result
                     tape.grads.append((k[len(prefix):], v))
-        for k, thunk in defer[deferred:] if defer is not None else ():
+        for i in range(deferred, len(defer) if defer is not None else 0):
+            k, thunk = defer[i]
             if not k.startswith(prefix):
                 return None, result
-            tape.deferred.append((k[len(prefix):], thunk))
+            defer[i] = (k, _Thunk(self, thunk))
+            tape.deferred.append((k[len(prefix):], defer[i][1]))
         tape.result = result
         tape.events = _runs(tape.events)
         return tape, result
@@ -238,6 +240,52 @@ class Tapes:
                 raise AssertionError("a tape with deferred weight gradients replayed where none are deferred")
             defer.extend((prefix + name, thunk) for name, thunk in tape.deferred)
         return _fresh(tape.result)
+
+
+class _Thunk:
+    """A deferred weight gradient of a taped backward pass, called in the W pass of every block that
+    replays the tape: the first call runs it and keeps its kernels and result, the others replay them
+    (meta mode: the same shapes, the same kernels). One that does anything but kernels on the current
+    stream runs every time."""
+
+    __slots__ = ("tapes", "thunk", "kernels", "result")
+
+    def __init__(self, tapes: Tapes, thunk: Callable[[], Any]) -> None:
+        self.tapes, self.thunk = tapes, thunk
+        self.kernels: tuple | None | bool = None  # None: not yet called; False: runs every time
+        self.result: Any = None
+
+    def __call__(self) -> Any:
+        st, ops, comm = self.tapes.state, self.tapes.ops, self.tapes.comm
+        if self.kernels:
+            for k in self.kernels:
+                st.kernel(*k)
+            return self.result
+        if self.kernels is False or ops._record != st.kernel:
+            return self.thunk()
+        kernel, issue, stream, held = ops._record, comm._issue, st.cur, len(st.held)
+        recorded: list[tuple[str, Any, float]] = []
+        clean = [True]
+
+        def on_kernel(name: str, work: Any, nbytes: float) -> None:
+            clean[0] = clean[0] and st.cur is stream
+            recorded.append((name, work, nbytes))
+            kernel(name, work, nbytes)
+
+        def on_issue(op: Any, sync: bool) -> Any:
+            clean[0] = False
+            return issue(op, sync)
+
+        ops._record, comm._issue = on_kernel, on_issue
+        try:
+            result = self.thunk()
+        finally:
+            ops._record, comm._issue = kernel, issue
+        if clean[0] and st.cur is stream and len(st.held) == held and recorded:
+            self.kernels, self.result = tuple(recorded), result
+        else:
+            self.kernels = False
+        return result
 
 
 def _runs(events: list[tuple]) -> list[tuple]:
