@@ -9,8 +9,8 @@ numbers (numerics/random.py) ported so that dropout masks and initial weights ar
 
 `TorchExactOps` is exact mode over it: the int64 limbs and sliced float64 GEMMs of numerics/exact.py
 on the device, byte-identical to the emulator. Both may use a fused attention (torch's
-scaled_dot_product_attention) where the program has no dropout; 16-bit GEMMs are native on CUDA and
-widened to fp32 on a CPU (slower there natively, measured).
+scaled_dot_product_attention) where the program has no dropout; 16-bit GEMMs are native on CUDA and on
+a CPU with bf16 matrix tiles (AMX), widened to fp32 elsewhere (slower there natively, measured).
 """
 
 from __future__ import annotations
@@ -29,15 +29,23 @@ from gpu_backend.torch_arrays import (  # noqa: F401  (re-exported: the backend'
 
 
 SIXTEEN = (torch.bfloat16, torch.float16)
+# A CPU with AMX tiles (Intel Sapphire Rapids on) multiplies bf16 natively through oneDNN: 0.8-1.2 TFLOP/s on
+# one core of this machine against 0.11-0.19 for the widened fp32 GEMM (measured, 256x1024x4096 and
+# neighbours); without them (AVX-512 alone, and fp16 without AMX-FP16) torch's 16-bit GEMMs ran at
+# 0.016-0.17 TFLOP/s, slower than widening (`simcluster calibrate` on an earlier machine).
+CPU_BF16_TILES = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def _native(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the device multiplies this 16-bit dtype in its own units (fp32 accumulation, one rounding)."""
+    return device.type == "cuda" or (device.type == "cpu" and dtype == torch.bfloat16 and CPU_BF16_TILES)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, partial: bool, spec: str | None = None) -> torch.Tensor | None:
-    """A 16-bit GEMM as a GPU's BLAS runs it (tensor cores: fp32 accumulation, one rounding at the end), or
-    None where fast mode's widened form serves: on a CPU (torch's bf16 GEMMs there ran at 0.016-0.09
-    TFLOP/s against fp32's 0.03-0.17 on this machine's AVX-512 cores, measured by `simcluster
-    calibrate`), and for a partial sum, which must stay in fp32, without a 16-bit GEMM writing fp32
-    (`out_dtype`: CUDA's)."""
-    if a.dtype not in SIXTEEN or b.dtype != a.dtype or a.device.type != "cuda":
+    """A 16-bit GEMM as a GPU's BLAS runs it (tensor cores: fp32 accumulation, one rounding at the end), where
+    the device has such units (`_native`); None where fast mode's widened form serves: elsewhere, and for a
+    partial sum, which must stay in fp32, without a 16-bit GEMM writing fp32 (`out_dtype`: CUDA's alone)."""
+    if a.dtype not in SIXTEEN or b.dtype != a.dtype or not _native(a.dtype, a.device):
         return None
     if not partial:
         return torch.matmul(a, b) if spec is None else torch.einsum(spec, a, b)

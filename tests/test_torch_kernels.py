@@ -160,6 +160,23 @@ def test_a_16_bit_gradient_goes_to_its_all_reduce_in_16_bits(ops):
     assert xp.to_host(total).tobytes() == HOST.cast(once.astype(np.float32), "bf16").tobytes()
 
 
+def test_a_bf16_gemm_is_the_cpus_own_where_it_has_matrix_tiles():
+    """On a CPU with AMX tiles a bf16 matmul (not a partial) is oneDNN's native bf16 GEMM, byte for byte
+    (6x the widened fp32 GEMM on this machine); without them, and for a partial, the widened fp32 GEMM.
+    Both are within one rounding of fast mode on numpy (test above)."""
+    from gpu_backend.torch_ops import CPU_BF16_TILES
+
+    a = DEVICE.xp.asarray(draw("a", (64, 4096), "bf16"))
+    b = DEVICE.xp.asarray(draw("b", (4096, 80), "bf16"))
+    native, widened = torch.matmul(a, b), (a.float() @ b.float()).bfloat16()
+    assert not torch.equal(native, widened)  # (the shapes are chosen so that the two differ)
+    got = DEVICE.matmul(a, b)
+    assert torch.equal(got, native if CPU_BF16_TILES else widened)
+    assert CPU_BF16_TILES == bool(torch.cpu._is_amx_tile_supported())
+    partial = DEVICE.matmul(a, b, partial=True)
+    assert partial.limbs.dtype == torch.float32 and torch.equal(partial.limbs[..., 0], a.float() @ b.float())
+
+
 def host_bytes(x):
     return torch_to_host(x.limbs if isinstance(x, Partial) else x).tobytes() if isinstance(
         x.limbs if isinstance(x, Partial) else x, torch.Tensor) else np.asarray(

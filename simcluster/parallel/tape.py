@@ -52,7 +52,7 @@ class Tape:
         self.ops: dict[int, CommOp] = {}  # by event: the op its calls issued alone share
         self.result: Any = None
         self.grads: list[tuple[str, Any]] = []  # (name after the layer's prefix, value)
-        # ZB-H1's weight gradients the block left for the W pass: (name after the layer's prefix, thunk). A
+        # the weight gradients the block left for a W pass (zero-bubble schedules, DualPipe): (name after the layer's prefix, thunk). A
         # replay hands the recorded thunks on: in meta mode a weight gradient's kernels are its shapes', and
         # the W pass calls each thunk then (its kernels under the W pass's label)
         self.deferred: list[tuple[str, Any]] = []
@@ -257,12 +257,12 @@ class _Thunk:
 
     def __call__(self) -> Any:
         st, ops, comm = self.tapes.state, self.tapes.ops, self.tapes.comm
+        if self.kernels is False or ops._record != st.kernel:  # (inside a fused kernel: its own accounting)
+            return self.thunk()
         if self.kernels:
             for k in self.kernels:
                 st.kernel(*k)
             return self.result
-        if self.kernels is False or ops._record != st.kernel:
-            return self.thunk()
         kernel, issue, stream, held = ops._record, comm._issue, st.cur, len(st.held)
         recorded: list[tuple[str, Any, float]] = []
         clean = [True]
