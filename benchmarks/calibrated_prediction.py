@@ -19,13 +19,18 @@ import tempfile
 from pathlib import Path
 
 
-def run(profile: str, arch: str, h: int, dtype: str, zero: int, steps: int) -> tuple[float, float]:
+def scenario_sets(profile: str, arch: str, h: int, dtype: str, layout: str, steps: int) -> list[str]:
+    """A row's scenario (prediction_breakdown.py takes one apart)."""
     sets = [f"cluster.profile={profile}", f"model.hidden={h}", "model.layers=2", "model.heads=8",
             f"model.ffn_hidden={4 * h}", "model.seq=256", "model.vocab=4096", "model.global_batch=2",
             f"model.dtype={dtype}", "model.tied_head=false", "run.numerics=fast", "parallel.dp=2",
-            "cluster.gpus_per_node=2", f"parallel.zero={zero}", "run.verify=false", f"run.steps={steps}"]
-    if arch == "llama":
-        sets += ["model.arch=llama", "model.kv_heads=4"]
+            "cluster.gpus_per_node=2", f"parallel.zero={0 if layout == 'ddp' else 3}", "run.verify=false",
+            f"run.steps={steps}"]
+    return sets + (["model.arch=llama", "model.kv_heads=4"] if arch == "llama" else [])
+
+
+def run(profile: str, arch: str, h: int, dtype: str, zero: int, steps: int) -> tuple[float, float]:
+    sets = scenario_sets(profile, arch, h, dtype, "ddp" if zero == 0 else "fsdp", steps)
     args = [sys.executable, "-m", "simcluster.cli", "run", "--backend", "torch", "--json"]
     for s in sets:
         args += ["--set", s]

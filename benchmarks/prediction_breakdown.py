@@ -22,21 +22,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from calibrated_prediction import scenario_sets  # (the row taken apart; this script's folder is on the path)
 from gpu_backend import runner
 from gpu_backend.step_profile import TimedKernels
 from gpu_backend.processes import in_processes
 from simcluster.runner import job_of, run_scenario
 from simcluster.scenario import load
-
-
-def scenario_sets(profile: str, arch: str, h: int, dtype: str, layout: str, steps: int) -> list[str]:
-    """calibrated_prediction.py's row."""
-    sets = [f"cluster.profile={profile}", f"model.hidden={h}", "model.layers=2", "model.heads=8",
-            f"model.ffn_hidden={4 * h}", "model.seq=256", "model.vocab=4096", "model.global_batch=2",
-            f"model.dtype={dtype}", "model.tied_head=false", "run.numerics=fast", "parallel.dp=2",
-            "cluster.gpus_per_node=2", f"parallel.zero={0 if layout == 'ddp' else 3}", "run.verify=false",
-            f"run.steps={steps}"]
-    return sets + (["model.arch=llama", "model.kv_heads=4"] if arch == "llama" else [])
 
 
 def rank(device: Any, program: Any, args: Any, mesh: Any) -> tuple[float, dict[str, float]]:

@@ -109,22 +109,15 @@ def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], r
     weight-sized tensors are left to the figures measured for them (`APART`)."""
     out = []
     for dtype in dtypes:
-        seconds: dict[str, float] = {}
-        nbytes: dict[str, float] = {}
-        calls: dict[str, int] = {}
+        timed = TimedKernels()  # (both models' calls, summed)
         for arch in ("gpt", "llama"):
             job = job_of(load(None, step_sets(arch, dtype, ranks)), fold=False)
-            timed = TimedKernels()
             measured(job.program, job.args, job.mesh, mode="fast", device=device, kernels=timed.wrap)
-            for name, t in timed.seconds.items():
-                seconds[name] = seconds.get(name, 0.0) + t
-                nbytes[name] = nbytes.get(name, 0.0) + timed.nbytes[name]
-                calls[name] = calls.get(name, 0) + timed.calls[name]
-        for name in sorted(seconds):
-            if name in APART or nbytes[name] <= 0:
+        for name in sorted(timed.seconds):
+            t, nbytes = timed.seconds[name], timed.nbytes[name]
+            if name in APART or nbytes <= 0:
                 continue
-            t = seconds[name]
-            out.append(_profile.Kernel(name, dtype, nbytes[name] / max(t - calls[name] * overhead_s, t / 2) / 1e9))
+            out.append(_profile.Kernel(name, dtype, nbytes / max(t - timed.calls[name] * overhead_s, t / 2) / 1e9))
     return out
 
 
