@@ -161,9 +161,9 @@ def test_a_16_bit_gradient_goes_to_its_all_reduce_in_16_bits(ops):
 
 
 def test_a_bf16_gemm_is_the_cpus_own_where_it_has_matrix_tiles():
-    """On a CPU with AMX tiles a bf16 matmul (not a partial) is oneDNN's native bf16 GEMM, byte for byte
-    (6x the widened fp32 GEMM on this machine); without them, and for a partial, the widened fp32 GEMM.
-    Both are within one rounding of fast mode on numpy (test above)."""
+    """On a CPU with AMX tiles a bf16 matmul is oneDNN's native bf16 GEMM, byte for byte (6x the widened
+    fp32 GEMM on this machine), and a partial one (fp32 out) the fp32 GEMM allowed to use the tiles (2x);
+    without them, the widened fp32 GEMM. All are within one rounding of fast mode on numpy (test above)."""
     from gpu_backend.torch_ops import CPU_BF16_TILES
 
     a = DEVICE.xp.asarray(draw("a", (64, 4096), "bf16"))
@@ -173,8 +173,21 @@ def test_a_bf16_gemm_is_the_cpus_own_where_it_has_matrix_tiles():
     got = DEVICE.matmul(a, b)
     assert torch.equal(got, native if CPU_BF16_TILES else widened)
     assert CPU_BF16_TILES == bool(torch.cpu._is_amx_tile_supported())
-    partial = DEVICE.matmul(a, b, partial=True)
-    assert partial.limbs.dtype == torch.float32 and torch.equal(partial.limbs[..., 0], a.float() @ b.float())
+    setting = torch.backends.mkldnn.matmul
+    before = setting.fp32_precision
+    partial = DEVICE.matmul(a, b, partial=True).limbs[..., 0]
+    assert setting.fp32_precision == before  # (no later fp32 GEMM rounds its inputs)
+    widened = a.float() @ b.float()
+    setting.fp32_precision = "bf16"
+    try:
+        tiles = a.float() @ b.float()
+    finally:
+        setting.fp32_precision = before
+    assert not CPU_BF16_TILES or not torch.equal(tiles, widened)  # (two orders of summation: they differ)
+    assert partial.dtype == torch.float32 and torch.equal(partial, tiles if CPU_BF16_TILES else widened)
+    exact = a.double() @ b.double()  # bf16 products are exact in fp32: both are fp32 sums of the same terms
+    bound = 4096 * 2.0 ** -24 * (a.double().abs() @ b.double().abs())
+    assert bool(((partial.double() - exact).abs() <= bound).all())
 
 
 def host_bytes(x):
