@@ -239,10 +239,11 @@ def run_rank(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
 
 def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: str = "exact",
              device: torch.device | None = None, watchdog_s: float = 300.0, digests: bool = False, expected: Any = None,
-             kernels: Callable[[Any], Any] | None = None) -> RankRun:
+             kernels: Callable[[Any], Any] | None = None, cost_dtype: str = "fp32") -> RankRun:
     """run_rank, timed from a barrier to the program's end, with the peak memory. The kernels are the torch
     kernel set's on `device` (in fast mode a `meta` device runs the step with no numbers at all); `kernels`,
-    if given, is handed that kernel set and returns the one the program uses (calibrate's timed wrapper).
+    if given, is handed that kernel set and returns the one the program uses (calibrate's timed wrapper),
+    which sees each kernel's cost as the emulator charges it in a run of `cost_dtype` (the model's dtype).
     The result's tensors come back to the host: whole, or with `digests` as digests.summarize makes them
     against `expected` (the digests of the emulator's outputs of this rank; None: digests alone)."""
     rank = dist.get_rank()
@@ -255,7 +256,7 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         raise ProgramError(f"mode {mode!r} cannot run on torch.distributed (it computes numbers): use "
                            f"{' or '.join(KERNEL_SETS)}")
     deterministic_math()
-    ops = KERNEL_SETS[mode](device)
+    ops = KERNEL_SETS[mode](device, cost_dtype=cost_dtype)
     if kernels is not None:
         ops = kernels(ops)
     backend.arrays = ops.xp

@@ -102,6 +102,16 @@ def step_sets(arch: str, dtype: str, ranks: int) -> list[str]:
     return sets + (["model.arch=llama", "model.kv_heads=4"] if arch == "llama" else [])
 
 
+def timed_steps(device: torch.device, dtype: str, ranks: int) -> TimedKernels:
+    """(In each rank's process.) The calls of a `dtype` training step of a GPT and of a Llama (`step_sets`),
+    timed and summed, each kernel's bytes as the emulator charges them in a run of that dtype."""
+    timed = TimedKernels()
+    for arch in ("gpt", "llama"):
+        job = job_of(load(None, step_sets(arch, dtype, ranks)), fold=False)
+        measured(job.program, job.args, job.mesh, mode="fast", device=device, kernels=timed.wrap, cost_dtype=dtype)
+    return timed
+
+
 def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int) -> list[Any]:
     """(In each rank's process.) The rate of every kernel a training step calls, timed as the program calls
     it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`): the bytes the cost model charges
@@ -109,10 +119,7 @@ def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], r
     weight-sized tensors are left to the figures measured for them (`APART`)."""
     out = []
     for dtype in dtypes:
-        timed = TimedKernels()  # (both models' calls, summed)
-        for arch in ("gpt", "llama"):
-            job = job_of(load(None, step_sets(arch, dtype, ranks)), fold=False)
-            measured(job.program, job.args, job.mesh, mode="fast", device=device, kernels=timed.wrap)
+        timed = timed_steps(device, dtype, ranks)
         for name in sorted(timed.seconds):
             t, nbytes = timed.seconds[name], timed.nbytes[name]
             if name in APART or nbytes <= 0:
@@ -121,4 +128,4 @@ def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], r
     return out
 
 
-__all__ = ["APART", "TimedKernels", "step_rates", "step_sets"]
+__all__ = ["APART", "TimedKernels", "step_rates", "step_sets", "timed_steps"]
