@@ -9,8 +9,6 @@ Each process gets its share of the host's cores for its math libraries' threads.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import queue
 import signal
@@ -59,8 +57,6 @@ def _worker(rank: int, world: int, port: int, kind: str, timeout_s: float, threa
     """One spawned rank: joins the process group, runs `body(device, *body_args)`, reports to the parent."""
     if threads:  # (the server's environment is its first launch's: the share is this launch's)
         torch.set_num_threads(threads)
-    if kind == "gloo":
-        keep_freed_memory()
     try:  # everything: a worker that fails before its program starts must say so, not hang its parent
         device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "nccl" else torch.device("cpu")
         if kind == "nccl":
@@ -75,26 +71,6 @@ def _worker(rank: int, world: int, port: int, kind: str, timeout_s: float, threa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# glibc's malloc parameters (malloc.h): M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory() -> bool:
-    """Have this process's C allocator keep the memory a tensor frees for the next one, as a GPU's caching
-    allocator does, where glibc gives it back: a block over its mmap threshold (dynamic, up to 32 MiB) is
-    unmapped when freed and the next one page-faulted in, 4 KiB at a time, and the heap's top is trimmed.
-    A step on the CPU allocates and frees the same large buffers every layer (FSDP's gathered weights,
-    gradient buckets, activations): Llama h1024 fp32 FSDP over 2 gloo ranks took 1.45 s a step, 1.16 s with
-    the memory kept (measured). Whether it took (False off glibc, where nothing is done)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 64 << 20)))
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

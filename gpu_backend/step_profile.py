@@ -24,8 +24,8 @@ from simcluster.topology import profile as _profile
 
 
 # Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid)
-# and the kernels over weight-sized tensors (their rates change past the caches: `kernel_rates` measures them
-# at that size).
+# and the kernels over weight-sized tensors (their rates change past the caches and glibc's 32 MiB threshold,
+# beyond which every new buffer is page-faulted in: `kernel_rates` measures them at that size).
 APART = frozenset({"matmul", "einsum", "adam", "cast", "flatten", "uniform"})
 
 

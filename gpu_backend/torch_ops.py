@@ -135,9 +135,8 @@ class TorchFastOps(FastOps):
         optimizer's own state: nothing else holds them); so is a donated parameter, as torch's optimizer
         updates its own; else the parameter is a new tensor (a delayed update still computes with the old
         one). A clipped gradient is scaled into a buffer kept for the next step (the same multiplication as
-        `scale`): a new 4-byte-an-element tensor every step would cost a page fault every 4 KiB where the
-        allocator returns large blocks to the system (glibc's default above 32 MiB; a launch's CPU ranks
-        keep them, processes.keep_freed_memory)."""
+        `scale`): a new 4-byte-an-element tensor every step would cost a page fault every 4 KiB on a host
+        whose allocator returns large blocks to the system (glibc above 32 MiB)."""
         fused = getattr(torch, "_fused_adamw_", None)
         if fused is None or param.dtype != torch.float32 or param.device.type == "meta":
             return super().adam(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

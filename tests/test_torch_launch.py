@@ -211,29 +211,3 @@ def test_torchrun_runs_a_scenario_and_compares_it(numerics, layout):
     if numerics == "exact":
         assert same["identical"] == same["compared"] and run["verification"]["bit_exact"]
     assert "FutureWarning" not in done.stderr  # torch's deprecated names are not ours to print
-
-
-FAULTS = """
-import resource, sys, torch
-from gpu_backend.processes import keep_freed_memory
-kept = sys.argv[1] == "kept" and keep_freed_memory()
-torch.empty(16 << 20).fill_(1.0)  # (a first 64 MiB buffer, faulted in either way)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):  # a step's pattern: the same large buffer made, written and freed again
-    torch.empty(16 << 20).fill_(1.0)
-print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux")
-def test_a_cpu_rank_keeps_the_memory_a_tensor_frees_for_the_next():
-    """A gloo rank's allocator keeps freed memory (processes.keep_freed_memory): a 64 MiB buffer made again
-    after it is freed is not page-faulted in again, 4 KiB at a time, as it is by glibc's defaults."""
-    faults = {}
-    for how in ("default", "kept"):
-        out = subprocess.run([sys.executable, "-c", FAULTS, how], capture_output=True, text=True, check=True)
-        kept, n = out.stdout.split()
-        faults[how] = int(n)
-        assert kept == str(how == "kept")
-    assert faults["default"] >= 4 * (64 << 20) // 4096 // 2  # (huge pages aside, every 4 KiB of every buffer)
-    assert faults["kept"] < faults["default"] // 20
