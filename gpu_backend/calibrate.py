@@ -3,8 +3,10 @@
 What it measures, with the torch kernel set the backend runs (torch_ops.py; the GPU if there is one,
 else the CPU):
 - GEMM throughput on a grid of shapes (m, n, k) per dtype, through the kernel set's matmul (its
-  16-bit GEMMs as the device runs them: native on a GPU, widened to fp32 on a CPU), and the batched
-  products attention is timed by in the cost model (q k^T and weights x v: batch = batch * heads);
+  16-bit GEMMs as the device runs them: native on a GPU and on a CPU with AMX tiles, else widened to
+  fp32), and the batched products attention is timed by in the cost model (q k^T and weights x v:
+  batch = batch * heads); for a 16-bit dtype, the GEMMs writing fp32 partial sums (weight gradients)
+  too, which a CPU runs as another kernel (AMX behind an fp32 GEMM: a third of the native rate);
 - memory bandwidth as the kernel set's elementwise kernels reach it: the bytes the cost model charges
   a mix of them (norms, activations and their gradients, softmax, residual adds, masks, casts,
   AdamW) over their time, less each kernel's launch; a plain copy's rate beside it;
@@ -225,11 +227,19 @@ def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[
             a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
             b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
             product = (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
-            t = timed(product, grid.repeats)
-            rate = 2.0 * batch * m * n * k / max(t - overhead, t / 2) / 1e12  # the kernel, not its launch
-            gemm.append(Gemm(dt, batch, m, n, k, rate))
+            gemm.append(Gemm(dt, batch, m, n, k, _tflops(timed(product, grid.repeats), batch * m * n * k, overhead)))
+    for dt in (d for d in dtypes if d in ("bf16", "fp16")):  # a GEMM writing fp32 sums of 16-bit inputs
+        for _, m, n, k in (s for s in shapes if s[0] == 1):  # (weight gradients): on a CPU another kernel
+            a, b = (torch.randn(*shape, device=device).to(TORCH_DTYPES[dt]) for shape in ((m, k), (k, n)))
+            t = timed(lambda: ops.matmul(a, b, partial=True), grid.repeats)
+            gemm.append(Gemm(dt, 1, m, n, k, _tflops(t, m * n * k, overhead), partial=True))
     return {"overhead": overhead, "copy": copy_rate, "memory": memory, "sixteen": sixteen, "kernels": measured,
             "gemm": gemm}
+
+
+def _tflops(seconds: float, mnk: int, overhead_s: float) -> float:
+    """A GEMM's rate: the kernel, not its launch."""
+    return 2.0 * mnk / max(seconds - overhead_s, seconds / 2) / 1e12
 
 
 def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,11 +289,11 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))
     for dt in dtypes:
-        say(f"  {dt} GEMMs: {sum(g.dtype == dt for g in gemm)} shapes, best "
-            f"{max(g.tflops for g in gemm if g.dtype == dt):.3g} TFLOP/s")
+        say(f"  {dt} GEMMs: {sum(g.dtype == dt and not g.partial for g in gemm)} shapes, best "
+            f"{max(g.tflops for g in gemm if g.dtype == dt and not g.partial):.3g} TFLOP/s")
 
     def best_of(kinds: tuple[str, ...]) -> float | None:
-        return max((g.tflops for g in gemm if g.dtype in kinds), default=None)
+        return max((g.tflops for g in gemm if g.dtype in kinds and not g.partial), default=None)
 
     sheet = next((v for key, v in DATASHEET.items() if key in name and device.type == "cuda"), None)
     peak16 = sheet[0] if sheet else (best_of(("bf16", "fp16")) or best_of(("fp32", "fp64")))
@@ -339,9 +349,10 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     for k in got["kernels"]:
         if k.dtype != "fp16":
             t.add_row(f"{k.name}, {k.dtype} run", f"{k.gbyte_per_s:.3g} GB/s")
-    for dt in dict.fromkeys(g.dtype for g in got["gemm"]):
-        rates = sorted(g.tflops for g in got["gemm"] if g.dtype == dt)
-        t.add_row(f"{dt} GEMM", f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")
+    for dt, partial in dict.fromkeys((g.dtype, g.partial) for g in got["gemm"]):
+        rates = sorted(g.tflops for g in got["gemm"] if (g.dtype, g.partial) == (dt, partial))
+        t.add_row(f"{dt} GEMM" + (", fp32 partial sums out" if partial else ""),
+                  f"{rates[0]:.3g} .. {rates[-1]:.3g} TFLOP/s ({len(rates)} shapes)")
     if got["link"]:
         t.add_row(f"all-reduce, {got['ranks']} ranks ({got['backend']})",
                   f"{got['link'][0]:.3g} GB/s bus, {got['link'][1] / 1e3:.1f} us per step")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from gpu_backend.runner import measured
+from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
 from simcluster.runner import job_of
 from simcluster.scenario import load
 from simcluster.topology import profile as _profile
@@ -26,7 +27,7 @@ from simcluster.topology import profile as _profile
 # Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid)
 # and the kernels over weight-sized tensors (their rates change past the caches and glibc's 32 MiB threshold,
 # beyond which every new buffer is page-faulted in: `kernel_rates` measures them at that size).
-APART = frozenset({"matmul", "einsum", "adam", "cast", "flatten", "uniform"})
+APART = frozenset({"matmul", "einsum", GEMM_PARTIAL, EINSUM_PARTIAL, "adam", "cast", "flatten", "uniform"})
 
 
 class TimedKernels:

@@ -117,6 +117,45 @@ def test_a_gemm_runs_at_the_rate_measured_nearest_its_shape(tmp_path):
     assert spec.as_dict()["profile"] == str(tmp_path / "p.toml") and spec.as_dict()["device"] == "test device"
 
 
+def test_a_gemm_writing_partial_sums_runs_at_the_rate_measured_for_those(tmp_path):
+    """A CPU writes a 16-bit GEMM's fp32 partial sums (weight gradients) with another kernel than its 16-bit
+    GEMM (a third of its rate, measured): a profile measures them apart (`partial = true`), and a GEMM the
+    program leaves partial (ops.py records it as GEMM_PARTIAL, in the engine under its label) is timed at
+    them; where a profile has none (fp32 here), as any other GEMM of its dtype."""
+    from simcluster.numerics.ops import GEMM_PARTIAL, make_ops
+    import numpy as np
+
+    path = write_profile(tmp_path / "p.toml")
+    text = path.read_text().replace("gemm = [", "gemm = [\n  {dtype = \"bf16\", batch = 1, m = 4096, n = 4096, "
+                                    "k = 4096, tflops = 5.0, partial = true},")
+    path.write_text(text)
+    measured = profile.load(path)
+    assert [g.partial for g in measured.gemm].count(True) == 1
+    cluster = Cluster(profile.apply(preset("dgx-a100"), measured))
+    flops = 2 * 4096**3
+    assert cluster.kernel_ns((1, 4096, 4096, 4096), 0, "bf16", "B3/" + GEMM_PARTIAL) == math.ceil(flops / 5e3)
+    assert cluster.kernel_ns((1, 4096, 4096, 4096), 0, "bf16", "B3/matmul") == math.ceil(flops / 40e3)
+    assert cluster.kernel_ns((1, 4096, 4096, 4096), 0, "fp32", GEMM_PARTIAL) == math.ceil(flops / 10e3)
+    assert cluster.named_rates  # (the engine keys its durations by name: two GEMMs of one shape differ)
+    assert profile.apply(preset("dgx-a100"), measured).matmul_efficiency == 1.0  # (peak: not the partial's)
+    # what ops.py records: the name says whether the sums stay partial
+    names = []
+    ops = make_ops("fast", lambda name, work, nbytes: names.append(name))
+    a, b = np.ones((4, 8), np.float32), np.ones((8, 2), np.float32)
+    ops.matmul(a, b), ops.matmul(a, b, partial=True), ops.einsum("ik,kj->ij", a, b, partial=True)
+    assert names == ["matmul", GEMM_PARTIAL, "einsum_partial"]
+    # written and read back; a table of partial GEMMs alone is refused
+    profile.write(tmp_path / "q.toml", device="d", peak_tflops=1.0, peak_tflops_fp32=1.0, memory_gbyte_per_s=1.0,
+                  kernel_overhead_ns=0, gemm=list(measured.gemm), link=None, allreduce=[], ranks=1, backend="gloo",
+                  memory_gbyte=None, notes=[])
+    assert profile.load(tmp_path / "q.toml").gemm == measured.gemm
+    only = "\n".join(line for line in text.splitlines() if "tflops" not in line or "partial" in line)
+    with pytest.raises(profile.ProfileError, match="only partial GEMMs"):
+        profile.parse(only, "p.toml")
+    with pytest.raises(profile.ProfileError, match="partial must be true or false"):
+        profile.parse(text.replace("partial = true", "partial = 1"), "p.toml")
+
+
 def test_a_profile_twice_as_fast_halves_the_predicted_step(tmp_path):
     """Every rate doubled (GEMMs by shape, memory, links, peaks), no overheads or latencies: every kernel
     and every transfer takes half as long, so the step does (to whole-ns rounding)."""
@@ -198,6 +237,7 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     measured = profile.load(out)
     assert set(measured.dtypes) == {"bf16", "fp32"} and measured.link_gbyte_per_s > 0
     assert any(g.batch > 1 for g in measured.gemm)  # attention's batched products
+    assert {g.dtype for g in measured.gemm if g.partial} == {"bf16"}  # (fp32 partial sums: the same GEMM)
     assert all(g.tflops > 0 for g in measured.gemm) and measured.memory_gbyte_per_s > 0
     assert measured.memory_gbyte_per_s_16bit > 0  # (bf16 was measured: a 16-bit run's bandwidth too)
     assert {(k.name, k.dtype) for k in measured.kernels} >= {("adam", "fp32"), ("uniform", "bf16")}

@@ -25,6 +25,10 @@ from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
 Record = Callable[[str, Any, float], None]
+# A GEMM whose sums stay partial (weight gradients, a row-parallel layer's output before its all-reduce) writes
+# them in fp32 whatever its inputs: cuBLAS's fp32-out GEMM on a GPU (Megatron-LM's gradient accumulation
+# fusion), at its 16-bit rate; on a CPU another kernel, at another rate (a profile may measure it apart).
+GEMM_PARTIAL, EINSUM_PARTIAL = "matmul_partial", "einsum_partial"
 
 
 class Mode(Enum):
@@ -97,7 +101,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         out_shape = _matmul_shape(tuple(a.shape), tuple(b.shape))
         k, n = a.shape[-1], b.shape[1]
         n_out = _numel(out_shape)
-        self._record("matmul", (1, n_out // n if n else 0, n, k),
+        self._record(GEMM_PARTIAL if partial else "matmul", (1, n_out // n if n else 0, n, k),
                      (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + n_out) * self._item)
         return self._matmul(a, b, partial, out_shape)
 
@@ -178,7 +182,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         gemm = (math.prod(size[c] for c in io if c in ia and c in ib),  # batch
                 math.prod(size[c] for c in io if c not in ib), math.prod(size[c] for c in io if c not in ia),
                 math.prod(size[c] for c in size if c not in io))  # k: the summed letters
-        self._record("einsum", gemm, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
+        self._record(EINSUM_PARTIAL if partial else "einsum", gemm, (_numel(tuple(a.shape)) + _numel(tuple(b.shape)) + _numel(out_shape)) * self._item)
         if self.mode is Mode.META:
             return MetaTensor(out_shape, getattr(a, "dtype", "fp32"), partial)
         return self._num.einsum(spec, a, b, partial)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
 from simcluster.topology.presets import ClusterSpec
 
 NVLINK_OUT, NVLINK_IN, NIC_OUT, NIC_IN = range(4)
@@ -62,7 +63,8 @@ class Cluster:
         self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
         self._named = {(k.name, k.dtype): k.gbyte_per_s for k in self.profile.kernels} if self.profile else {}
-        self.named_rates = bool(self._named)
+        # (by name too where the profile times a GEMM writing partial sums apart: GEMM_PARTIAL)
+        self.named_rates = bool(self._named) or any(g.partial for g in self.profile.gemm) if self.profile else False
         self.collective_rates = dict(self.profile.collective_rates) if self.profile else {}
 
     def node_of(self, rank: int) -> int:
@@ -170,7 +172,8 @@ class Cluster:
         measured by name (`name`, past its label; in a run of `dtype`) at the bandwidth measured for it."""
         if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
             batch, m, n, k = work
-            flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype) * 1e3
+            partial = name.rpartition("/")[2] in (GEMM_PARTIAL, EINSUM_PARTIAL)
+            flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype, partial) * 1e3
         elif work.__class__ is tuple:
             batch, m, n, k = work
             tm, tn = min(TILE, -(-m // 16) * 16), min(TILE, -(-n // 16) * 16)

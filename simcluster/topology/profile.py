@@ -13,6 +13,8 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
     link_gbyte_per_s = 1.2         fitted from all-reduce times over the measured ranks (absent with one
     link_latency_ns = 30000        rank): bus bandwidth, and latency per ring step
     gemm = [{dtype = "bf16", batch = 1, m = 256, n = 256, k = 256, tflops = 0.8}, ...]
+                                   (`partial = true`: a GEMM writing fp32 partial sums, measured apart
+                                   where the device runs it as another kernel: a CPU's)
     kernels = [{name = "adam", dtype = "bf16", gbyte_per_s = 11.0}, ...]   (optional) kernels measured one
                                    by one: the bytes the cost model charges each in a run of that dtype
                                    over its time (the others at the figures above)
@@ -54,6 +56,7 @@ class Gemm:
     n: int
     k: int
     tflops: float
+    partial: bool = False  # writing fp32 partial sums of `dtype` inputs (ops.py GEMM_PARTIAL)
 
     @property
     def where(self) -> tuple[float, float, float]:
@@ -91,11 +94,14 @@ class Profile:
     def dtypes(self) -> tuple[str, ...]:
         return tuple(sorted({g.dtype for g in self.gemm}))
 
-    def gemm_rate(self, batch: int, m: int, n: int, k: int, dtype: str) -> float:
+    def gemm_rate(self, batch: int, m: int, n: int, k: int, dtype: str, partial: bool = False) -> float:
         """TFLOP/s of the measured GEMM of this dtype nearest to (batch, m, n, k) in log2 of (batch * m,
         n, k); ties go to the earlier entry. A dtype not measured: fp16 and bf16 stand for each other,
-        otherwise a ProfileError."""
-        table = _by_dtype(self).get(dtype) or _by_dtype(self).get(SAME_RATE.get(dtype, ""))
+        otherwise a ProfileError. `partial`: one writing fp32 partial sums, at the rate measured for those
+        where the profile has them (a CPU's), else as any other."""
+        tables = _by_dtype(self)
+        table = partial and (tables.get((dtype, True)) or tables.get((SAME_RATE.get(dtype, ""), True)))
+        table = table or tables.get((dtype, False)) or tables.get((SAME_RATE.get(dtype, ""), False))
         if not table:
             raise ProfileError(f"profile {self.source}: no {dtype} GEMMs measured (it has "
                                f"{', '.join(self.dtypes)}); run `simcluster calibrate --dtypes {dtype}`")
@@ -105,8 +111,9 @@ class Profile:
 
 
 @functools.lru_cache(maxsize=None)
-def _by_dtype(profile: Profile) -> dict[str, tuple[Gemm, ...]]:
-    return {d: tuple(g for g in profile.gemm if g.dtype == d) for d in profile.dtypes}
+def _by_dtype(profile: Profile) -> dict[tuple[str, bool], tuple[Gemm, ...]]:
+    return {(d, p): tuple(g for g in profile.gemm if g.dtype == d and g.partial == p)
+            for d in profile.dtypes for p in (False, True)}
 
 
 def _number(doc: dict[str, Any], key: str, where: str, *, integer: bool = False, optional: bool = False) -> Any:
@@ -155,7 +162,9 @@ def parse(text: str, source: str) -> Profile:
         if not isinstance(row, dict) or row.get("dtype") not in DTYPES:
             raise ProfileError(f"{where}: needs dtype, one of {', '.join(DTYPES)}")
         gemm.append(Gemm(row["dtype"], *(_number(row, k, where, integer=True) for k in ("batch", "m", "n", "k")),
-                         float(_number(row, "tflops", where))))
+                         float(_number(row, "tflops", where)), _flag(row, "partial", where)))
+    if not any(not g.partial for g in gemm):
+        raise ProfileError(f"{source}: the gemm table has only partial GEMMs (a profile measures the others first)")
     kernels = []
     table = doc.get("kernels", [])
     if not isinstance(table, list):
@@ -193,7 +202,8 @@ def load(path: str | Path) -> Profile:
 
 def apply(spec: Any, profile: Profile) -> Any:
     """The ClusterSpec `spec` with the profile's measured figures in place of the preset's."""
-    best16 = max((g.tflops for g in profile.gemm if g.dtype in ("bf16", "fp16")), default=profile.peak_tflops)
+    best16 = max((g.tflops for g in profile.gemm if g.dtype in ("bf16", "fp16") and not g.partial),
+                 default=profile.peak_tflops)
     figures: dict[str, Any] = dict(
         device=profile.device, peak_tflops=profile.peak_tflops, peak_tflops_fp32=profile.peak_tflops_fp32,
         matmul_efficiency=min(1.0, best16 / profile.peak_tflops),  # for the planner's one-rate estimate
@@ -240,7 +250,7 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
                   f"link_latency_ns = {int(link[1])}  # per ring step, fitted"]
     lines.append("gemm = [  # achieved TFLOP/s by shape; a GEMM is timed at its nearest measured shape")
     lines += [f"  {{dtype = {_quote(r.dtype)}, batch = {r.batch}, m = {r.m}, n = {r.n}, k = {r.k}, "
-              f"tflops = {g(r.tflops)}}}," for r in gemm]
+              f"tflops = {g(r.tflops)}{', partial = true' if r.partial else ''}}}," for r in gemm]
     lines.append("]")
     if kernels:
         lines.append("kernels = [  # kernels measured one by one: the bytes charged over the time")
