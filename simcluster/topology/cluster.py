@@ -64,7 +64,7 @@ class Cluster:
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
         self._named = {(k.name, k.dtype): k.gbyte_per_s for k in self.profile.kernels} if self.profile else {}
         # (by name too where the profile times a GEMM writing partial sums apart: GEMM_PARTIAL)
-        self.named_rates = bool(self._named) or any(g.partial for g in self.profile.gemm) if self.profile else False
+        self.named_rates = bool(self.profile) and (bool(self._named) or any(g.partial for g in self.profile.gemm))
         self.collective_rates = dict(self.profile.collective_rates) if self.profile else {}
 
     def node_of(self, rank: int) -> int:
