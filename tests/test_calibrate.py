@@ -152,6 +152,10 @@ def test_a_gemm_writing_partial_sums_runs_at_the_rate_measured_for_those(tmp_pat
     only = "\n".join(line for line in text.splitlines() if "tflops" not in line or "partial" in line)
     with pytest.raises(profile.ProfileError, match="only partial GEMMs"):
         profile.parse(only, "p.toml")
+    fp16_partial = profile.parse(text.replace('"bf16", batch = 1, m = 4096, n = 4096, k = 4096, tflops = 5.0',
+                                              '"fp16", batch = 1, m = 4096, n = 4096, k = 4096, tflops = 5.0'), "p.toml")
+    assert fp16_partial.dtypes == ("bf16", "fp32")  # (partial-sum GEMMs alone measure no dtype)
+    assert fp16_partial.gemm_rate(1, 4096, 4096, 4096, "bf16", partial=True) == 5.0  # (fp16's stand for bf16's)
     with pytest.raises(profile.ProfileError, match="partial must be true or false"):
         profile.parse(text.replace("partial = true", "partial = 1"), "p.toml")
 
@@ -240,7 +244,7 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     assert {g.dtype for g in measured.gemm if g.partial} == {"bf16"}  # (fp32 partial sums: the same GEMM)
     assert all(g.tflops > 0 for g in measured.gemm) and measured.memory_gbyte_per_s > 0
     assert measured.memory_gbyte_per_s_16bit > 0  # (bf16 was measured: a 16-bit run's bandwidth too)
-    assert {(k.name, k.dtype) for k in measured.kernels} >= {("adam", "fp32"), ("uniform", "bf16")}
+    assert {(k.name, k.dtype) for k in measured.kernels} >= {("adam", "fp32"), ("uniform", "bf16"), ("cast", "bf16")}
     # and every kernel of a GPT's and a Llama's step as the program calls it, the fused attention's included
     assert {(k.name, k.dtype) for k in measured.kernels} >= {
         (name, dtype) for dtype in ("fp32", "bf16") for name in

@@ -396,3 +396,15 @@ def test_a_step_profile_charges_a_16_bit_step_as_the_emulator_charges_it():
     assert set(fp32.calls) == set(bf16.calls) and fp32.calls == bf16.calls
     for name in ("layer_norm", "layer_norm_backward", "rms_norm", "gelu_backward", "silu_backward", "add", "one_hot"):
         assert bf16.nbytes[name] * 2 == fp32.nbytes[name], name
+
+
+def test_a_gather_along_the_first_axis_is_the_buffer_it_arrived_in():
+    """The torch backend joins an all-gather's (and an all-to-all's) received parts along the first axis
+    as a view of the receive buffer, no copy (FSDP's gathered weights); along another axis, one copy. Both
+    are the parts concatenated, byte for byte."""
+    from gpu_backend.runner import _joined
+
+    parts = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # two ranks' (3, 4) tensors
+    first, second = _joined(parts, 0), _joined(parts, 1)
+    assert torch.equal(first, torch.cat(list(parts), 0)) and torch.equal(second, torch.cat(list(parts), 1))
+    assert first.data_ptr() == parts.data_ptr() and second.data_ptr() != parts.data_ptr()

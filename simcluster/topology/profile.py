@@ -92,7 +92,8 @@ class Profile:
 
     @property
     def dtypes(self) -> tuple[str, ...]:
-        return tuple(sorted({g.dtype for g in self.gemm}))
+        """The dtypes whose GEMMs were measured (their partial-sum GEMMs alone do not make one)."""
+        return tuple(sorted({g.dtype for g in self.gemm if not g.partial}))
 
     def gemm_rate(self, batch: int, m: int, n: int, k: int, dtype: str, partial: bool = False) -> float:
         """TFLOP/s of the measured GEMM of this dtype nearest to (batch, m, n, k) in log2 of (batch * m,
@@ -112,8 +113,8 @@ class Profile:
 
 @functools.lru_cache(maxsize=None)
 def _by_dtype(profile: Profile) -> dict[tuple[str, bool], tuple[Gemm, ...]]:
-    return {(d, p): tuple(g for g in profile.gemm if g.dtype == d and g.partial == p)
-            for d in profile.dtypes for p in (False, True)}
+    return {(g.dtype, g.partial): tuple(h for h in profile.gemm if (h.dtype, h.partial) == (g.dtype, g.partial))
+            for g in profile.gemm}
 
 
 def _number(doc: dict[str, Any], key: str, where: str, *, integer: bool = False, optional: bool = False) -> Any:
