@@ -4,9 +4,11 @@
 dtype, the bandwidth its elementwise kernels reach, gloo's all-reduce over 2 ranks); each row then
 runs a GPT or Llama with `simcluster run --backend torch --set cluster.profile=...` on 2 processes
 (one core each) and prints the measured step (wall clock, the slower rank, weight initialisation
-included as in the prediction) against the predicted one. Issue 35's goal: within 15 %.
+included as in the prediction; the fastest of `--repeat` runs, as timeit reports: this shared machine's
+noise only ever adds time, and one row measured 1.38 and 1.65 s a step minutes apart) against the
+predicted one. Issue 35's goal: within 15 %.
 
-    python benchmarks/calibrated_prediction.py [--sizes 256,1024] [--arch gpt,llama] [--steps 4]
+    python benchmarks/calibrated_prediction.py [--sizes 256,1024] [--arch gpt,llama] [--steps 4] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--sizes", default="256,1024")
     p.add_argument("--arch", default="gpt,llama")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=2, help="runs of each row; the fastest is reported")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         profile = str(Path(tmp) / "this-cpu.toml")
@@ -55,7 +58,8 @@ def main() -> None:
             for h in map(int, args.sizes.split(",")):
                 for dtype in ("fp32", "bf16"):
                     for zero, layout in ((0, "ddp"), (3, "fsdp")):
-                        measured, predicted = run(profile, arch, h, dtype, zero, args.steps)
+                        runs = [run(profile, arch, h, dtype, zero, args.steps) for _ in range(args.repeat)]
+                        measured, predicted = min(m for m, _ in runs), runs[0][1]
                         print(f"{arch:<6} {h:>6} {dtype:<5} {layout:<5} {measured:>15.3f} {predicted:>9.3f} "
                               f"{measured / predicted:>18.2f}", flush=True)
 
