@@ -42,7 +42,7 @@ def physical_memory() -> int:
         return 1 << 62
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
     for unit, n in (("years", 365 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
         if s >= 2 * n:
             return f"{s / n:,.0f} {unit}"
@@ -63,8 +63,6 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     """Refuse `sc` if even its lower-bound cost is more than this machine can do (before anything of
     its size is built: a GPT's parameter count and FLOPs are affine in its layers, so they come from
     two small copies of it). `repeat`: a meta-mode run may simulate its identical steps once (steady.py)."""
-    from simcluster.runner import faults_of, job_of  # (the runner checks through here)
-
     if sc.world_size > MAX_RANKS:
         p = sc.parallel
         raise ScenarioError(f"the mesh dp={p['dp']:,} x pp={p['pp']:,} x cp={p['cp']:,} x tp={p['tp']:,} has "
@@ -78,30 +76,14 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
         if sc.run["program"] != "gpt":
             return
         _countable(sc)
-        share = max(1, m["global_batch"] // sc.parallel["dp"])  # sequences a step, a data-parallel rank
-        micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
-        # one replica's kernels; every cp rank runs (but with Ulysses, which may fold them), and
-        # unfolded every dp and tp rank too
-        p = sc.parallel
-        faulty = faults_of(sc) is not None
-        cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
-        folds = fold and not faulty and not cluster
-        copies = (1 if folds and p["attention"] == "ulysses" else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
-        steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]  # (steady.py)
-        rounds = pipeline_steady.plan(m, p) if repeat and not faulty else None
-        if rounds is not None:  # (three short runs: pipeline_steady.py)
-            micro = sum(rounds.counts)
-        kernels = float(steps) * micro * m["layers"] * KERNELS_PER_BLOCK * copies
+        kernels, _, folds, why = _meta_kernels(sc, fold, repeat)
         seconds, nbytes = kernels / KERNELS_PER_S, kernels * BYTES_PER_KERNEL
         if seconds > LIMIT_S or nbytes > memory:
-            why = "" if folds else (
-                f" x {copies:,} copies: every dp and tp rank runs, " + (
-                    "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster
-                    else "--no-fold"))
+            steps, micro = _meta_counts(sc, repeat)
             raise ScenarioError(
                 f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "
                 f"{micro} micro-batches x "
-                f"{m['layers']:,} layers{why}): at least {_duration(seconds)} and {_bytes(nbytes)} here (this machine "
+                f"{m['layers']:,} layers{why}): at least {duration(seconds)} and {_bytes(nbytes)} here (this machine "
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
                 ("" if folds else ", or the mesh"))
         return
@@ -114,9 +96,46 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     if seconds > LIMIT_S or nbytes > memory:
         raise ScenarioError(
             f"{sc.run['numerics']} mode would need at least {_bytes(nbytes)} of memory (this machine has "
-            f"{_bytes(memory)}) and at least {_duration(seconds)} here for {parameters:,} parameters over "
+            f"{_bytes(memory)}) and at least {duration(seconds)} here for {parameters:,} parameters over "
             f"{run_steps(sc)}; use run.numerics = meta (timing and memory, without the numbers), or a smaller "
             f"model or fewer steps")
+
+
+def meta_seconds(sc: Scenario, fold: bool = True) -> float:
+    """The lower bound of a meta-mode GPT run's time here (what `check` refuses past a day)."""
+    return _meta_kernels(sc, fold, True)[0] / KERNELS_PER_S
+
+
+def _meta_counts(sc: Scenario, repeat: bool) -> tuple[int, int]:
+    """The steps and micro-batches a step a meta-mode run simulates (steady.py, pipeline_steady.py)."""
+    from simcluster.runner import faults_of
+
+    m, p = sc.model, sc.parallel
+    share = max(1, m["global_batch"] // p["dp"])  # sequences a step, a data-parallel rank
+    micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
+    faulty = faults_of(sc) is not None
+    steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]
+    rounds = pipeline_steady.plan(m, p) if repeat and not faulty else None
+    if rounds is not None:  # (three short runs: pipeline_steady.py)
+        micro = sum(rounds.counts)
+    return steps, micro
+
+
+def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, bool, str]:
+    """A meta-mode GPT run's kernels at least: those of one replica (20 a block a micro-batch), times the
+    ranks that run (every cp rank, but with Ulysses, which may fold them; unfolded, every dp and tp rank
+    too); the copies, whether it folds, and if not why."""
+    from simcluster.runner import faults_of
+
+    p = sc.parallel
+    faulty = faults_of(sc) is not None
+    cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
+    folds = fold and not faulty and not cluster
+    copies = (1 if folds and p["attention"] == "ulysses" else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
+    steps, micro = _meta_counts(sc, repeat)
+    why = "" if folds else (f" x {copies:,} copies: every dp and tp rank runs, " + (
+        "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster else "--no-fold"))
+    return float(steps) * micro * sc.model["layers"] * KERNELS_PER_BLOCK * copies, copies, folds, why
 
 
 def _size(sc: Scenario) -> tuple[int, float] | None:
@@ -163,7 +182,7 @@ def _countable(sc: Scenario) -> None:
     if step_ns > COUNTABLE or parameters * 16 > COUNTABLE:
         raise ScenarioError(
             f"a model of {float(parameters):.2e} parameters ({float(flops):.2e} FLOPs) is beyond what the emulator "
-            f"counts: a step of at least {_duration(step_ns / 1e9)} even at 1e16 FLOP/s a GPU, and "
+            f"counts: a step of at least {duration(step_ns / 1e9)} even at 1e16 FLOP/s a GPU, and "
             f"{_bytes(parameters * 16.0)} of weights and optimizer state; the largest models have about 10^12 "
             f"parameters: lower model.hidden, model.layers or model.vocab")
 
@@ -182,7 +201,7 @@ def _transfers(sc: Scenario, memory: int) -> None:
     if seconds > LIMIT_S or nbytes > memory:
         raise ScenarioError(f"run.program = {sc.run['program']!r} on {w:,} ranks would route at least {flows:.1e} "
                             f"transfers (a collective over g ranks moves data between them in g - 1 phases): at "
-                            f"least {_duration(seconds)} and {_bytes(nbytes)} here (this machine has "
+                            f"least {duration(seconds)} and {_bytes(nbytes)} here (this machine has "
                             f"{_bytes(memory)}); use fewer ranks")
 
 

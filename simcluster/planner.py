@@ -35,6 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
+from simcluster import budget
 from simcluster.model.activations import layer_bytes
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
@@ -383,11 +384,30 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     stage1 = time.perf_counter() - start
     chosen = fitting[:simulate]
     scenarios = [e.layout.scenario(base) for e in chosen]
+    _afford(scenarios, chosen, fold, jobs)
     announce = None if on_simulate is None else lambda i: on_simulate(i, len(chosen), chosen[i].layout)
     reports = _simulated(scenarios, fold, jobs, announce)
     rows = [Row(e.layout, e, r) for e, r in zip(chosen, reports)]
     rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
     return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
+
+
+def _afford(scenarios: list[Scenario], chosen: list[Estimate], fold: bool, jobs: int) -> None:
+    """Refuse, before any starts, simulations that cannot finish here: one the budget refuses alone
+    (budget.check), or all of them together past the budget's limit at `jobs` at a time (the bound of
+    each by budget.meta_seconds: a lower bound, so a refusal is certain)."""
+    for one, e in zip(scenarios, chosen):
+        try:
+            budget.check(one, fold)
+        except ScenarioError as exc:
+            raise ScenarioError(f"plan: simulating {e.layout.label()}: {exc}; fix some degrees with --fix or "
+                                f"simulate fewer with --simulate") from None
+    seconds = sum(budget.meta_seconds(one, fold) for one in scenarios) / max(1, min(jobs, len(scenarios)))
+    if seconds > budget.LIMIT_S:
+        raise ScenarioError(f"plan: simulating the {len(scenarios)} best layouts would take at least "
+                            f"{budget.duration(seconds)} here ({jobs} at a time; the limit is "
+                            f"{budget.duration(budget.LIMIT_S)}): simulate fewer with --simulate, or fix some "
+                            f"degrees with --fix")
 
 
 def _report(sc: Scenario, fold: bool) -> dict[str, Any]:

@@ -4,6 +4,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from simcluster.cli import main
 from simcluster.planner import Layout, estimate, layouts, search
 from simcluster.runner import run_scenario
@@ -237,3 +239,39 @@ def test_fixing_the_virtual_stages_searches_that_many():
     four = list(layouts(sc, {"virtual": (4,)}))
     assert four and all(lay.schedule == "interleaved" and lay.virtual == 4 for lay in four)
     assert any(estimate(sc, lay) for lay in four)
+
+
+def test_a_plan_that_cannot_finish_here_is_refused_before_it_simulates(monkeypatch, capsys):
+    """Issue 36: the budget's lower bound of each chosen simulation is checked before any starts; one past
+    the limit alone, or all of them together (at --jobs at a time), is refused in one line with the estimate."""
+    from simcluster import budget, planner
+
+    sc = load(None, SMALL)
+    chosen = []
+
+    def simulated(scenarios, fold, jobs, announce):
+        chosen.extend(scenarios)
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(planner, "_simulated", simulated)
+    with pytest.raises(RuntimeError, match="simulated"):
+        search(sc, simulate=3)
+    bounds = [budget.meta_seconds(one) for one in chosen]
+    limit = max(max(bounds), sum(bounds) / 2) * 1.001  # each fits alone, and all three two at a time
+    assert len(bounds) == 3 and sum(bounds) > limit
+    monkeypatch.setattr(budget, "LIMIT_S", limit)
+    chosen.clear()
+    with pytest.raises(RuntimeError, match="simulated"):
+        search(sc, simulate=3, jobs=2)
+    assert len(chosen) == 3
+    chosen.clear()
+    base = ["plan", "--simulate", "3"] + [x for kv in SMALL for x in ("--set", kv)]
+    assert main(base + ["--jobs", "1"]) == 2 and not chosen  # one at a time they do not
+    err = capsys.readouterr().err
+    assert "simulating the 3 best layouts would take at least" in err and "--simulate" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(budget, "LIMIT_S", min(bounds) / 2)  # none fits alone
+    assert main(base + ["--jobs", "2"]) == 2 and not chosen
+    err = capsys.readouterr().err
+    assert "plan: simulating " in err and "meta mode would replay at least" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
