@@ -31,7 +31,7 @@ from torch import nn
 
 from gpu_backend.processes import in_processes
 from gpu_backend.runner import launch
-from simcluster.runner import job_of
+from simcluster.job import job_of
 from simcluster.scenario import load
 
 SHAPES = {  # hidden: (layers, heads, sequence, vocab), one sequence per rank a step

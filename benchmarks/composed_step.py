@@ -16,7 +16,8 @@ import time
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset

@@ -13,7 +13,7 @@ import os
 import time
 
 from simcluster.model.gpt import GPTConfig, train
-from simcluster.numerics.ops import make_ops
+from simcluster.numerics.modes import make_ops
 
 MODELS = [
     ("tiny: L1 h16 a2 s8 b2 V32", GPTConfig(layers=1, hidden=16, heads=2, ffn_hidden=64, seq=8, vocab=32), 2),

@@ -26,7 +26,8 @@ from calibrated_prediction import scenario_sets  # (the row taken apart; this sc
 from gpu_backend import runner
 from gpu_backend.step_profile import TimedKernels
 from gpu_backend.processes import in_processes
-from simcluster.runner import job_of, run_scenario
+from simcluster.job import job_of
+from simcluster.runner import run_scenario
 from simcluster.scenario import load
 
 

@@ -25,7 +25,8 @@ from gpu_backend.digests import digests, restore
 from gpu_backend.runner import preflight as check
 from simcluster.report import relative_error
 from simcluster import checkpoint
-from simcluster.runner import Job, Outcome, checkpoints, faults_of, job_of, run_scenario
+from simcluster.job import Job, faults_of, job_of
+from simcluster.runner import Outcome, checkpoints, run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 
 

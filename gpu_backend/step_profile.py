@@ -19,7 +19,7 @@ import torch
 
 from gpu_backend.runner import measured
 from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
-from simcluster.runner import job_of
+from simcluster.job import job_of
 from simcluster.scenario import load
 from simcluster.topology import profile as _profile
 

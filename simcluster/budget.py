@@ -18,6 +18,7 @@ import os
 from dataclasses import replace
 
 from simcluster import pipeline_steady
+from simcluster.job import faults_of, job_of
 from simcluster.parallel.pipeline_schedules import PipelineShape, placement
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.steady import SIMULATED
@@ -108,8 +109,6 @@ def meta_seconds(sc: Scenario, fold: bool = True) -> float:
 
 def _meta_counts(sc: Scenario, repeat: bool) -> tuple[int, int]:
     """The steps and micro-batches a step a meta-mode run simulates (steady.py, pipeline_steady.py)."""
-    from simcluster.runner import faults_of
-
     m, p = sc.model, sc.parallel
     share = max(1, m["global_batch"] // p["dp"])  # sequences a step, a data-parallel rank
     micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
@@ -125,8 +124,6 @@ def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, b
     """A meta-mode GPT run's kernels at least: those of one replica (20 a block a micro-batch), times the
     ranks that run (every cp rank, but with Ulysses, which may fold them; unfolded, every dp and tp rank
     too); the copies, whether it folds, and if not why."""
-    from simcluster.runner import faults_of
-
     p = sc.parallel
     faulty = faults_of(sc) is not None
     cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
@@ -141,8 +138,6 @@ def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, b
 def _size(sc: Scenario) -> tuple[int, float] | None:
     """A program's parameters and model FLOPs, a GPT's from two small copies of it (None: the run
     itself will say what is wrong with it)."""
-    from simcluster.runner import job_of
-
     m, p = sc.model, sc.parallel
     v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1
     unit = placement(p["schedule"], PipelineShape(p["pp"], 1, v)).pieces  # runs of layers the pipeline cuts

@@ -45,6 +45,7 @@ import numpy as np
 
 from simcluster import checkpoint_folder as folders
 from simcluster.checkpoint_folder import LATEST, MANIFEST, PARTIAL, CheckpointError, resolve  # noqa: F401
+from simcluster.model.optimizer import WEIGHT_DECAY
 from simcluster.numerics.tensor import dtype_name, numpy_dtype
 from simcluster.scenario import Scenario
 
@@ -91,8 +92,6 @@ def saving(sc: Scenario) -> Iterator[None]:
 
 def training(sc: Scenario) -> dict[str, Any]:
     """What a resumed run must share with the run that saved (the layout is free)."""
-    from simcluster.runner import WEIGHT_DECAY
-
     model = {f"model.{k}": v for k, v in sc.model.items() if k != "micro_batch"}
     r = sc.run
     decay = WEIGHT_DECAY[sc.model["arch"]] if r["weight_decay"] is None else r["weight_decay"]

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -16,35 +15,14 @@ from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.options import check_options, checkpoint_overrides, ints
+from simcluster.options import (check_options, checkpoint_overrides, ints, say_error, say_warnings, scenario_arguments,
+                                torch_arguments, variant_argument, without_torch)
 from simcluster.commands import export, pick_variant, stage_rows, sweep_command, write_svg
 from simcluster.runner import Outcome, run_all
-from simcluster.scenario import ScenarioError, all_keys, library, load
+from simcluster.scenario import ScenarioError, library, load
 from simcluster.viz.outcome_view import render, repeated
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import Timeline
-
-
-def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: bool = True) -> None:
-    p.add_argument("scenario", nargs="?" if optional else None,
-                   help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
-                        + ("; default: the built-in default scenario" if optional else ""))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable); `simcluster keys` explains each. "
-                        "Keys: " + ", ".join(all_keys()))
-    p.add_argument("--at-scale", action="store_true",
-                   help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
-    if not fold:
-        return
-    p.add_argument("--no-fold", dest="fold", action="store_false",
-                   help="in meta mode, simulate every rank instead of letting one stand for its identical peers "
-                        "(data-parallel replicas, tensor-parallel peers): the same results, slower")
-
-
-def variant_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variant", metavar="N|LABEL",
-                   help="for a scenario with a [compare] table: which variant, by number from 1, by label or by "
-                        "a part of one label (default: the first)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,48 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def without_torch(err: Console, what: str) -> bool:
-    """True, having said so in one line, when torch (the gpu_backend extra) is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is not None:
-        return False
-    say_error(err, f"{what} needs torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
-    return True
-
-
 def _calibrate(args: argparse.Namespace, out: Console, err: Console) -> int:
     if without_torch(err, "calibrate"):
         return 2
     from gpu_backend.calibrate import command
 
     return command(args, out, err)
-
-
-def say_error(err: Console, text: str) -> None:
-    """One red 'error:' line (the text verbatim: a [compare] in it is not markup)."""
-    err.print("[bold red]error:[/] " + escape(text), markup=True, soft_wrap=True, highlight=False)
-
-
-def say_warnings(err: Console, scenario: Any) -> None:
-    """A 'note:' line for what the command line did to the [compare] table; a yellow 'warning:' line for
-    each setting that does nothing in the scenario's layout."""
-    for line in scenario.notes:
-        err.print("[bold]note:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
-    for line in scenario.warnings():
-        err.print("[bold yellow]warning:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
-
-
-def torch_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of a run on torch.distributed (`run --backend torch`, `python -m gpu_backend`)."""
-    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="with --backend torch: nccl when CUDA is present, else gloo (default: auto)")
-    p.add_argument("--nproc", type=int, help="with --backend torch: processes to spawn; must be the mesh's rank "
-                                             "count, which is the default")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="with --backend torch: give up on the processes after S seconds (default 600)")
-    p.add_argument("--watchdog", type=float, default=120.0, metavar="S",
-                   help="with --backend torch: report a collective not finished after S seconds (default 120)")
 
 
 JOBS = 4  # plan's default simulations at a time (at most): each holds a simulation's memory

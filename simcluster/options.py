@@ -1,5 +1,7 @@
-"""The command line's own values (widths, windows, rank lists, output paths), checked before any work:
-the scenario's values are checked where they enter (scenario.py)."""
+"""The command line's own options, shared by every command (simcluster.cli, gpu_backend's): the arguments
+that name a scenario and a torch run, the one-line error and warnings, and the command line's own values
+(widths, windows, rank lists, output paths), checked before any work; the scenario's values are checked
+where they enter (scenario.py). A leaf: it imports no command."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ import math
 import os
 from pathlib import Path
 
-from simcluster.scenario import ScenarioError
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from simcluster.scenario import ScenarioError, all_keys
 
 MIN_WIDTH, MAX_WIDTH = 20, 10_000
 MAX_US = 1e12  # a window's ends: 11.6 days of simulated time
@@ -79,3 +86,61 @@ def checkpoint_overrides(args: argparse.Namespace) -> list[str]:
     if getattr(args, "at_step", None) is not None:
         out.append(f"run.save_at_step={args.at_step}")
     return out
+
+
+def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: bool = True) -> None:
+    p.add_argument("scenario", nargs="?" if optional else None,
+                   help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
+                        + ("; default: the built-in default scenario" if optional else ""))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable); `simcluster keys` explains each. "
+                        "Keys: " + ", ".join(all_keys()))
+    p.add_argument("--at-scale", action="store_true",
+                   help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
+    if not fold:
+        return
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="in meta mode, simulate every rank instead of letting one stand for its identical peers "
+                        "(data-parallel replicas, tensor-parallel peers): the same results, slower")
+
+
+def variant_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variant", metavar="N|LABEL",
+                   help="for a scenario with a [compare] table: which variant, by number from 1, by label or by "
+                        "a part of one label (default: the first)")
+
+
+def without_torch(err: Console, what: str) -> bool:
+    """True, having said so in one line, when torch (the gpu_backend extra) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return False
+    say_error(err, f"{what} needs torch: pip install 'simcluster[torch]' (the CPU build: torch==2.13.0)")
+    return True
+
+
+def say_error(err: Console, text: str) -> None:
+    """One red 'error:' line (the text verbatim: a [compare] in it is not markup)."""
+    err.print("[bold red]error:[/] " + escape(text), markup=True, soft_wrap=True, highlight=False)
+
+
+def say_warnings(err: Console, scenario: Any) -> None:
+    """A 'note:' line for what the command line did to the [compare] table; a yellow 'warning:' line for
+    each setting that does nothing in the scenario's layout."""
+    for line in scenario.notes:
+        err.print("[bold]note:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
+    for line in scenario.warnings():
+        err.print("[bold yellow]warning:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
+
+
+def torch_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a run on torch.distributed (`run --backend torch`, `python -m gpu_backend`)."""
+    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="with --backend torch: nccl when CUDA is present, else gloo (default: auto)")
+    p.add_argument("--nproc", type=int, help="with --backend torch: processes to spawn; must be the mesh's rank "
+                                             "count, which is the default")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="with --backend torch: give up on the processes after S seconds (default 600)")
+    p.add_argument("--watchdog", type=float, default=120.0, metavar="S",
+                   help="with --backend torch: report a collective not finished after S seconds (default 120)")

@@ -45,7 +45,8 @@ from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import deferred, passes as stage_passes, placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import plan_of, run_scenario
+from simcluster.job import plan_of
+from simcluster.runner import run_scenario
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS

@@ -122,7 +122,8 @@ def test_a_gemm_writing_partial_sums_runs_at_the_rate_measured_for_those(tmp_pat
     GEMM (a third of its rate, measured): a profile measures them apart (`partial = true`), and a GEMM the
     program leaves partial (ops.py records it as GEMM_PARTIAL, in the engine under its label) is timed at
     them; where a profile has none (fp32 here), as any other GEMM of its dtype."""
-    from simcluster.numerics.ops import GEMM_PARTIAL, make_ops
+    from simcluster.numerics.modes import make_ops
+    from simcluster.numerics.ops import GEMM_PARTIAL
     import numpy as np
 
     path = write_profile(tmp_path / "p.toml")

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
 from simcluster.cli import main
-from simcluster.runner import job_of, run_scenario
+from simcluster.job import job_of
+from simcluster.runner import run_scenario
 from simcluster.scenario import build
 
 MODEL = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.ffn_hidden=64", "model.seq=16",

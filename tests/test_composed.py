@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from simcluster import report
 from simcluster.model.gpt import GPTConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_bit_exact, layouts

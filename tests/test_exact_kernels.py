@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simcluster.numerics import exact, transcendental
-from simcluster.numerics.ops import make_ops
+from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import ReduceOp, reduce
 
 ops = make_ops("exact")

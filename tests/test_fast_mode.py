@@ -10,11 +10,12 @@ from simcluster import report
 from simcluster.model.gpt import GPTConfig
 from simcluster.numerics import tolerance
 from simcluster.numerics.limbs import BF16
-from simcluster.numerics.ops import make_ops
+from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import Partial
 from simcluster.numerics import kernels
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_close_fast

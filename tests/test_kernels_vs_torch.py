@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the
 import torch.nn.functional as F  # noqa: E402
 
 from simcluster.model.gpt import GPTConfig  # noqa: E402
-from simcluster.numerics.ops import make_ops  # noqa: E402
+from simcluster.numerics.modes import make_ops  # noqa: E402
 
 pytestmark = pytest.mark.torch
 fast, exact = make_ops("fast"), make_ops("exact")

@@ -34,3 +34,92 @@ def test_parallel_programs_load_without_simpy_or_torch_in_the_process():
 def test_the_emulator_never_imports_torch():
     for f in (ROOT / "simcluster").rglob("*.py"):
         assert "torch" not in _imports(f), f
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the emulator and of the torch backend, by dotted name (a package by its own)."""
+    out = {}
+    for package in ("simcluster", "gpu_backend"):
+        for f in (ROOT / package).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports, anywhere in it (an import inside a function too: a cycle
+    postponed to run time is still a cycle). `from package import name` is an edge to the submodule
+    `name` where there is one, else to the package."""
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            edges[name].update(t for t in targets if t in mods and t != name)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_imports_flow_one_way():
+    """Issue 37: no two modules import each other, however indirectly, not even inside a function."""
+    edges = import_graph()
+    assert edges["simcluster.runner"] >= {"simcluster.job", "simcluster.budget"}  # (the walk sees imports)
+    assert "gpu_backend.calibrate" in edges["simcluster.cli"]  # (a command's lazy import counts)
+    assert cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

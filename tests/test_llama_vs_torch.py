@@ -13,8 +13,9 @@ torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the
 import torch.nn.functional as F  # noqa: E402
 
 from simcluster.model.gpt import GPTConfig, batch, init_params  # noqa: E402
-from simcluster.numerics.ops import make_ops  # noqa: E402
-from simcluster.parallel.data_parallel import DPConfig, reference  # noqa: E402
+from simcluster.numerics.modes import make_ops  # noqa: E402
+from simcluster.parallel.data_parallel import DPConfig  # noqa: E402
+from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.llama_shard import rope_table  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster.model.gpt import GPTConfig, Recompute, train
-from simcluster.numerics.ops import make_ops
+from simcluster.numerics.modes import make_ops
 
 
 def as_bytes(out):

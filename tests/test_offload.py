@@ -9,7 +9,7 @@ import pytest
 
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig, train
-from simcluster.numerics.ops import make_ops
+from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import DPConfig, padded, unit_size
 from simcluster.parallel.plan import Plan

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
 from simcluster.model.optimizer import adam_init, adam_step, clip_by_norm, square_sum  # noqa: E402
-from simcluster.numerics.ops import make_ops  # noqa: E402
+from simcluster.numerics.modes import make_ops  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from simcluster import report
 from simcluster.engine import DeadlockError, simulate
 from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.reference import reference
 from simcluster.parallel.pipeline import UniformPipeline, pipeline_uniform, uniform_cluster
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, describe
 from simcluster.program.mesh import DeviceMesh

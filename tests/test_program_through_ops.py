@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "simcluster"
 PROGRAMS = ("parallel", "model")
 
 HOST_SIDE = {  # (module, function): why it may call numpy
-    "parallel/gpt_shard.py:Positions.__array__": "positions a cp rank holds, as the host's index array",
+    "parallel/positions.py:Positions.__array__": "positions a cp rank holds, as the host's index array",
     "parallel/llama_shard.py:rope_table": "the rotary table, once in float64, moved by ops.constant",
     "parallel/dp_wrap.py:DPWrap._owned": "which flat elements a rank owns, from shapes; moved by ops.from_host",
     "parallel/collectives_demo.py:collectives_demo": "integer test data made on the host, moved by ops.from_host",

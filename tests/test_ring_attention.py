@@ -10,7 +10,8 @@ from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig, Slice
 from simcluster.numerics import kernels
 from simcluster.parallel import ring_attention
-from simcluster.parallel.data_parallel import DPConfig, reference
+from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.reference import reference
 from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh

@@ -15,7 +15,8 @@ from gpu_backend.runner import spawn  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
 from simcluster.model.gpt import GPTConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
-from simcluster.parallel.data_parallel import DPConfig, reference  # noqa: E402
+from simcluster.parallel.data_parallel import DPConfig  # noqa: E402
+from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.plan import Plan  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 from simcluster.topology.presets import preset  # noqa: E402

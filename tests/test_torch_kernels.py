@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
 from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, torch_to_host  # noqa: E402
-from simcluster.numerics.ops import make_ops  # noqa: E402
+from simcluster.numerics.modes import make_ops  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402
 from simcluster.numerics.tolerance import bound  # noqa: E402
 
@@ -279,7 +279,7 @@ def one_process_group():
 
 def step_on(device, family, monkeypatch=None):
     from gpu_backend.runner import measured
-    from simcluster.runner import job_of
+    from simcluster.job import job_of
     from simcluster.scenario import load
 
     job = job_of(load(None, [*ONE_RANK, *FAMILIES[family]]), fold=False)

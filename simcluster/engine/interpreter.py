@@ -25,7 +25,8 @@ from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, Fol
 from simcluster.engine.calls import Call, Channel, EmulatedWork
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
-from simcluster.numerics.ops import Mode, make_ops
+from simcluster.numerics.modes import make_ops
+from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import Context, Program

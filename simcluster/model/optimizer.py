@@ -16,6 +16,7 @@ from typing import Any
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import MetaTensor
 
+WEIGHT_DECAY = {"gpt": 0.01, "llama": 0.1}  # AdamW's default by architecture: Megatron-LM's; the Llama 3 paper's
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
 

@@ -11,7 +11,7 @@ from simcluster.numerics import exact as _exact
 from simcluster.numerics import transcendental as _tr
 from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.dtypes import accumulator_name
-from simcluster.numerics.ops import Mode, Ops, Record, _broadcast
+from simcluster.numerics.ops import Mode, Ops, Record, broadcast_shape
 from simcluster.numerics import kernels as _k
 from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
 
@@ -178,7 +178,7 @@ class MetaOps(Ops):
         return MetaTensor(out_shape, x.dtype, partial)
 
     def _binary(self, f: Callable, a: Any, b: Any) -> Any:
-        return MetaTensor(_broadcast(a.shape, b.shape), getattr(a, "dtype", "fp32"))
+        return MetaTensor(broadcast_shape(a.shape, b.shape), getattr(a, "dtype", "fp32"))
 
     def _unary(self, f: Callable, a: Any) -> Any:
         return MetaTensor(tuple(a.shape), a.dtype)

@@ -13,9 +13,8 @@ buffer zero-padded to a multiple of N so that ZeRO can shard it evenly (dp_wrap.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -105,45 +104,3 @@ def padded(n: int, dp: int) -> int:
 # What a training run returns per tensor: the weights, the last step's gradients, the first step's
 # (where float noise has not yet been amplified by Adam: fast mode compares them) and Adam's moments.
 KINDS = ("params", "grads", "first_grads", "adam_m", "adam_v")
-
-
-def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
-    """The single-device run that every data-parallel run must equal (cached: the configuration is
-    immutable, and every variant of a comparison shares it, whatever its ZeRO stage, micro-batches or
-    offload: one device has none of them). Do not modify what it returns."""
-    return _reference(replace(cfg, micro_batches=1, zero=0, prefetch=True, overlap_grad_reduce=True,
-                              offload_optimizer="none", offload_params="none"), mode)
-
-
-@functools.lru_cache(maxsize=8)
-def _reference(cfg: DPConfig, mode: str) -> dict[str, Any]:
-    """(reference's cache: reference.cache_clear() empties it, for a caller that changes the model's code.)"""
-    from simcluster.model.gpt import train
-    from simcluster.numerics.ops import make_ops
-
-    if cfg.model.arch != "gpt":  # the model is defined once, by its shards: one device is a mesh of one
-        return _one_rank(cfg, mode)
-
-    out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,
-                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision,
-                delayed_update=cfg.delayed_update)
-    flat: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(out["loss"])}
-    for kind in KINDS:
-        for name, value in out[kind].items():
-            flat[f"{kind}.{name}"] = value
-    return flat
-
-
-def _one_rank(cfg: DPConfig, mode: str) -> dict[str, Any]:
-    from simcluster.engine import simulate
-    from simcluster.parallel.composed import assemble, composed
-    from simcluster.parallel.plan import Plan
-    from simcluster.program.mesh import DeviceMesh
-    from simcluster.topology.presets import preset
-
-    plan, mesh = Plan(data=cfg), DeviceMesh()
-    run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
-    return assemble(run.results, [mesh.coords(0)], plan)
-
-
-reference.cache_clear = _reference.cache_clear  # type: ignore[attr-defined]

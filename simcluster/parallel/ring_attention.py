@@ -41,18 +41,15 @@ from typing import Any, Generator
 from simcluster.model import flash
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.positions import Positions, layout
 
 
 def _positions(model: Any, owner: int) -> Any:
-    from simcluster.parallel.gpt_shard import layout
-
     return layout(model.m.seq, model.P, owner, model.zigzag)
 
 
 def _every_position(model: Any) -> Any:
     """The positions of the whole sequence in the order the all-gather puts them: rank by rank."""
-    from simcluster.parallel.gpt_shard import Positions
-
     return Positions.joined(_positions(model, o) for o in range(model.P))
 
 
