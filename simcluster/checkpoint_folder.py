@@ -42,6 +42,13 @@ def resolve(folder: str) -> str:
     """The checkpoint --resume DIR names: the one DIR/latest names; where `latest` is missing or names no
     complete checkpoint, DIR's newest complete one; else DIR itself when it holds a manifest (one
     checkpoint's folder, or one saved before step folders)."""
+    try:
+        return _resolve(folder)
+    except OSError as exc:  # (a name the file system refuses: too long, a loop of links)
+        raise CheckpointError(f"--resume {folder[:200]!r}: {exc.strerror or exc}") from None
+
+
+def _resolve(folder: str) -> str:
     d = Path(folder)
     try:
         name = (d / LATEST).read_text().strip()

@@ -29,6 +29,9 @@ from simcluster.program.mesh import DeviceMesh
 from simcluster.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import preset
 
+CLOCK_NS = 2**62  # the latest simulated time a fault may name (int64 nanoseconds, with room to add to it)
+MAX_SLOWDOWN = 1e6  # a straggler's factor at most: kernel times stay far inside the int64 clock
+
 
 def _mlp(sc: Scenario, mesh: DeviceMesh) -> tuple[MLPConfig, int, float]:
     for axis in ("pp", "cp"):
@@ -198,6 +201,13 @@ def faults_of(sc: Scenario) -> Faults | None:
                             "a degraded link between chips is not modelled")
     if f["failed_rank"] is not None and f["watchdog_s"] <= 0:
         raise ScenarioError("faults.watchdog_s must be above 0")
+    if f["straggler_rank"] is not None and f["straggler_factor"] > MAX_SLOWDOWN:
+        raise ScenarioError(f"faults.straggler_factor = {f['straggler_factor']!r}: at most {MAX_SLOWDOWN:.0e} (a "
+                            f"millisecond's kernel would take {MAX_SLOWDOWN / 1e3 / 60:.0f} minutes)")
+    for key, ns in (("straggler_from_us", 1e3), ("failed_at_us", 1e3), ("watchdog_s", 1e9)):
+        if f[key] * ns > CLOCK_NS:  # (the emulator's clock: int64 nanoseconds)
+            raise ScenarioError(f"faults.{key} = {f[key]!r} is past the emulator's clock, which counts int64 "
+                                f"nanoseconds: at most {CLOCK_NS / ns:.3g} ({CLOCK_NS / 1e9 / 86400 / 365:.0f} years)")
     faults = Faults(
         straggler=None if f["straggler_rank"] is None else (f["straggler_rank"], f["straggler_factor"],
                                                             round(f["straggler_from_us"] * 1e3)),

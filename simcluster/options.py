@@ -26,9 +26,12 @@ def ints(text: str | None, what: str) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ScenarioError(f"--{what} wants comma-separated integers, got {text!r}") from None
+    if not out:
+        raise ScenarioError(f"--{what} wants at least one integer, e.g. --{what} 0,1; got {text!r}")
+    return out
 
 
 def writable(path: str, what: str) -> None:

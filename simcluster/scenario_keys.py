@@ -185,6 +185,9 @@ def _suggest(name: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+LARGEST_INT = 2**53  # the largest integer a scenario may give: floats (the cost model's) hold every integer to it
+
+
 def _check(where: str, key: Key, value: Any) -> Any:
     want = key.type
     if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -199,6 +202,10 @@ def _check(where: str, key: Key, value: Any) -> Any:
         raise ScenarioError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
     if want is float and not math.isfinite(value):
         raise ScenarioError(f"{where} must be a finite number, got {value!r}")
+    if want is int and abs(value) > LARGEST_INT:
+        text = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise ScenarioError(f"{where} = {text} is too large: integers here are at most 2^53 = {LARGEST_INT:,} (the "
+                            f"cost model computes in floats, exact to 2^53)")
     if key.choices is not None and value not in key.choices:
         raise ScenarioError(f"{where} = {value!r} is not valid; valid: {', '.join(map(str, key.choices))}")
     if key.minimum is not None and value < key.minimum:

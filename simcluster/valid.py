@@ -7,13 +7,18 @@ import math
 from typing import Callable, Iterable
 
 
+LARGEST = 2**20  # the largest divisor listed of an n past LARGEST^2: above any degree (budget.MAX_RANKS is 2^18)
+
+
 def divisors(n: int, keep: Callable[[int], bool] | None = None) -> list[int]:
-    """The divisors of n >= 1 in order (those `keep` accepts)."""
+    """The divisors of n >= 1 in order (those `keep` accepts); of an n past 2^40, those up to 2^20 only
+    (a scenario may give a size of 400 digits, whose square root no loop reaches)."""
     small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
+    root = math.isqrt(n)
+    for d in range(1, min(root, LARGEST) + 1):
         if n % d == 0:
             small.append(d)
-            if d != n // d:
+            if d != n // d and root <= LARGEST:
                 large.append(n // d)
     out = small + large[::-1]
     return [d for d in out if keep(d)] if keep is not None else out

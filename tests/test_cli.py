@@ -262,6 +262,16 @@ def _special_files(tmp_path):
     (["run", "TMP/loop_a"], "is a link that leads nowhere"),
     (["run", "--svg", "/dev/full"], "--svg /dev/full: No space left on device"),
     (["sweep", "--key", "parallel.dp", "--values", "1", "--svg", "/dev/full"], "--svg /dev/full: No space left"),
+    # found by `benchmarks/fuzz.py --cases 10000` (session 27): an integer of 417 digits (it hung listing its
+    # divisors), times past the int64 clock, an empty rank list, a folder name past the file system's limit
+    (["run", "--set", "model.ffn_hidden=1" + "0" * 416], "model.ffn_hidden = 100000000000... (417 digits) is too "
+                                                         "large: integers here are at most 2^53"),
+    (["run", "--set", "run.numerics=meta", "--set", "faults.watchdog_s=1e+308"], "faults.watchdog_s = 1e+308 is "
+                                                                                "past the emulator's clock"),
+    (["run", "--set", "run.numerics=meta", "--set", "faults.straggler_rank=0", "--set",
+      "faults.straggler_factor=1e308"], "faults.straggler_factor = 1e+308: at most 1e+06"),
+    (["timeline", "collectives", "--ranks", "0,1", "--ranks", ""], "--ranks wants at least one integer"),
+    (["run", "--set", "run.numerics=meta", "--set", "run.resume=" + "a" * 300], "File name too long"),
 ])
 def test_inputs_that_gave_tracebacks_are_one_line(tmp_path, capsys, args, message):
     """Issue 36's reproducers (a number too large for a float or for the emulator's counters, nesting
@@ -273,3 +283,14 @@ def test_inputs_that_gave_tracebacks_are_one_line(tmp_path, capsys, args, messag
     assert main([a.replace("TMP", str(tmp_path)) for a in args]) == 2
     err = capsys.readouterr().err
     assert message in " ".join(err.split()) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_divisors_an_error_lists_stop_at_2_20_for_a_number_past_2_40():
+    """(A size past 2^53 is refused where it enters; the listing is bounded all the same: a loop to the
+    square root of a 400-digit number never ends.)"""
+    from simcluster.valid import divisors
+
+    assert divisors(2**40) == [2**i for i in range(41)]  # every divisor, to 2^40
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    huge = divisors(10**416)
+    assert huge[:6] == [1, 2, 4, 5, 8, 10] and max(huge) == 2**20 and all(10**416 % d == 0 for d in huge)
