@@ -1,7 +1,7 @@
 """Any scenario on torch.distributed: a preflight on the emulator, the ranks on torch, and a report that
 puts what was measured beside what the emulator predicted.
 
-    prepare   the scenario's job (simcluster.runner.job_of) for torch: numbers (exact or fast mode),
+    prepare   the scenario's job (simcluster.job.job_of) for torch: numbers (exact or fast mode),
               one variant, as many processes as the mesh has ranks;
     preflight the job on the emulator in meta mode (shapes only, seconds): a mismatched collective or a
               deadlock is refused with the emulator's diagnosis before any process starts;

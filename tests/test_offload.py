@@ -149,14 +149,14 @@ def test_the_delayed_update_computes_each_step_with_the_weights_from_before_the_
 
 def test_a_run_with_the_delayed_update_fails_against_the_plain_reference(monkeypatch):
     """The verification compares with the delayed definition: told the plain one, it fails."""
-    import simcluster.runner as runner
+    import simcluster.job as job
 
-    plain = runner.reference
+    plain = job.reference
 
     def without_delay(cfg, mode="exact"):
         from dataclasses import replace
         return plain(replace(cfg, delayed_update=False), mode)
-    monkeypatch.setattr(runner, "reference", without_delay)
+    monkeypatch.setattr(job, "reference", without_delay)
     report = run("parallel.zero=2", 'parallel.offload_optimizer="cpu"', "parallel.delayed_update=true")
     assert not report["verification"]["passed"]
 
