@@ -123,3 +123,37 @@ def test_the_cycle_finder_finds_a_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(edges) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The layers, lowest first: a module imports only from its own layer and those below it. Each entry names
+# packages (simcluster's sub-packages and the torch backend) and top-level modules.
+LAYERS = [
+    ("numerics", "valid"),  # the kernel set in its three modes; the valid values an error lists
+    ("model",),  # the single-device model: its blocks, AdamW, FLOPs and memory
+    ("program",),  # what a per-rank program is given: mesh, groups, communication, context
+    ("topology",),  # presets, the cluster's links, collective plans, measured profiles
+    ("engine",),  # interpretation and timing of the programs, folding, the trace
+    ("scenario_keys", "scenario", "options"),  # the input: a scenario's keys and values, the command line's
+    ("checkpoint_folder", "checkpoint"),  # the checkpoint's format and folder
+    ("parallel",),  # the per-rank programs, and the single-device reference they are checked against
+    ("report", "steady", "pipeline_steady", "batch", "goodput"),  # a run's report; simulating less
+    ("job", "budget"),  # what a scenario runs; what it would cost
+    ("runner",),  # the emulator runs a job
+    ("planner", "sweep", "testing"),  # analyses over many runs; the public testing API
+    ("viz", "commands"),  # renderers and exports
+    ("gpu_backend",),  # the same programs on torch.distributed (its commands: `run --backend torch`, calibrate)
+    ("cli", "__init__"),  # the command line
+]
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    name = parts[0] if parts[0] == "gpu_backend" else parts[1] if len(parts) > 1 else "__init__"
+    return next(i for i, names in enumerate(LAYERS) if name in names)
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    """Issue 37: imports flow one way between the layers above (a new module must be placed in one)."""
+    edges = import_graph()
+    assert sum(_layer(t) < _layer(m) for m, targets in edges.items() for t in targets) > 100  # (it sees imports)
+    assert sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets if _layer(t) > _layer(m)) == []
