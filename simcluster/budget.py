@@ -114,7 +114,7 @@ def _meta_counts(sc: Scenario, repeat: bool) -> tuple[int, int]:
     micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
     faulty = faults_of(sc) is not None
     steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]
-    rounds = pipeline_steady.plan(m, p) if repeat and not faulty else None
+    rounds = pipeline_steady.micro_counts(m, p) if repeat and not faulty else None
     if rounds is not None:  # (three short runs: pipeline_steady.py)
         micro = sum(rounds.counts)
     return steps, micro

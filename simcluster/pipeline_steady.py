@@ -55,7 +55,7 @@ class Micro:
         return 2 * sum(counts) <= self.m
 
 
-def plan(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
+def micro_counts(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
     """The counts for a GPT step of this model and layout, or None where simulating all m micro-batches
     costs no more (or the schedule does not settle into rounds: GPipe holds every micro-batch)."""
     p, schedule = parallel["pp"], parallel["schedule"]

@@ -216,7 +216,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     compute = hardware * p * _busiest(model, plan.schedule, plan.shape(p)) / (spec.world_size * rate) \
         * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
-    if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (plans.py)
+    if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (phases.py)
         nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
     passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
@@ -294,7 +294,7 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     nic = spec.nic_bytes_per_ns * 1e9
 
     def gather(v: float) -> float:  # an all-gather (or reduce-scatter) of c blocks of v bytes
-        # hierarchical over k nodes (topology/plans.py): a ring per local index across the nodes,
+        # hierarchical over k nodes (topology/phases.py): a ring per local index across the nodes,
         # then one inside each node on the k blocks each member has
         return (k - 1) * v / nic + (c // k - 1) * k * v / nvlink
 

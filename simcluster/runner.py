@@ -130,7 +130,7 @@ def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None
     if r["numerics"] != "meta" or r["program"] != "gpt" or faults is not None or r["save_checkpoint"] \
             or r["resume"]:
         return None
-    return pipeline_steady.plan(sc.model, sc.parallel)
+    return pipeline_steady.micro_counts(sc.model, sc.parallel)
 
 
 def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:

@@ -59,7 +59,7 @@ def test_two_nodes_of_one_gpu_pay_network_steps_and_the_ring_plateau(nbytes, pro
 
 
 def test_a_group_across_nodes_pays_nvlink_steps_inside_and_network_steps_between():
-    """Two nodes of four, hierarchical (plans.py): a reduce-scatter of 3 NVLink steps, a ring of 2
+    """Two nodes of four, hierarchical (phases.py): a reduce-scatter of 3 NVLink steps, a ring of 2
     network steps on a quarter of the bytes, an all-gather of 3 NVLink steps; large: Simple."""
     S, k, m = 4 * 2**22 * 3, 4, 2
     latency = 1.4 * (BASE["Simple"] + 2 * (k - 1) * NVLINK_STEP["Simple"] + 2 * (m - 1) * NET_STEP["Simple"])
@@ -94,7 +94,7 @@ CORRECTION = {
 
 def across_nodes(k, m, S):
     """(time in ns, algorithm, protocol) for an all-reduce of S bytes over m nodes of k GPUs: the
-    hierarchical ring (plans.py; the test above) by each protocol, and the tree by each, whose bytes
+    hierarchical ring (phases.py; the test above) by each protocol, and the tree by each, whose bytes
     NCCL's model times at 0.5 x its share x the correction where the ring's at n/2(n-1): the ring's
     time for them times n/(n-1) over share x correction."""
     n = k * m

@@ -65,7 +65,7 @@ def test_repeated_rounds_of_repeated_steps(layout):
 def test_a_million_micro_batches_cost_two_short_runs(simulated):
     """Only two short runs are simulated, whatever the micro-batch count; the report counts them all."""
     small, million = runner.run_scenario(scenario(LAYOUTS[0])), runner.run_scenario(scenario(LAYOUTS[0], 10**6))
-    first, second = pipeline_steady.plan(small.scenario.model, small.scenario.parallel).counts
+    first, second = pipeline_steady.micro_counts(small.scenario.model, small.scenario.parallel).counts
     assert [data.micro_batches for data in simulated] == [first, second, first, second]
     shown, m, period = million.result.micro
     assert m == 10**6 and million.report["trace_events"] > 10**6
@@ -78,10 +78,10 @@ def test_rounds_that_never_repeat_are_all_simulated(monkeypatch):
     further behind each round: no two rounds are alike. Not even tried (no plan); and tried, the short
     runs are refused, every micro-batch is simulated, and the report is the full simulation's."""
     sc = scenario(["parallel.dp=4", "parallel.zero=3"])
-    assert pipeline_steady.plan(sc.model, sc.parallel) is None
+    assert pipeline_steady.micro_counts(sc.model, sc.parallel) is None
     every = every_micro_batch(sc)
-    tried = pipeline_steady.plan(sc.model, dict(sc.parallel, zero=1))
-    monkeypatch.setattr(pipeline_steady, "plan", lambda model, parallel: tried)
+    tried = pipeline_steady.micro_counts(sc.model, dict(sc.parallel, zero=1))
+    monkeypatch.setattr(pipeline_steady, "micro_counts", lambda model, parallel: tried)
     once = runner.run_scenario(sc)
     assert once.result.micro is None
     assert json.dumps(once.report, sort_keys=True) == json.dumps(every.report, sort_keys=True)
@@ -92,12 +92,12 @@ def test_only_what_gains_is_planned():
     every micro-batch), without a pipeline, or with a count the unit does not divide."""
     model = {"global_batch": 64, "micro_batch": 1}
     one_f_one_b = {"pp": 4, "dp": 1, "schedule": "1f1b", "zero": 1}
-    assert pipeline_steady.plan(model, one_f_one_b).counts == (7, 8)
-    assert pipeline_steady.plan(dict(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
-    assert pipeline_steady.plan(model, dict(one_f_one_b, schedule="gpipe")) is None
-    assert pipeline_steady.plan(model, dict(one_f_one_b, pp=1)) is None
-    assert pipeline_steady.plan(model, dict(one_f_one_b, schedule="interleaved")) is None  # 16 + 20 > 32
-    assert pipeline_steady.plan(dict(model, global_batch=80), dict(one_f_one_b, schedule="interleaved")).counts \
+    assert pipeline_steady.micro_counts(model, one_f_one_b).counts == (7, 8)
+    assert pipeline_steady.micro_counts(dict(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
+    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, schedule="gpipe")) is None
+    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, pp=1)) is None
+    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, schedule="interleaved")) is None  # 16 + 20 > 32
+    assert pipeline_steady.micro_counts(dict(model, global_batch=80), dict(one_f_one_b, schedule="interleaved")).counts \
         == (16, 20)
 
 

@@ -1,4 +1,4 @@
-"""A TPU-style torus (cluster.torus, topology/cluster.py and plans.py): links between neighbouring
+"""A TPU-style torus (cluster.torus, topology/cluster.py and phases.py): links between neighbouring
 chips, dimension-order routes, collectives reduced one dimension at a time, both directions of a
 ring at once where the dimension wraps around, and twice the time on an open line."""
 
@@ -11,7 +11,7 @@ from simcluster.program.mesh import DeviceMesh
 from simcluster.runner import run_all, run_scenario
 from simcluster.scenario import ScenarioError, build, load
 from simcluster.topology.cluster import Cluster
-from simcluster.topology.plans import plan
+from simcluster.topology.phases import phases
 from simcluster.topology.presets import preset
 
 ELEMENTS = 1 << 24  # bf16: 32 MiB in all, so bandwidth shows
@@ -122,7 +122,7 @@ def test_a_group_that_is_not_a_grid_rings_in_rank_order_over_routed_hops():
     """Chips (0,0,0) and (1,1,0): not every combination of their coordinates, so no dimension-wise
     plan; one ring of two, each transfer two hops (x, then y)."""
     torus = Cluster(preset("tpu-v5p", nodes=16, torus="4x4x4"))
-    (phase,) = plan(CommKind.ALL_REDUCE, (5, 0), S, torus)
+    (phase,) = phases(CommKind.ALL_REDUCE, (5, 0), S, torus)
     assert phase.steps == 2 and phase.flows == ((0, 5, S), (5, 0, S))
     assert len(torus.route(0, 5)[0]) == len(torus.route(5, 0)[0]) == 2
-    assert [len(p.flows) for p in plan(CommKind.ALL_REDUCE, (0, 1, 4, 5), S, torus)] == [4, 4, 4, 4]  # a 2x2 grid
+    assert [len(p.flows) for p in phases(CommKind.ALL_REDUCE, (0, 1, 4, 5), S, torus)] == [4, 4, 4, 4]  # a 2x2 grid

@@ -1,4 +1,4 @@
-"""What a call moves over which links: its plan's phases (topology/plans.py) as flows on the
+"""What a call moves over which links: its plan's phases (topology/phases.py) as flows on the
 network's links, the bytes each member sends, and how long it takes where it has its links to
 itself. Computed once per channel and call shape, then shared (the timed replay asks per call)."""
 
@@ -14,7 +14,7 @@ from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
 from simcluster.topology import nccl
 from simcluster.topology.cluster import Cluster
-from simcluster.topology.plans import plan, semantic_bytes
+from simcluster.topology.phases import phases as phases_of, semantic_bytes
 
 # (latency, flows) per phase; bytes sent per member; ns on links of its own (None: its flows share
 # one); every link it crosses
@@ -84,7 +84,7 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
     if cached is None:
         size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
         nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
-        phases = plan(call.kind, call.members, nbytes, cluster, peer=op.peer)
+        phases = phases_of(call.kind, call.members, nbytes, cluster, peer=op.peer)
         if fold is not None and call.live < len(call.members):
             fold.check_plan(call.members, phases, call.where, call.kind.value)
         raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)

@@ -5,7 +5,7 @@ the bottleneck): kernels advance the clock without SimPy events (a stream is in 
 starts when the previous item ended); a wait takes the later of its clock and the awaited item's
 end; a communication item joins its call at the stream's clock, once the work issued before it
 has ended (the stream it waits on joins for it, so that the stream itself sleeps until the call
-ends). When every member has joined, the call's plan (topology/plans.py) runs on the shared
+ends). When every member has joined, the call's plan (topology/phases.py) runs on the shared
 network, phase after phase, and every member's item ends when the plan ends. SimPy keeps the clock
 and the queue of timed callbacks; ties are broken by insertion order, and streams start in (rank,
 stream) order, so a scenario gives the same trace every run. A replay consumes its input.

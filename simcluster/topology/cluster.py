@@ -129,7 +129,7 @@ class Cluster:
         index is rotated inside each tp group (a ring through tp ranks 0,0,..,1,1,..: the rotation
         shifts it along itself), so a group across tp groups (the clipping norm's world all-reduce)
         moves the same flows on every tp rank, which lets a simulation fold tp peers (engine/fold.py).
-        With tp = 1, or a group inside one tp group, it is rank order; on a torus too (plans.py then
+        With tp = 1, or a group inside one tp group, it is rank order; on a torus too (phases.py then
         rings along each dimension where it can)."""
         if self.torus:
             return tuple(sorted(ranks))

@@ -7,7 +7,7 @@ cost model says is fastest (`ncclTopoGetAlgoTime`: latency + bytes / bandwidth):
   LL128   128-byte lines of 120 data bytes: 92 % of it (70 % with one GPU a node);
   Simple  plain copies behind memory fences: all of it, the highest latency.
 So a small message goes by LL at a few microseconds and a large one by Simple at the link's rate,
-with LL128 between. The model's constants, ring algorithm (the one plans.py lays out), from
+with LL128 between. The model's constants, ring algorithm (the one phases.py lays out), from
 NVIDIA/nccl src/graph/tuning.cc (2.19/2.20, the NCCL of current NGC containers): a call's base
 latency and each ring step's latency over NVLink and over the network, in microseconds:
 

@@ -65,7 +65,7 @@ def _by_node(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, ...]] 
     return [tuple(nodes[k]) for k in sorted(nodes)]
 
 
-def plan(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, peer: int | None = None) -> list[Phase]:
+def phases(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster, peer: int | None = None) -> list[Phase]:
     """Phases of a collective over `ranks` (group order; rings visit them in `cluster.ring_order`).
     `nbytes`: see the module docstring."""
     n = len(ranks)
