@@ -71,7 +71,8 @@ def scenario_table() -> None:
     from pathlib import Path
 
     import simcluster.engine as engine
-    from simcluster import runner, scenario
+    from simcluster.run import runner
+    from simcluster.config import scenario
 
     timings: list[tuple[int, float, int]] = []
     real = engine.simulate

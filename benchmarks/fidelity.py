@@ -19,7 +19,7 @@ import argparse
 import resource
 import time
 
-from simcluster.runner import run_scenario
+from simcluster.run.runner import run_scenario
 from table1 import arguments, table
 
 PAPER = [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]  # TFLOP/s per GPU, Table 1

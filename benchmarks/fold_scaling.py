@@ -8,7 +8,7 @@ peak memory (the process's maximum resident set, interpreter and imports include
 - Llama 3 405B on TP 8 x PP 16 x DP d as the paper ran it (d = 64: 8,192 H100s, 32 sequences per
   replica; d = 128: 16,384 H100s, 16 per replica; Dubey et al. 2024, Table 4), folded;
 - the same at d = 64 with more micro-batches a step (m = 128 .. 4,096 per replica), whose pipeline
-  rounds are simulated twice (simcluster/pipeline_steady.py), and m = 128 with every micro-batch
+  rounds are simulated twice (simcluster/run/pipeline_steady.py), and m = 128 with every micro-batch
   simulated, for comparison.
 Folded and unfolded runs, and rounds simulated twice or all, give the same report (tests/test_fold.py,
 tests/test_pipeline_steady.py); only the cost differs.
@@ -26,9 +26,9 @@ import sys
 
 CHILD = """
 import json, resource, sys, time
-from simcluster import runner
-from simcluster.runner import run_all
-from simcluster.scenario import load
+from simcluster.run import runner
+from simcluster.run.runner import run_all
+from simcluster.config.scenario import load
 name, fold, rounds, overrides = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
 if not rounds:
     runner._rounds = lambda sc, faults: None  # (every micro-batch simulated)

@@ -21,8 +21,8 @@ import argparse
 import time
 from dataclasses import replace
 
-from simcluster.planner import search
-from simcluster.runner import run_scenario
+from simcluster.analysis.planner import search
+from simcluster.run.runner import run_scenario
 from table1 import arguments, table
 
 MEGATRON_2021 = {"cp": (1,), "zero": (0,), "sp": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved")}

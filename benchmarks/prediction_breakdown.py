@@ -26,9 +26,9 @@ from calibrated_prediction import scenario_sets  # (the row taken apart; this sc
 from gpu_backend import runner
 from gpu_backend.step_profile import TimedKernels
 from gpu_backend.processes import in_processes
-from simcluster.job import job_of
-from simcluster.runner import run_scenario
-from simcluster.scenario import load
+from simcluster.run.job import job_of
+from simcluster.run.runner import run_scenario
+from simcluster.config.scenario import load
 
 
 def rank(device: Any, program: Any, args: Any, mesh: Any) -> tuple[float, dict[str, float]]:

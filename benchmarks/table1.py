@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from simcluster.scenario import Scenario, ScenarioError, load
+from simcluster.config.scenario import Scenario, ScenarioError, load
 
 TABLE = Path(__file__).with_name("megatron_table1.toml")
 

@@ -42,7 +42,7 @@ from rich.table import Table
 from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
 from gpu_backend.step_profile import step_rates
 from gpu_backend.torch_ops import TorchFastOps
-from simcluster.options import say_error
+from simcluster.config.options import say_error
 from simcluster.topology import profile as _profile
 from simcluster.topology.profile import Gemm
 

@@ -1,7 +1,7 @@
 """Any scenario on torch.distributed: a preflight on the emulator, the ranks on torch, and a report that
 puts what was measured beside what the emulator predicted.
 
-    prepare   the scenario's job (simcluster.job.job_of) for torch: numbers (exact or fast mode),
+    prepare   the scenario's job (simcluster.run.job.job_of) for torch: numbers (exact or fast mode),
               one variant, as many processes as the mesh has ranks;
     preflight the job on the emulator in meta mode (shapes only, seconds): a mismatched collective or a
               deadlock is refused with the emulator's diagnosis before any process starts;
@@ -25,9 +25,9 @@ from gpu_backend.digests import digests, restore
 from gpu_backend.runner import preflight as check
 from simcluster.report import relative_error
 from simcluster import checkpoint
-from simcluster.job import Job, faults_of, job_of
-from simcluster.runner import Outcome, checkpoints, run_scenario
-from simcluster.scenario import Scenario, ScenarioError
+from simcluster.run.job import Job, faults_of, job_of
+from simcluster.run.runner import Outcome, checkpoints, run_scenario
+from simcluster.config.scenario import Scenario, ScenarioError
 
 
 FLOAT_REDUCTION = 1e-5  # a float sum in another order: the collectives and mlp programs' (relative norm)

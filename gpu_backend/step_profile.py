@@ -19,8 +19,8 @@ import torch
 
 from gpu_backend.runner import measured
 from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
-from simcluster.job import job_of
-from simcluster.scenario import load
+from simcluster.run.job import job_of
+from simcluster.config.scenario import load
 from simcluster.topology import profile as _profile
 
 

@@ -15,11 +15,11 @@ from rich.table import Table
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.options import (check_options, checkpoint_overrides, ints, say_error, say_warnings, scenario_arguments,
+from simcluster.config.options import (check_options, checkpoint_overrides, ints, say_error, say_warnings, scenario_arguments,
                                 torch_arguments, variant_argument, without_torch)
 from simcluster.commands import export, pick_variant, stage_rows, sweep_command, write_svg
-from simcluster.runner import Outcome, run_all
-from simcluster.scenario import ScenarioError, library, load
+from simcluster.run.runner import Outcome, run_all
+from simcluster.config.scenario import ScenarioError, library, load
 from simcluster.viz.outcome_view import render, repeated
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import Timeline
@@ -207,7 +207,7 @@ def _status(outcome: Outcome, err: Console) -> int:
 def _plan(scenario: Any, args: argparse.Namespace, out: Console, err: Console) -> int:
     """`simcluster plan`: the search, with a bar over the simulations on an interactive stderr (a line
     for each elsewhere)."""
-    from simcluster.planner import parse_fixed, search
+    from simcluster.analysis.planner import parse_fixed, search
     from simcluster.viz.plan_view import plan_data, plan_table
 
     if args.simulate < 1:

@@ -11,8 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.runner import Outcome
-from simcluster.scenario import ScenarioError, all_keys
+from simcluster.run.runner import Outcome
+from simcluster.config.scenario import ScenarioError, all_keys
 
 
 def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:
@@ -67,7 +67,7 @@ def write_svg(path: str, svg: str) -> None:
 
 
 def sweep_command(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from simcluster.sweep import as_json, capacity, sweep
+    from simcluster.analysis.sweep import as_json, capacity, sweep
     from simcluster.viz import sweep_view
 
     if args.key not in all_keys():

@@ -11,7 +11,7 @@ import numpy as np
 
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
-from simcluster.scenario import Scenario
+from simcluster.config.scenario import Scenario
 from simcluster.engine.totals import Totals
 
 

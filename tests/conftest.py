@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def simulated(monkeypatch):
     """The plans (their DPConfig: steps, micro-batches) of every simulation the runner starts, in order."""
-    from simcluster import runner
+    from simcluster.run import runner
 
     seen = []
     real = runner.simulate

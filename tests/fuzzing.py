@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from simcluster.cli import main
-from simcluster.scenario import SCHEMA, library
+from simcluster.config.scenario import SCHEMA, library
 
 class RAW(str):
     """A value written into TOML as it is (a date, a time)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from simcluster.cli import main
-from simcluster.scenario import all_keys, load
+from simcluster.config.scenario import all_keys, load
 
 
 def test_default_run_prints_report_timeline_and_passes(capsys):
@@ -107,7 +107,7 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["export", "-o", "x" * 300 + ".json"], "the file name is longer than 255 bytes"),
     (["run", "--set", "parallel.tp=[/x]"], "parallel.tp must be int, got str '[/x]'"),
     (["run", "--set", "cluster.profile=/no-such-profile.toml"], "cannot read the hardware profile"),
-    # too big to finish here: refused at once, with a lower bound of the cost (simcluster/budget.py)
+    # too big to finish here: refused at once, with a lower bound of the cost (simcluster/run/budget.py)
     (["run", "--set", "run.steps=1000000000000"], "exact mode would need at least 3.5 MB of memory"),
     (["run", "--set", "run.numerics=meta", "--set", "model.layers=1000000000"],
      "meta mode would replay at least 6.0e+10 kernels (3 steps x 1 micro-batches x 1,000,000,000 layers)"),

@@ -177,8 +177,8 @@ def test_a_ddp_replica_squares_no_gradient_it_does_not_count():
     """Clipping under DDP: the first rank counts every gradient element, its replica none of them; the
     replica squares a one-element zero (one einsum) instead of zeroing and squaring every unit's gradient
     (one where and one einsum a unit), and the result is still the one device's, byte for byte."""
-    from simcluster.runner import run_scenario
-    from simcluster.scenario import load
+    from simcluster.run.runner import run_scenario
+    from simcluster.config.scenario import load
 
     out = run_scenario(load(None, ["parallel.dp=2", "parallel.zero=0", "cluster.gpus_per_node=2", "run.steps=1",
                                    "model.layers=1", "run.numerics=exact", "run.clip_grad=1.0"]), fold=False)

@@ -13,8 +13,8 @@ from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import run_all
-from simcluster.scenario import load
+from simcluster.run.runner import run_all
+from simcluster.config.scenario import load
 from simcluster.topology.presets import preset
 
 # Every family in the library, made to fold: more data-parallel replicas than one block of whole nodes.

@@ -114,7 +114,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_imports_flow_one_way():
     """Issue 37: no two modules import each other, however indirectly, not even inside a function."""
     edges = import_graph()
-    assert edges["simcluster.runner"] >= {"simcluster.job", "simcluster.budget"}  # (the walk sees imports)
+    assert edges["simcluster.run.runner"] >= {"simcluster.run.job", "simcluster.run.budget"}  # (the walk sees imports)
     assert "gpu_backend.calibrate" in edges["simcluster.cli"]  # (a command's lazy import counts)
     assert cycles(edges) == []
 
@@ -131,15 +131,14 @@ LAYERS = [
     ("numerics", "valid"),  # the kernel set in its three modes; the valid values an error lists
     ("model",),  # the single-device model: its blocks, AdamW, FLOPs and memory
     ("program",),  # what a per-rank program is given: mesh, groups, communication, context
-    ("topology",),  # presets, the cluster's links, collective plans, measured profiles
+    ("topology",),  # presets, the cluster's links, each collective's phases, measured profiles
     ("engine",),  # interpretation and timing of the programs, folding, the trace
-    ("scenario_keys", "scenario", "options"),  # the input: a scenario's keys and values, the command line's
+    ("config",),  # the input: a scenario's keys, values and checks; the command line's options
     ("checkpoint_folder", "checkpoint"),  # the checkpoint's format and folder
     ("parallel",),  # the per-rank programs, and the single-device reference they are checked against
-    ("report", "steady", "pipeline_steady", "batch", "goodput"),  # a run's report; simulating less
-    ("job", "budget"),  # what a scenario runs; what it would cost
-    ("runner",),  # the emulator runs a job
-    ("planner", "sweep", "testing"),  # analyses over many runs; the public testing API
+    ("report", "batch", "goodput"),  # a run's report, and the sections it adds (critical batch, goodput)
+    ("run",),  # the job a scenario runs, its budget, the runner, simulating less
+    ("analysis", "testing"),  # analyses over many runs (plan, sweep); the public testing API
     ("viz", "commands"),  # renderers and exports
     ("gpu_backend",),  # the same programs on torch.distributed (its commands: `run --backend torch`, calibrate)
     ("cli", "__init__"),  # the command line

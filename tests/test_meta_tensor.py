@@ -37,8 +37,8 @@ def test_meta_mode_allocates_nothing_by_tokens(extra):
     positions and token ids were arrays (and asked for 16 GiB at 2^31)."""
     import tracemalloc
 
-    from simcluster.runner import run_scenario
-    from simcluster.scenario import build
+    from simcluster.run.runner import run_scenario
+    from simcluster.config.scenario import build
 
     sc = build({}, ["run.numerics=meta", "model.seq=16777216", "run.steps=1", *extra])
     tracemalloc.start()

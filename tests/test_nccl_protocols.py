@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simcluster.scenario import ScenarioError, load
+from simcluster.config.scenario import ScenarioError, load
 from test_timing import B_IB, B_NVL, lone
 
 # tuning.cc (2.19/2.20): base latency, a ring step's over NVLink and over the network, in us

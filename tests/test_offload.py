@@ -14,8 +14,8 @@ from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import DPConfig, padded, unit_size
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import run_scenario
-from simcluster.scenario import ScenarioError, load
+from simcluster.run.runner import run_scenario
+from simcluster.config.scenario import ScenarioError, load
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 
@@ -149,7 +149,7 @@ def test_the_delayed_update_computes_each_step_with_the_weights_from_before_the_
 
 def test_a_run_with_the_delayed_update_fails_against_the_plain_reference(monkeypatch):
     """The verification compares with the delayed definition: told the plain one, it fails."""
-    import simcluster.job as job
+    import simcluster.run.job as job
 
     plain = job.reference
 

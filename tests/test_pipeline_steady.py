@@ -1,4 +1,4 @@
-"""Meta mode at any micro-batch count (simcluster/pipeline_steady.py): a pipeline's steady rounds
+"""Meta mode at any micro-batch count (simcluster/run/pipeline_steady.py): a pipeline's steady rounds
 simulated twice give the report of simulating every micro-batch, byte for byte; a step's cost does not
 grow with its micro-batches."""
 
@@ -7,9 +7,9 @@ from unittest import mock
 
 import pytest
 
-from simcluster import pipeline_steady, runner, steady
+from simcluster.run import pipeline_steady, runner, steady
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
-from simcluster.scenario import build
+from simcluster.config.scenario import build
 
 M = 48  # micro-batches a step, each rank: enough for every schedule's two short runs to cost half
 BASE = ["run.numerics=meta", "run.steps=1", "model.micro_batch=1", "model.tied_head=false", "model.layers=4",
@@ -135,7 +135,7 @@ def test_megatrons_1t_row_from_two_short_runs():
     the report of simulating all 512."""
     from pathlib import Path
 
-    from simcluster.scenario import load
+    from simcluster.config.scenario import load
 
     sc = load(Path(__file__).parent.parent / "benchmarks" / "megatron_table1.toml").variants[9][1]
     once, every = runner.run_scenario(sc, trace=False), every_micro_batch(sc)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from simcluster.cli import main
-from simcluster.planner import Layout, estimate, layouts, search
-from simcluster.runner import run_scenario
-from simcluster.scenario import load
+from simcluster.analysis.planner import Layout, estimate, layouts, search
+from simcluster.run.runner import run_scenario
+from simcluster.config.scenario import load
 
 # a 4-layer GPT on two nodes of 4 GPUs: small enough to simulate many layouts in meta mode
 SMALL = ["run.numerics=meta", "run.steps=1", "model.layers=4", "model.hidden=512", "model.heads=8", "model.ffn_hidden=2048",
@@ -125,7 +125,7 @@ def test_the_estimate_charges_the_data_parallel_reduction_a_slower_network_expos
     by the all-reduce's ring over the NIC, 2 (n-1)/n x 2 bytes x Psi (the 16-bit gradients), when the
     reduction follows the backward pass; less is exposed when it overlaps it; within one node the
     estimate does not depend on the NIC at all."""
-    from simcluster.planner import Layout
+    from simcluster.analysis.planner import Layout
 
     def seconds(gbit, sets, lay):
         return estimate(load(None, SMALL + [f"cluster.nic_gbit_per_s={gbit}", *sets]), lay).seconds
@@ -167,7 +167,7 @@ def test_the_estimate_charges_context_parallel_exchanges_as_the_simulator_times_
     the same work and the same gradient reduction) is the time the simulator's cp stream is busy on
     a rank, within 5 %, latencies included (NCCL's, by the protocol each call's size picks): inside one
     node, and across two, where each rank's NIC carries the share that leaves its node."""
-    from simcluster.planner import Layout
+    from simcluster.analysis.planner import Layout
 
     base = ["run.numerics=meta", "run.steps=1", "model.layers=2", "model.hidden=1024", "model.heads=8",
             "model.ffn_hidden=1024", "model.seq=32768", "model.vocab=1024", "model.global_batch=8",
@@ -244,7 +244,8 @@ def test_fixing_the_virtual_stages_searches_that_many():
 def test_a_plan_that_cannot_finish_here_is_refused_before_it_simulates(monkeypatch, capsys):
     """Issue 36: the budget's lower bound of each chosen simulation is checked before any starts; one past
     the limit alone, or all of them together (at --jobs at a time), is refused in one line with the estimate."""
-    from simcluster import budget, planner
+    from simcluster.run import budget
+    from simcluster.analysis import planner
 
     sc = load(None, SMALL)
     chosen = []

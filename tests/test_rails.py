@@ -7,8 +7,8 @@ import pytest
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import run_all
-from simcluster.scenario import ScenarioError, build, load
+from simcluster.run.runner import run_all
+from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.topology.presets import preset
 
 ELEMENTS = 1 << 24  # bf16: 32 MiB, bandwidth-bound
@@ -70,7 +70,7 @@ def test_layouts_that_stay_on_their_rails_do_not_notice_the_spine():
 
 
 def test_an_oversubscribed_spine_turns_folding_off_and_a_bad_figure_is_refused():
-    from simcluster.runner import run_scenario
+    from simcluster.run.runner import run_scenario
 
     sets = ["run.numerics=meta", "cluster.nodes=2", "parallel.dp=16", "model.global_batch=16"]
     assert run_scenario(build({}, sets)).result.fold is not None

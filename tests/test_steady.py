@@ -1,4 +1,4 @@
-"""Meta mode at any step count (simcluster/steady.py): identical steps simulated once give the report of
+"""Meta mode at any step count (simcluster/run/steady.py): identical steps simulated once give the report of
 simulating every step, byte for byte; a run's cost does not grow with its steps."""
 
 import json
@@ -6,9 +6,9 @@ from unittest import mock
 
 import pytest
 
-from simcluster import runner, steady
+from simcluster.run import runner, steady
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
-from simcluster.scenario import ScenarioError, build
+from simcluster.config.scenario import ScenarioError, build
 
 PIPE = ["model.tied_head=false", "model.micro_batch=1", "model.layers=4"]
 LAYOUTS = [

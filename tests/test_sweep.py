@@ -4,8 +4,8 @@ import json
 import xml.etree.ElementTree as ET
 
 from simcluster.cli import main
-from simcluster.scenario import load
-from simcluster.sweep import overrides_for
+from simcluster.config.scenario import load
+from simcluster.analysis.sweep import overrides_for
 
 META = ["--set", "run.numerics=meta"]
 

@@ -8,8 +8,8 @@ import simcluster.parallel.tape as tape
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import run_all
-from simcluster.scenario import load
+from simcluster.run.runner import run_all
+from simcluster.config.scenario import load
 
 from tests.test_fold import FOLDING
 

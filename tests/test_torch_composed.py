@@ -166,8 +166,8 @@ def test_a_checkpoint_saved_on_gloo_resumes_on_the_emulator_and_back(tmp_path):
     """torch.distributed's ranks write the checkpoint (each its own file, rank 0's process the manifest);
     the emulator resumes it under another layout bit-exact, and a checkpoint the emulator saved resumes
     on gloo."""
-    from simcluster.runner import run_scenario
-    from simcluster.scenario import build
+    from simcluster.run.runner import run_scenario
+    from simcluster.config.scenario import build
 
     model = ["model.layers=2", "model.hidden=8", "model.heads=2", "model.ffn_hidden=12", "model.seq=4",
              "model.vocab=10", "model.global_batch=4", "model.tied_head=false"]

@@ -279,8 +279,8 @@ def one_process_group():
 
 def step_on(device, family, monkeypatch=None):
     from gpu_backend.runner import measured
-    from simcluster.job import job_of
-    from simcluster.scenario import load
+    from simcluster.run.job import job_of
+    from simcluster.config.scenario import load
 
     job = job_of(load(None, [*ONE_RANK, *FAMILIES[family]]), fold=False)
     return measured(job.program, job.args, job.mesh, mode="fast", device=torch.device(device)).result

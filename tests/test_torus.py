@@ -8,8 +8,8 @@ from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
-from simcluster.runner import run_all, run_scenario
-from simcluster.scenario import ScenarioError, build, load
+from simcluster.run.runner import run_all, run_scenario
+from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.phases import phases
 from simcluster.topology.presets import preset

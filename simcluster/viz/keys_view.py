@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from simcluster.scenario import _CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError, _suggest
+from simcluster.config.scenario import _CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError, _suggest
 
 
 def valid(key: Key) -> str:

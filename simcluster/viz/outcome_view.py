@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from simcluster.runner import Outcome
+from simcluster.run.runner import Outcome
 from simcluster.viz.memory_chart import MemoryChart
 from simcluster.viz.report_view import ReportView, format_bytes, hours, target_curve
 from simcluster.viz.timeline import Timeline, format_ns

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from simcluster.planner import Search, bottleneck
+from simcluster.analysis.planner import Search, bottleneck
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import format_ns
 

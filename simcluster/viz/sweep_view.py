@@ -7,7 +7,7 @@ from xml.sax.saxutils import escape as xml_escape
 from rich.markup import escape
 from rich.table import Table
 
-from simcluster.sweep import Point
+from simcluster.analysis.sweep import Point
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import format_ns
 

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from simcluster.scenario import ScenarioError, all_keys
+from simcluster.config.scenario import ScenarioError, all_keys
 
 MIN_WIDTH, MAX_WIDTH = 20, 10_000
 MAX_US = 1e12  # a window's ends: 11.6 days of simulated time

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from simcluster import pipeline_steady
-from simcluster.job import faults_of, job_of
+from simcluster.run import pipeline_steady
+from simcluster.run.job import faults_of, job_of
 from simcluster.parallel.pipeline_schedules import PipelineShape, placement
-from simcluster.scenario import Scenario, ScenarioError
-from simcluster.steady import SIMULATED
+from simcluster.config.scenario import Scenario, ScenarioError
+from simcluster.run.steady import SIMULATED
 
 LIMIT_S = 24 * 3600
 RATE = {"exact": 1e9, "fast": 2e10}  # model FLOP/s, optimistic

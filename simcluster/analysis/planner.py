@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
-from simcluster import budget
+from simcluster.run import budget
 from simcluster.model.activations import layer_bytes
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
@@ -45,9 +45,9 @@ from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import deferred, passes as stage_passes, placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
-from simcluster.job import plan_of
-from simcluster.runner import run_scenario
-from simcluster.scenario import Scenario, ScenarioError
+from simcluster.run.job import plan_of
+from simcluster.run.runner import run_scenario
+from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
 from simcluster.valid import divisors

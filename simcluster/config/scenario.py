@@ -1,6 +1,6 @@
 """Scenarios: a TOML document of [model], [cluster], [parallel] and [run], plus `--set` overrides.
 
-Every key is declared once in SCHEMA (scenario_keys.py) with its type, default and valid choices;
+Every key is declared once in SCHEMA (keys.py) with its type, default and valid choices;
 loading checks each value where it enters and names the key, the value and what would be valid.
 """
 
@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # (the keys, re-exported: what a scenario is and the keys it may set are read together)
-from simcluster.scenario_keys import (_CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError,  # noqa: F401
+from simcluster.config.keys import (_CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError,  # noqa: F401
                                       _check, _suggest, all_keys)
 from simcluster.topology import profile
 from simcluster.topology.presets import PRESETS, ClusterSpec
 
 
-LIBRARY = Path(__file__).resolve().parent.parent / "scenarios"  # the scenarios/ folder of the checkout
+LIBRARY = Path(__file__).resolve().parents[2] / "scenarios"  # the scenarios/ folder of the checkout
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from simcluster import batch, budget, checkpoint, goodput, pipeline_steady, steady
+from simcluster import batch, checkpoint, goodput
 from simcluster import report as _report
+from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.totals import Totals
-from simcluster.job import Job, faults_of, job_of
-from simcluster.scenario import Scenario, ScenarioError
+from simcluster.run import budget, pipeline_steady, steady
+from simcluster.run.job import Job, faults_of, job_of
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.runner import run_all
-from simcluster.scenario import Scenario, ScenarioError, load, parse_override
+from simcluster.run.runner import run_all
+from simcluster.config.scenario import Scenario, ScenarioError, load, parse_override
 
 DEGREES = ("parallel.tp", "parallel.pp", "parallel.cp")
 

@@ -26,7 +26,7 @@ from simcluster.parallel.plan import Plan
 from simcluster.parallel.reference import reference
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
-from simcluster.scenario import Scenario, ScenarioError
+from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import preset
 
 CLOCK_NS = 2**62  # the latest simulated time a fault may name (int64 nanoseconds, with room to add to it)
