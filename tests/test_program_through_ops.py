@@ -19,7 +19,7 @@ HOST_SIDE = {  # (module, function): why it may call numpy
     "parallel/composed.py:assemble": "a finished run's results, on the host, as one device's tensors",
     "parallel/composed.py:_agree": "the same, for replicas",
     "parallel/tp_dp_mlp.py:assemble": "the same, for the MLP program",
-    "parallel/plan.py:unshard": "the same, tensor-parallel pieces joined",
+    "parallel/tensor_parallel.py:unshard": "the same, tensor-parallel pieces joined",
 }
 NUMPY_ONLY_METHODS = ("astype", "tobytes", "tolist", "item")
 

@@ -29,7 +29,7 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
-from simcluster.parallel import ring_attention, ulysses
+from simcluster.parallel import ring_attention, tensor_parallel, ulysses
 from simcluster.parallel.positions import Positions, layout, runs  # noqa: F401  (Positions: this module's callers')
 from simcluster.parallel.plan import Plan
 from simcluster.program.context import Context
@@ -120,26 +120,15 @@ class GPTShard:
         with fusion.dropout_backward(self.ops, self.m, grad):
             return self.drop(grad, keep)
 
-    # -- the tensor-parallel operators --------------------------------------------------------------
+    # -- the tensor-parallel operators (tensor_parallel.py) -------------------------------------------
     def reduce(self, partial: Any) -> Generator[Any, Any, Any]:
-        """g (forward) / f (backward): sum a partial over tp and round once; with SP a reduce-scatter
-        to this rank's tokens."""
-        if self.t == 1:
-            return self.ops.finalize(partial)
-        if self.sp:
-            return self.ops.finalize((yield self.ctx.comm.reduce_scatter(partial, group=self.tp, dim=1, donate=True)))
-        return self.ops.finalize((yield self.ctx.comm.all_reduce(partial, group=self.tp, donate=True)))
+        return (yield from tensor_parallel.g(self.ctx, partial, self.tp, self.sp))
 
     def gather(self, x: Any) -> Generator[Any, Any, Any]:
-        """Into the tensor-parallel region with SP: the whole (cp-local) sequence, (b, s/cp, h)."""
-        if not self.sp:
-            return x
-        return (yield self.ctx.comm.all_gather(x, group=self.tp, dim=1))
+        return (yield from tensor_parallel.gather(self.ctx, x, self.tp, self.sp))
 
     def tp_sum(self, x: Any, op: str = "sum") -> Generator[Any, Any, Any]:
-        if self.t == 1:
-            return x
-        return (yield self.ctx.comm.all_reduce(x, group=self.tp, op=op))
+        return (yield from tensor_parallel.tp_sum(self.ctx, x, self.tp, op))
 
     # -- attention over cp --------------------------------------------------------------------------
     def core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:

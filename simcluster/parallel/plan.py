@@ -3,7 +3,8 @@
 A plan names, for every mesh axis, what it splits (the torchtitan and Megatron-LM shape):
   tp  the block's linear layers: QKV and the first MLP layer by columns, the output projections by
       rows (Shoeybi et al. 2019), the embedding and LM head by vocabulary rows; with `sp`, the
-      activations between those regions by sequence (Korthikanti et al. 2022);
+      activations between those regions by sequence (Korthikanti et al. 2022): the shard table and the
+      operators f and g are tensor_parallel.py's;
   cp  the sequence: every rank holds s/cp tokens, attention exchanges keys and values
       (`attention`: ulysses, ring, allgather or rsa; ring and allgather use the zigzag layout when causal);
   pp  the blocks: p*v contiguous chunks, run by `schedule` (pipeline_schedules.py);
@@ -19,9 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
-from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
@@ -119,71 +118,3 @@ def _divides(who: str, degree: int, what: str, size: int) -> None:
     if size % degree:
         valid = divisors(size)
         raise ValueError(f"{who} must divide {what}={size}; valid degrees: {listed(valid)}")
-
-
-# -- how each parameter is split over tp -----------------------------------------------------------
-COLS = ("mlp.w_fc", "mlp.b_fc", "attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # column parallel
-ROWS = ("attn.w_proj", "mlp.w_out", "attn.wo", "mlp.w2")  # row parallel
-
-def shard_kind(name: str, model: Any = None, t: int = 1) -> str:
-    """rows, cols, qkv (columns of each of q, k and v), replicated, or cols/n: columns in t/n parts, each
-    held by n consecutive tp ranks (llama's key/value heads when tp > kv_heads, as Megatron-LM does)."""
-    if model is not None and t > model.kv_heads and name.endswith(("attn.wk", "attn.wv")):
-        return f"cols/{t // model.kv_heads}"
-    if name == "wte":
-        return "rows"
-    if name == "head" or name.endswith(COLS):
-        return "cols"
-    if name.endswith("attn.w_qkv") or name.endswith("attn.b_qkv"):
-        return "qkv"
-    if name.endswith(ROWS):
-        return "rows"
-    return "replicated"
-
-
-def replicas(kind: str) -> int:
-    """How many consecutive tp ranks hold each piece."""
-    return int(kind[len("cols/"):]) if kind.startswith("cols/") else 1
-
-
-def shard(x: Any, kind: str, t: int, r: int) -> Any:
-    """Rank r's piece of a full tensor x split t ways."""
-    if kind.startswith("cols/"):
-        return shard(x, "cols", t // replicas(kind), r // replicas(kind))
-    if kind == "replicated" or t == 1:
-        return x
-    if isinstance(x, MetaTensor):
-        return MetaTensor(shard_shape(tuple(x.shape), kind, t), x.dtype)
-    if kind == "rows":
-        n = x.shape[0] // t
-        return x[r * n:(r + 1) * n]
-    if kind == "cols":
-        n = x.shape[-1] // t
-        return x[..., r * n:(r + 1) * n]
-    lead, third = tuple(x.shape[:-1]), x.shape[-1] // 3  # q, k and v side by side: rank r's part of each
-    n = third // t
-    return x.reshape(lead + (3, third))[..., r * n:(r + 1) * n].reshape(lead + (3 * n,))
-
-
-def shard_shape(shape: tuple[int, ...], kind: str, t: int) -> tuple[int, ...]:
-    if kind.startswith("cols/"):
-        return shard_shape(shape, "cols", t // replicas(kind))
-    if kind == "replicated":
-        return shape
-    out = list(shape)
-    out[0 if kind == "rows" else -1] //= t
-    return tuple(out)
-
-
-def unshard(parts: list[Any], kind: str) -> Any:
-    """The full tensor from the t pieces, in tp order (replicated: the first)."""
-    if kind.startswith("cols/"):
-        return unshard(parts[::replicas(kind)], "cols")
-    if kind == "replicated":
-        return parts[0]
-    if kind == "rows":
-        return np.concatenate(parts, axis=0)
-    if kind == "cols":
-        return np.concatenate(parts, axis=-1)
-    thirds = [np.split(p, 3, axis=-1) for p in parts]
-    return np.concatenate([np.concatenate([t[i] for t in thirds], axis=-1) for i in range(3)], axis=-1)
