@@ -9,7 +9,7 @@ from simcluster import report
 from simcluster.engine import simulate
 from simcluster.model.gpt import GPTConfig, Slice
 from simcluster.numerics import kernels
-from simcluster.parallel import ring_attention
+from simcluster.parallel import cp_blocks, ring_attention
 from simcluster.parallel.data_parallel import DPConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.gpt_shard import GPTShard
@@ -110,7 +110,9 @@ def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
     """Masking every key block as if it held the query's own positions."""
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=8, vocab=5, causal=True)
     data = DPConfig(model=model, global_batch=1, steps=1)
-    monkeypatch.setattr(ring_attention, "_positions", lambda model, owner: model.positions)
+    wrong = lambda model, owner: model.positions  # noqa: E731
+    monkeypatch.setattr(cp_blocks, "positions_of", wrong)  # (what the all-gather's columns are made of)
+    monkeypatch.setattr(ring_attention, "positions_of", wrong)
     got, _ = run_plan(data, cp=2, attention=attention)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 

@@ -76,10 +76,10 @@ def test_activations_split_p_ways_scores_included(P, recompute):
 
 def test_keeping_the_wrong_rows_is_caught(monkeypatch):
     """A rank that keeps its ring neighbour's rows of the all-reduced dK and dV (an off-by-one owner)."""
-    from simcluster.parallel import ring_attention
+    from simcluster.parallel import rsa
 
-    own = ring_attention._own_rows
-    monkeypatch.setattr(ring_attention, "_own_rows", lambda ops, full, P, r: own(ops, full, P, (r + 1) % P))
+    own = rsa._own_rows
+    monkeypatch.setattr(rsa, "_own_rows", lambda ops, full, P, r: own(ops, full, P, (r + 1) % P))
     model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=4, vocab=5, tied_head=False)
     data = DPConfig(model=model, global_batch=1, steps=1)
     got, _ = run_plan(data, cp=2, attention="rsa")

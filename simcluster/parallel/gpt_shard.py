@@ -10,7 +10,8 @@ The same pieces as the single-device model (model/gpt.py), split the way the pla
       With sequence parallelism `g` is a reduce-scatter to this rank's tokens and `f` an all-gather of
       the sequence, and norms, dropout and residuals run on a rank's tokens only;
   cp  every rank holds s/cp tokens of each sequence (zigzag for causal ring or all-gather attention);
-      attention exchanges them as ulysses.py or ring_attention.py says; everything else is per token.
+      attention exchanges them as its module says (ulysses.py, ring_attention.py, allgather_attention.py,
+      rsa.py: one interface, forward and backward); everything else is per token.
 A rank's residual stream holds the positions `tokens`: its cp share, and with SP its tp share of that.
 
 Every forward piece returns what its backward needs; the recomputation policy decides what is kept
@@ -21,7 +22,6 @@ collectives included). All partial sums are exact, so any layout gives the singl
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any, Generator
 
 import numpy as np
@@ -29,16 +29,16 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
-from simcluster.parallel import ring_attention, tensor_parallel, ulysses
-from simcluster.parallel.positions import Positions, layout, runs  # noqa: F401  (Positions: this module's callers')
+from simcluster.parallel import allgather_attention, ring_attention, rsa, tensor_parallel, ulysses
+from simcluster.parallel.positions import layout, runs
 from simcluster.parallel.plan import Plan
 from simcluster.program.context import Context
 
 ATTENTION = {
     "ulysses": ulysses,
     "ring": ring_attention,
-    "allgather": SimpleNamespace(forward=ring_attention.allgather_forward, backward=ring_attention.allgather_backward),
-    "rsa": SimpleNamespace(forward=ring_attention.rsa_forward, backward=ring_attention.rsa_backward),
+    "allgather": allgather_attention,
+    "rsa": rsa,
 }
 
 
@@ -56,7 +56,7 @@ def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
 class GPTShard:
     """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
-    modules (ulysses.py, ring_attention.py) use."""
+    modules (ulysses.py, ring_attention.py, allgather_attention.py, rsa.py) use."""
 
     learned_positions = True  # a position table (wpe) added to the token embedding
 

@@ -1,4 +1,4 @@
-"""Ring attention (Liu et al. 2023) and all-gather-KV context parallelism (Llama 3), exact.
+"""Ring attention (Liu et al. 2023), exact.
 
 Each of P ranks holds the queries, keys and values of its own tokens (the zigzag layout for causal
 attention: rank r holds chunks r and 2P-1-r of 2P, so that every rank has the same work).
@@ -20,15 +20,7 @@ the passes. allgather in fast mode: the gathered keys as one block, the same way
 backward: keys and values travel around again; each rank adds its part of the block's dK and dV to
 accumulators that travel with the block and arrive, complete, back at its owner.
 
-allgather: all-gather keys and values, attend locally, reduce-scatter dK and dV in the backward pass.
-
-rsa: ColossalAI's Ring Self-Attention (Li et al. 2021, "Sequence Parallelism: Long Sequence Training
-from System Perspective"), on contiguous sequence chunks: RingQK passes keys around the ring to
-build this rank's full rows of QK^T (s/P x s, kept for the backward pass), a plain softmax over
-them, RingAV passes values around for the output (in every numerics mode: the exact passes above).
-Backward as ColossalAI's code does it: values around the ring again for dP = dO V^T, dV = P^T dO
-over the whole sequence all-reduced over the ring's ranks, each keeping its rows; keys around again
-for dQ = dS K, dK = dS^T Q all-reduced the same way.
+All-gather attention (Llama 3) is allgather_attention.py; ColossalAI's ring self-attention, rsa.py.
 """
 
 from __future__ import annotations
@@ -37,47 +29,9 @@ import math
 from contextlib import nullcontext
 from typing import Any, Generator
 
-
 from simcluster.model import flash
 from simcluster.numerics.ops import Mode
-from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.positions import Positions, layout
-
-
-def _positions(model: Any, owner: int) -> Any:
-    return layout(model.m.seq, model.P, owner, model.zigzag)
-
-
-def _every_position(model: Any) -> Any:
-    """The positions of the whole sequence in the order the all-gather puts them: rank by rank."""
-    return Positions.joined(_positions(model, o) for o in range(model.P))
-
-
-def _drop(model: Any, x: Any, keep: Any) -> Any:
-    """Dropout applied (kept values scaled by 1/(1-p)), as the backward pass uses it."""
-    ops = model.ops
-    return x if keep is None else ops.scale(ops.zero_where(keep, x), 1.0 / (1.0 - model.m.dropout))
-
-
-def _kept(model: Any, e: Any, keep: Any) -> Any:
-    """The forward pass keeps the weights unscaled; 1/(1-p) is applied once, to the output."""
-    return e if keep is None else model.ops.zero_where(keep, e)
-
-
-def _like(x: Any) -> MetaTensor:
-    """What the receiver of a value like x expects: shape, dtype, partial or not."""
-    from simcluster.numerics.tensor import signature
-
-    partial, dtype, shape = signature(x)
-    return MetaTensor(shape, dtype, partial)
-
-
-def _rotate(model: Any, x: Any, tag: int) -> tuple[Any, Any]:
-    """Send x to the next rank on the ring and receive the previous rank's, both asynchronous."""
-    ctx, cp, P, r = model.ctx, model.cp, model.P, model.r
-    send = ctx.comm.send(x, dst=cp.ranks[(r + 1) % P], tag=tag, async_op=True)
-    recv = ctx.comm.recv(src=cp.ranks[(r - 1) % P], like=_like(x), tag=tag, async_op=True)
-    return send, recv
+from simcluster.parallel.cp_blocks import drop, kept, positions_of, rotate
 
 
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any,
@@ -95,10 +49,10 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
         b, a, sq, _ = q.shape
         for t, o in enumerate(owners):
             if t < P - 1:
-                sk, rk = _rotate(model, kv[0], tag + 1)
-                sv, rv = _rotate(model, kv[1], tag + 2)
+                sk, rk = rotate(model, kv[0], tag + 1)
+                sv, rv = rotate(model, kv[1], tag + 2)
                 sends += [sk, sv]
-            cols = _positions(model, o)
+            cols = positions_of(model, o)
             with flash.forward(ops, model.m, q, kv[0]):
                 keep = model.block_keep(f"attn.{layer}", (b, a, sq, kv[0].shape[2]), step, where, rows, cols)
                 block = ops.attention_block(q, kv[0], kv[1], scale, model.allowed(rows, cols), keep,
@@ -123,13 +77,13 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     fused = (lambda *a: flash.forward(ops, model.m, *a)) if ring else (lambda *a: nullcontext())
     for t, o in enumerate(owners):
         if t < P - 1:
-            send, recv = _rotate(model, k_cur, tag + 1)
+            send, recv = rotate(model, k_cur, tag + 1)
             sends.append(send)
             if ring:
-                send_v, recv_v = _rotate(model, v_cur, tag + 2)
+                send_v, recv_v = rotate(model, v_cur, tag + 2)
                 sends.append(send_v)
         with fused(q, k_cur):
-            s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, _positions(model, o)))
+            s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, positions_of(model, o)))
             scores.append(s)
             maxes.append(ops.max(s, -1))
         values.append(v_cur)
@@ -145,15 +99,15 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     l_parts, o_parts = [], []
     for t, o in enumerate(owners):
         if t < P - 1 and not ring:
-            send, recv = _rotate(model, v_cur, tag + 2)
+            send, recv = rotate(model, v_cur, tag + 2)
             sends.append(send)
         if ring:
             v_cur = values[t]
         with merge():
             e = ops.attention_weights(scores[t], row_max)
-            keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, _positions(model, o))
+            keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, positions_of(model, o))
             l_parts.append(ops.sum(e, -1, partial=True))
-            o_parts.append(ops.einsum("bask,bakd->basd", _kept(model, e, keep), v_cur, partial=True))
+            o_parts.append(ops.einsum("bask,bakd->basd", kept(model, e, keep), v_cur, partial=True))
         if t < P - 1 and not ring:
             v_cur = yield recv
     if sends:
@@ -180,11 +134,11 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
     tag = 1 << 20
     for t, o in enumerate(owners):
         if t < P - 1:
-            sk, rk = _rotate(model, kv[0], tag + 1)
-            sv, rv = _rotate(model, kv[1], tag + 2)
+            sk, rk = rotate(model, kv[0], tag + 1)
+            sv, rv = rotate(model, kv[1], tag + 2)
             sends += [sk, sv]
         with flash.backward(ops, m, core["q"], kv[0]):  # (a block's backward as one fused kernel, with flash)
-            cols = _positions(model, o)
+            cols = positions_of(model, o)
             if lse is None:
                 probs = ops.attention_probs(ops.attention_weights(core["scores"][t], core["max"]), core["l"])
             else:
@@ -192,8 +146,8 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
                 probs = ops.attention_weights(s, ops.expand_last(lse))
             keep = model.block_keep(f"attn.{core['layer']}", tuple(probs.shape), core["step"], core["where"], rows,
                                     cols)
-            dv_t = ops.einsum("bask,basd->bakd", _drop(model, probs, keep), dout, partial=True)
-            dp = _drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
+            dv_t = ops.einsum("bask,basd->bakd", drop(model, probs, keep), dout, partial=True)
+            dp = drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
             ds = ops.mul(probs, ops.sub(dp, delta))
             dq_parts.append(ops.einsum("bask,bakd->basd", ds, kv[0], partial=True))
             dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
@@ -202,8 +156,8 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
         if P == 1:
             break  # the block never leaves home
         # the block's accumulators move on with it; after the last step they go home to the owner
-        sa, ra = _rotate(model, dk_acc, tag + 3)
-        sb, rb = _rotate(model, dv_acc, tag + 4)
+        sa, ra = rotate(model, dk_acc, tag + 3)
+        sb, rb = rotate(model, dv_acc, tag + 4)
         sends += [sa, sb]
         got = yield ([rk, rv, ra, rb] if t < P - 1 else [ra, rb])
         if t < P - 1:
@@ -216,102 +170,3 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
     for part in dq_parts[1:]:
         dq = ops.add_partial(dq, part)
     return (ops.scale(ops.finalize(dq), scale), ops.scale(ops.finalize(dk_acc), scale), ops.finalize(dv_acc))
-
-
-def allgather_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
-                      where: Any) -> Generator[Any, Any, Any]:
-    """Llama 3's context parallelism: every rank gathers all keys and values, attends locally."""
-    ops, ctx, cp = model.ops, model.ctx, model.cp
-    K, V = yield [ctx.comm.all_gather(x, group=cp, dim=2, async_op=True) for x in (k, v)]  # (b, a, s, d)
-    cols = _every_position(model)
-    rows = model.positions
-    scale, drop_scale = 1.0 / math.sqrt(model.m.head_dim), 1.0 / (1.0 - model.m.dropout)
-    if ops.mode is Mode.FAST:  # one block: the output and lse, the scores again in the backward pass
-        b, a, sq, _ = q.shape
-        with flash.forward(ops, model.m, q, K):
-            keep = model.block_keep(f"attn.{layer}", (b, a, sq, K.shape[2]), step, where, rows, cols)
-            out, lse = ops.attention_block(q, K, V, scale, model.allowed(rows, cols), keep, drop_scale)
-        out = ops.cast(out, q.dtype)
-        return out, {"lse": lse, "allowed": (rows, cols), "keep": keep, "q": q, "K": K, "V": V, "out": out}
-    with flash.forward(ops, model.m, q, K):
-        s = ops.attention_scores(q, K, 1.0 / math.sqrt(model.m.head_dim), model.allowed(rows, cols))
-        row_max = ops.max(s, -1)
-        e = ops.attention_weights(s, row_max)
-        l_sum = ops.sum(e, -1, partial=True)
-        keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, cols)
-        out = ops.attention_output(ops.einsum("bask,bakd->basd", _kept(model, e, keep), V, partial=True), l_sum,
-                                   q.dtype, 1.0 / (1.0 - model.m.dropout))
-    return out, {"scores": [s], "max": row_max, "l": l_sum, "keep": keep, "q": q, "K": K, "V": V, "out": out}
-
-
-def allgather_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-    ops, ctx, cp = model.ops, model.ctx, model.cp
-    scale = 1.0 / math.sqrt(model.m.head_dim)
-    with flash.backward(ops, model.m, core["q"], core["K"]):
-        if "lse" in core:
-            s = ops.attention_scores(core["q"], core["K"], scale, model.allowed(*core["allowed"]))
-            probs = ops.attention_weights(s, ops.expand_last(core["lse"]))
-        else:
-            probs = ops.attention_probs(ops.attention_weights(core["scores"][0], core["max"]), core["l"])
-        delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
-        dV = ops.einsum("bask,basd->bakd", _drop(model, probs, core["keep"]), dout, partial=True)
-        ds = ops.mul(probs, ops.sub(_drop(model, ops.einsum("basd,bakd->bask", dout, core["V"]), core["keep"]), delta))
-        dq = ops.scale(ops.einsum("bask,bakd->basd", ds, core["K"]), scale)
-        dK = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
-    dk, dv = yield [ctx.comm.reduce_scatter(x, group=cp, dim=2, async_op=True) for x in (dK, dV)]
-    return dq, ops.scale(ops.finalize(dk), scale), ops.finalize(dv)
-
-
-def rsa_forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
-    """RingQK then RingAV: the two passes of `forward` in every mode (the score rows are materialised)."""
-    return (yield from forward(model, q, k, v, layer, step, where, ring=False))
-
-
-def _own_rows(ops: Any, full: Any, P: int, r: int) -> Any:
-    """This rank's contiguous block of the sequence axis (2) of a rounded full-sequence tensor."""
-    n = full.shape[2] // P
-    if isinstance(full, MetaTensor):
-        return MetaTensor(full.shape[:2] + (n,) + full.shape[3:], full.dtype)
-    return full[:, :, r * n:(r + 1) * n]
-
-
-def rsa_backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-    ops, ctx, cp, P, r = model.ops, model.ctx, model.cp, model.P, model.r
-    scale = 1.0 / math.sqrt(model.m.head_dim)
-    rows, owners = model.positions, [(r - t) % P for t in range(P)]
-    delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
-    probs, keeps = [], []
-    for t, o in enumerate(owners):
-        probs.append(ops.attention_probs(ops.attention_weights(core["scores"][t], core["max"]), core["l"]))
-        keeps.append(model.block_keep(f"attn.{core['layer']}", tuple(probs[t].shape), core["step"], core["where"],
-                                      rows, _positions(model, o)))
-    order = sorted(range(P), key=lambda t: owners[t])  # the blocks in sequence order
-    dropped = ops.concat([_drop(model, probs[t], keeps[t]) for t in order], -1)  # (b, a, s/P, s)
-    dv_all = ctx.comm.all_reduce(ops.einsum("bask,basd->bakd", dropped, dout, partial=True), group=cp, async_op=True)
-    tag, sends = (1 << 20) + 8, []
-    v_cur, ds = core["v"], [None] * P
-    for t, o in enumerate(owners):  # RingQK on (dO, V): the score gradients, block by block
-        if t < P - 1:
-            send, recv = _rotate(model, v_cur, tag + 1)
-            sends.append(send)
-        dp = _drop(model, ops.einsum("basd,bakd->bask", dout, v_cur), keeps[t])
-        ds[t] = ops.mul(probs[t], ops.sub(dp, delta))
-        if t < P - 1:
-            v_cur = yield recv
-    full_ds = ops.concat([ds[t] for t in order], -1)
-    dk_all = ctx.comm.all_reduce(ops.einsum("bask,basd->bakd", full_ds, core["q"], partial=True), group=cp,
-                                 async_op=True)
-    k_cur, dq = core["k"], None
-    for t, o in enumerate(owners):  # RingAV on (dS, K): the query gradient
-        if t < P - 1:
-            send, recv = _rotate(model, k_cur, tag + 2)
-            sends.append(send)
-        part = ops.einsum("bask,bakd->basd", ds[t], k_cur, partial=True)
-        dq = part if dq is None else ops.add_partial(dq, part)
-        if t < P - 1:
-            k_cur = yield recv
-    dk, dv = yield [dk_all, dv_all]
-    if sends:
-        yield sends
-    dk, dv = _own_rows(ops, ops.finalize(dk), P, r), _own_rows(ops, ops.finalize(dv), P, r)
-    return ops.scale(ops.finalize(dq), scale), ops.scale(dk, scale), dv
