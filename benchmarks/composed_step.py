@@ -14,9 +14,9 @@ import argparse
 import time
 
 from simcluster.engine import simulate
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
@@ -36,12 +36,12 @@ def main() -> None:
     args = p.parse_args()
     print(f"{'arch':<6} {'layout':<32} {'ranks':>5} {'s/step':>8} {'one device s/step':>18}")
     for arch in ("gpt", "llama"):
-        model = GPTConfig(layers=2, hidden=64, heads=8, ffn_hidden=256, seq=32, vocab=128, tied_head=False,
+        model = ModelConfig(layers=2, hidden=64, heads=8, ffn_hidden=256, seq=32, vocab=128, tied_head=False,
                           arch=arch, kv_heads=4 if arch == "llama" else None, dropout=0.1)
         for label, degrees, options in LAYOUTS:
             dp = degrees.get("dp", 1)
             zero = 3 if "ZeRO-3" in label else 1
-            data = DPConfig(model=model, global_batch=4 * dp, micro_batches=2, steps=args.steps, precision="bf16",
+            data = TrainingConfig(model=model, global_batch=4 * dp, micro_batches=2, steps=args.steps, precision="bf16",
                             zero=zero, clip_grad=1.0, weight_decay=0.1)
             mesh = DeviceMesh(**degrees)
             t = time.perf_counter()

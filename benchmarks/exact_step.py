@@ -12,19 +12,19 @@ import argparse
 import os
 import time
 
-from simcluster.model.gpt import GPTConfig, train
+from simcluster.model.gpt import ModelConfig, train
 from simcluster.numerics.modes import make_ops
 
 MODELS = [
-    ("tiny: L1 h16 a2 s8 b2 V32", GPTConfig(layers=1, hidden=16, heads=2, ffn_hidden=64, seq=8, vocab=32), 2),
-    ("target: L2 h64 a4 s32 b4 V128", GPTConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128), 4),
-    ("target + dropout 0.1", GPTConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128,
+    ("tiny: L1 h16 a2 s8 b2 V32", ModelConfig(layers=1, hidden=16, heads=2, ffn_hidden=64, seq=8, vocab=32), 2),
+    ("target: L2 h64 a4 s32 b4 V128", ModelConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128), 4),
+    ("target + dropout 0.1", ModelConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128,
                                        dropout=0.1), 4),
-    ("wider: L2 h128 a8 s64 b4 V256", GPTConfig(layers=2, hidden=128, heads=8, ffn_hidden=512, seq=64, vocab=256), 4),
+    ("wider: L2 h128 a8 s64 b4 V256", ModelConfig(layers=2, hidden=128, heads=8, ffn_hidden=512, seq=64, vocab=256), 4),
 ]
 
 
-def per_step(mode: str, cfg: GPTConfig, batch_size: int, steps: int) -> float:
+def per_step(mode: str, cfg: ModelConfig, batch_size: int, steps: int) -> float:
     train(make_ops(mode), cfg, steps=1, batch_size=batch_size)  # warm-up
     t = time.perf_counter()
     train(make_ops(mode), cfg, steps=steps, batch_size=batch_size)

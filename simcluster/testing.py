@@ -27,10 +27,10 @@ import numpy as np
 
 from simcluster import report
 from simcluster.engine import RunResult, default_cluster, simulate
-from simcluster.model.config import GPTConfig
+from simcluster.model.config import ModelConfig
 from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.plan import ATTENTIONS, ZERO_OVER, Plan
 from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.program.mesh import AXES, DeviceMesh
@@ -264,12 +264,12 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
     return counts
 
 
-def layouts(model: GPTConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
+def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
     stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over, and
     micro-batch count that `Plan.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
-    other DPConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
+    other TrainingConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
     from hypothesis import strategies as st
 
     training = {"steps": 2} | training
@@ -301,7 +301,7 @@ def layouts(model: GPTConfig, *, max_world: int = 16, global_batch: int | None =
         dp = d(st.sampled_from(dps))
         micro = d(st.sampled_from(_micro_batch_counts(schedule, pp, None if global_batch is None else global_batch // dp)))
         batch = global_batch or dp * micro * d(st.integers(1, 2))
-        data = DPConfig(model=m, global_batch=batch, micro_batches=micro,
+        data = TrainingConfig(model=m, global_batch=batch, micro_batches=micro,
                         zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
         plan = Plan(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
                     zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()))

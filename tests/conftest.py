@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def simulated(monkeypatch):
-    """The plans (their DPConfig: steps, micro-batches) of every simulation the runner starts, in order."""
+    """The plans (their TrainingConfig: steps, micro-batches) of every simulation the runner starts, in order."""
     from simcluster.run import runner
 
     seen = []

@@ -5,9 +5,9 @@ test per row; then the fused (flash) kernel, which keeps softmax statistics inst
 import pytest
 
 from simcluster.engine import simulate
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
@@ -24,17 +24,17 @@ def held_per_layer(program, cfg, mesh):
 
 
 def model(recompute="none", kernel="unfused"):
-    return GPTConfig(layers=2, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, recompute=recompute,
+    return ModelConfig(layers=2, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, recompute=recompute,
                      dtype="bf16", tied_head=False, attention_kernel=kernel)
 
 
 def tp_layer(t, sp=False, recompute="none", kernel="unfused"):
-    data = DPConfig(model=model(recompute, kernel), global_batch=b, steps=1, precision="bf16")
+    data = TrainingConfig(model=model(recompute, kernel), global_batch=b, steps=1, precision="bf16")
     return held_per_layer(composed, Plan(data=data, sp=sp), DeviceMesh(tp=t))
 
 
 def test_no_parallelism():
-    data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
+    data = TrainingConfig(model=model(), global_batch=b, steps=1, precision="bf16")
     assert held_per_layer(composed, Plan(data=data), DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
 
 
@@ -66,7 +66,7 @@ def test_full_recomputation(t):
 @pytest.mark.parametrize("attention", ["ulysses", "ring"])
 def test_context_parallel_shards_everything_like_tp_plus_sp(attention):
     P = 4
-    data = DPConfig(model=model(), global_batch=b, steps=1, precision="bf16")
+    data = TrainingConfig(model=model(), global_batch=b, steps=1, precision="bf16")
     got = held_per_layer(composed, Plan(data=data, attention=attention), DeviceMesh(cp=P))
     assert got == s * b * h * (34 / P + 5 * a * s / (h * P))
 

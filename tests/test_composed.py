@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
@@ -84,11 +84,11 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
     chunks = 2 if row["schedule"] in ("interleaved", "zb-v") else 1  # chunks per stage, each needs a layer
     m = pp * row["micro_batches"] * (2 if row["schedule"] == "dualpipe" else 1)  # interleaved: k pp; dualpipe: 2k pp
     heads = tp * cp * row["kv_group"]  # ulysses splits a tp rank's heads over cp; tp splits the kv heads
-    model = GPTConfig(layers=pp * chunks + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
+    model = ModelConfig(layers=pp * chunks + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
                       dropout=row["dropout"], recompute=row["recompute"], seed=seed, arch=row["arch"],
                       kv_heads=heads // row["kv_group"])
-    data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
+    data = TrainingConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
                     zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"],
                     offload_optimizer=row["offload"], delayed_update=row["delayed_update"],
                     offload_params=(row["offload"] if row["offload"] != "none" else "cpu") if row["offload_params"] else "none")
@@ -100,7 +100,7 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
     assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble, reference=want)
 
 
-SMALL = GPTConfig(layers=4, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=8, tied_head=False, dropout=0.1)
+SMALL = ModelConfig(layers=4, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=8, tied_head=False, dropout=0.1)
 
 
 @given(layouts(SMALL, max_world=8))
@@ -112,8 +112,8 @@ def test_any_drawn_layout_is_bit_exact(layout):
 
 
 def small_4d(zero):
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=6, tied_head=False, dropout=0.1)
-    return DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=zero)
+    model = ModelConfig(layers=2, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=6, tied_head=False, dropout=0.1)
+    return TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=zero)
 
 
 def test_the_layout_of_the_broken_variants_passes_unbroken():
@@ -168,7 +168,7 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
     from simcluster.parallel.dp_wrap import DPWrap
 
     monkeypatch.setattr(DPWrap, "_owned", lambda self, elsewhere: None)
-    data = DPConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
+    data = TrainingConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
     got, _ = run_plan(data, dp=2, tp=2, cp=2, sp=True)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
@@ -193,9 +193,9 @@ def test_a_ddp_replica_squares_no_gradient_it_does_not_count():
                                                            (4, 2, 8, 2, "ring"), (3, 1, 3, 2, "allgather")])
 def test_kv_heads_replicated_when_tp_exceeds_them(tp, kv_heads, heads, cp, attention):
     """Megatron-LM: with more tp ranks than kv heads, each kv head lives on tp/kv_heads ranks."""
-    model = GPTConfig(arch="llama", layers=2, hidden=2 * heads, heads=heads, kv_heads=kv_heads, ffn_hidden=2 * tp,
+    model = ModelConfig(arch="llama", layers=2, hidden=2 * heads, heads=heads, kv_heads=kv_heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=False, dropout=0.1)
-    data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=1, clip_grad=0.05)
+    data = TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=1, clip_grad=0.05)
     got, _ = run_plan(data, dp=2, cp=cp, tp=tp, sp=True, attention=attention)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -205,9 +205,9 @@ def test_a_replicated_kv_head_counted_twice_is_caught(monkeypatch):
     """Every rank holding a kv head adding its input gradient, instead of one of them."""
     from simcluster.parallel.llama_shard import LlamaShard
 
-    model = GPTConfig(arch="llama", layers=1, hidden=8, heads=4, kv_heads=1, ffn_hidden=8, seq=8, vocab=8,
+    model = ModelConfig(arch="llama", layers=1, hidden=8, heads=4, kv_heads=1, ffn_hidden=8, seq=8, vocab=8,
                       tied_head=False)
-    data = DPConfig(model=model, global_batch=2, steps=1)
+    data = TrainingConfig(model=model, global_batch=2, steps=1)
     monkeypatch.setattr(LlamaShard, "adds_kv_input_gradient", lambda self: True)
     bad, _ = run_plan(data, tp=4)
     assert not report.verification("exact", reference(data), bad)["bit_exact"]
@@ -218,8 +218,8 @@ def test_a_replicated_kv_head_counted_twice_is_caught(monkeypatch):
 def test_fast_mode_runs_every_layout(layout):
     """Fast mode (BLAS floats) through the same program: it runs, and the first loss (same weights, same
     tokens) agrees with one device to float32 rounding; the fast-mode tolerance story is issue 13's."""
-    model = GPTConfig(layers=2, hidden=16, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False, dropout=0.1)
-    data = DPConfig(model=model, global_batch=2 * layout.get("dp", 1), micro_batches=2, steps=2, zero=1,
+    model = ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False, dropout=0.1)
+    data = TrainingConfig(model=model, global_batch=2 * layout.get("dp", 1), micro_batches=2, steps=2, zero=1,
                     clip_grad=1.0)
     got, _ = run_plan(data, mode="fast", **layout)
     want = reference(data, "fast")

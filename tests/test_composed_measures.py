@@ -5,21 +5,21 @@ import math
 
 import pytest
 
-from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig, padded
+from simcluster.model.gpt import ModelConfig
+from simcluster.parallel.data_parallel import TrainingConfig, padded
 
 from plans import run_plan
 
 dp, pp, cp, tp = 2, 2, 2, 2
 m, layers = 2, 4  # micro-batches per step; two blocks per stage
 s, b, h, heads, F, V = 256, 1, 256, 8, 1024, 512
-MODEL = GPTConfig(layers=layers, hidden=h, heads=heads, ffn_hidden=F, seq=s, vocab=V, tied_head=False)
+MODEL = ModelConfig(layers=layers, hidden=h, heads=heads, ffn_hidden=F, seq=s, vocab=V, tied_head=False)
 ITEM = 2  # bf16
 ACT = b * (s // cp) * h * ITEM  # a micro-batch's activation on a cp rank, (b, s/cp, h)
 
 
 def run(zero=0, sp=False, attention="ulysses", scatter_gather=False):
-    data = DPConfig(model=MODEL, global_batch=dp * m * b, micro_batches=m, steps=1, precision="bf16", zero=zero)
+    data = TrainingConfig(model=MODEL, global_batch=dp * m * b, micro_batches=m, steps=1, precision="bf16", zero=zero)
     return run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, mode="meta", sp=sp, attention=attention,
                     schedule="1f1b", scatter_gather=scatter_gather)[1].trace
 

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
 from plans import run_plan
@@ -23,9 +23,9 @@ def run_dp(cfg, dp, program=composed, mode="exact"):
        precision=st.sampled_from(["fp32", "bf16", "fp16"]), dropout=st.sampled_from([0.0, 0.1]),
        seed=st.integers(0, 99))
 def test_bit_exact_against_one_device(dp, micro, stage, layers, heads, tied, precision, dropout, seed):
-    model = GPTConfig(layers=layers, hidden=4 * heads, heads=heads, ffn_hidden=12, seq=4, vocab=10,
+    model = ModelConfig(layers=layers, hidden=4 * heads, heads=heads, ffn_hidden=12, seq=4, vocab=10,
                       tied_head=tied, dropout=dropout, seed=seed)
-    cfg = DPConfig(model=model, global_batch=dp * micro, micro_batches=micro, steps=3, precision=precision,
+    cfg = TrainingConfig(model=model, global_batch=dp * micro, micro_batches=micro, steps=3, precision=precision,
                    zero=stage, prefetch=bool(seed % 2))
     got, _ = run_dp(cfg, dp)
     verdict = report.verification("exact", reference(cfg), got)
@@ -35,7 +35,7 @@ def test_bit_exact_against_one_device(dp, micro, stage, layers, heads, tied, pre
 
 
 def small(**kw):
-    return DPConfig(model=GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10), global_batch=4,
+    return TrainingConfig(model=ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10), global_batch=4,
                     steps=2, **kw)
 
 
@@ -73,7 +73,7 @@ def test_a_skipped_gradient_bucket_is_caught():
 ])
 def test_bad_configurations_give_clear_errors(kwargs, message):
     with pytest.raises((ValueError, Exception)) as e:
-        cfg = DPConfig(model=GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10),
+        cfg = TrainingConfig(model=ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=12, seq=4, vocab=10),
                        **{"global_batch": 4, **kwargs})
         run_dp(cfg, 2)
     assert message in str(e.value)

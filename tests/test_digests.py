@@ -11,10 +11,10 @@ from byte_compare import assert_same_bytes  # noqa: E402
 from gpu_backend.digests import Same, Unsent, digest, digests, restore, summarize  # noqa: E402
 from gpu_backend.runner import launch, on_host  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
-from simcluster.model.gpt import GPTConfig  # noqa: E402
+from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
-from simcluster.parallel.data_parallel import DPConfig  # noqa: E402
+from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
 from simcluster.parallel.plan import Plan  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 from simcluster.topology.presets import preset  # noqa: E402
@@ -58,8 +58,8 @@ def test_a_broken_rank_sends_what_differs_and_the_comparison_sees_it():
     sends none; the rebuilt result is the broken run's, byte for byte (the emulator's run of it)."""
     from broken import swapped_tp
 
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
-    plan, mesh = Plan(data=DPConfig(model=model, global_batch=2, micro_batches=1, steps=1)), DeviceMesh(tp=2)
+    model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
+    plan, mesh = Plan(data=TrainingConfig(model=model, global_batch=2, micro_batches=1, steps=1)), DeviceMesh(tp=2)
     cluster = preset("dgx-a100", gpus_per_node=2)
     right = simulate(composed, plan, mesh=mesh, cluster=cluster).results
     wrong = simulate(swapped_tp, plan, mesh=mesh, cluster=cluster).results

@@ -7,14 +7,14 @@ import pytest
 from broken import swapped_tp, unnormalised_merge
 from plans import run_plan
 from simcluster import report
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.numerics import tolerance
 from simcluster.numerics.limbs import BF16
 from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import Partial
 from simcluster.numerics import kernels
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
@@ -31,8 +31,8 @@ LAYOUTS = {  # one of each family, and a 4D hybrid
 
 
 def data(dtype, zero=0, steps=2):
-    model = GPTConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
-    return DPConfig(model=model, global_batch=8, micro_batches=2, steps=steps, precision=dtype, zero=zero)
+    model = ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
+    return TrainingConfig(model=model, global_batch=8, micro_batches=2, steps=steps, precision=dtype, zero=zero)
 
 
 def bounds_of(cfg):

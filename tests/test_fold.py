@@ -7,10 +7,10 @@ import pytest
 from simcluster.cli import main
 from simcluster.engine import simulate
 from simcluster.engine.fold import fold_for
-from simcluster.model.config import GPTConfig
+from simcluster.model.config import ModelConfig
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all
@@ -56,9 +56,9 @@ def test_folded_runs_give_the_unfolded_trace_and_report_byte_for_byte(name, over
 
 
 def _llama(tp, kv_heads):
-    model = GPTConfig(arch="llama", layers=2, hidden=64, heads=8, kv_heads=kv_heads, ffn_hidden=160, seq=32,
+    model = ModelConfig(arch="llama", layers=2, hidden=64, heads=8, kv_heads=kv_heads, ffn_hidden=160, seq=32,
                       vocab=128, tied_head=False)
-    return Plan(data=DPConfig(model=model, global_batch=4, micro_batches=2, steps=1, zero=1), sp=True)
+    return Plan(data=TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=1, zero=1), sp=True)
 
 
 def test_the_comparison_catches_a_fold_over_ranks_that_differ():

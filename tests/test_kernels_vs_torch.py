@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 import torch.nn.functional as F  # noqa: E402
 
-from simcluster.model.gpt import GPTConfig  # noqa: E402
+from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.numerics.modes import make_ops  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -54,7 +54,7 @@ def test_model_matches_torch_on_drawn_configurations(layers, heads, per_head, ff
     # hidden >= 4: a layer norm over one or two elements outputs +-1 whatever its input, so gradients
     # through it are eps-sized and compared against float64 noise
     hidden = heads * per_head if heads * per_head >= 4 else heads * 4
-    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn, seq=seq, vocab=vocab,
+    cfg = ModelConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn, seq=seq, vocab=vocab,
                     causal=causal, tied_head=tied, dropout=dropout, seed=seed)
     params, ids, targets, loss, grads = ours(cfg, "fast", np.float64, batch_size=2)
     want_loss, want = torch_loss_and_grads(cfg, params, ids, targets, 0)

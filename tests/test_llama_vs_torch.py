@@ -12,20 +12,20 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 import torch.nn.functional as F  # noqa: E402
 
-from simcluster.model.gpt import GPTConfig, batch, init_params  # noqa: E402
+from simcluster.model.gpt import ModelConfig, batch, init_params  # noqa: E402
 from simcluster.numerics.modes import make_ops  # noqa: E402
-from simcluster.parallel.data_parallel import DPConfig  # noqa: E402
+from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
 from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.llama_shard import rope_table  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 CONFIGS = [
-    GPTConfig(arch="llama", layers=2, hidden=16, heads=4, kv_heads=2, ffn_hidden=24, seq=8, vocab=24, tied_head=False,
+    ModelConfig(arch="llama", layers=2, hidden=16, heads=4, kv_heads=2, ffn_hidden=24, seq=8, vocab=24, tied_head=False,
               seed=1),
-    GPTConfig(arch="llama", layers=1, hidden=12, heads=3, kv_heads=1, ffn_hidden=20, seq=6, vocab=10, causal=False,
+    ModelConfig(arch="llama", layers=1, hidden=12, heads=3, kv_heads=1, ffn_hidden=20, seq=6, vocab=10, causal=False,
               tied_head=False, dropout=0.1, seed=2),
-    GPTConfig(arch="llama", layers=2, hidden=8, heads=2, kv_heads=2, ffn_hidden=12, seq=5, vocab=16, tied_head=False,
+    ModelConfig(arch="llama", layers=2, hidden=8, heads=2, kv_heads=2, ffn_hidden=12, seq=5, vocab=16, tied_head=False,
               dropout=0.2, seed=3, rope_theta=500000.0),
 ]
 IDS = [f"L{c.layers}h{c.hidden}a{c.heads}kv{c.kv_heads}p{c.dropout}" for c in CONFIGS]
@@ -85,7 +85,7 @@ def initial(cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_forward_and_backward_match_torch_autograd(cfg):
     B = 3
-    ours = reference(DPConfig(model=cfg, global_batch=B, steps=1))
+    ours = reference(TrainingConfig(model=cfg, global_batch=B, steps=1))
     P = initial(cfg)
     ids, targets = batch(cfg, cfg.seed, 0, B)
     loss = torch_loss(cfg, P, ids, targets, 0)
@@ -98,7 +98,7 @@ def test_forward_and_backward_match_torch_autograd(cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_adamw_steps_with_clipping_match_torch(cfg):
     B, steps, lr = 2, 3, 1e-3
-    ours = reference(DPConfig(model=cfg, global_batch=B, steps=steps, lr=lr, weight_decay=0.1, clip_grad=0.5))
+    ours = reference(TrainingConfig(model=cfg, global_batch=B, steps=steps, lr=lr, weight_decay=0.1, clip_grad=0.5))
     P = initial(cfg)
     opt = torch.optim.AdamW(P.values(), lr=lr, weight_decay=0.1)
     for step in range(steps):
@@ -122,7 +122,7 @@ def test_a_wrong_rotation_is_caught(monkeypatch):
     real = llama.rope_table
     monkeypatch.setattr(llama, "rope_table", lambda *a: (real(*a)[0], -real(*a)[1]))
     reference.cache_clear()
-    ours = reference(DPConfig(model=cfg, global_batch=3, steps=1))
+    ours = reference(TrainingConfig(model=cfg, global_batch=3, steps=1))
     reference.cache_clear()
     P = initial(cfg)
     ids, targets = batch(cfg, cfg.seed, 0, 3)

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
 from broken import swapped_tp
@@ -26,9 +26,9 @@ def run_tp(data, tp, dp=1, program=composed, mode="exact", sp=False):
 def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, dropout, precision, causal, sp, recompute,
                                       seed):
     heads = tp * per_rank_heads
-    model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=tp if sp else 3,
+    model = ModelConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=tp if sp else 3,
                       vocab=4 * tp, tied_head=tied, dropout=dropout, causal=causal, recompute=recompute, seed=seed)
-    data = DPConfig(model=model, global_batch=2 * dp, micro_batches=2, steps=3, precision=precision)
+    data = TrainingConfig(model=model, global_batch=2 * dp, micro_batches=2, steps=3, precision=precision)
     got, _ = run_tp(data, tp, dp, sp=sp)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -39,8 +39,8 @@ def test_bit_exact_against_one_device(tp, dp, per_rank_heads, layers, tied, drop
 def test_four_all_reduces_of_sbh_per_layer(tp):
     """Shoeybi et al.: per layer, forward and backward together all-reduce 4 tensors of s*b*h."""
     s, b, h, layers = 64, 2, 256, 3
-    model = GPTConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=8 * tp, tied_head=False)
-    data = DPConfig(model=model, global_batch=b, steps=1, precision="bf16")
+    model = ModelConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=8 * tp, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")
     _, run = run_tp(data, tp, mode="meta")
     block_calls = [e for e in run.trace if e.rank == 0 and e.group.startswith("tp") and e.kind == "all_reduce"
                    and e.bytes == round(2 * (tp - 1) / tp * s * b * h * 2)]  # ring all-reduce of bf16
@@ -50,8 +50,8 @@ def test_four_all_reduces_of_sbh_per_layer(tp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_a_swapped_shard_is_caught(sp):
     """Tensor-parallel ranks that compute each other's heads: the weights come out permuted."""
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
-    data = DPConfig(model=model, global_batch=2, steps=2)
+    model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=2, steps=2)
     got, _ = run_tp(data, 2, program=swapped_tp, sp=sp)
     verdict = report.verification("exact", reference(data), got)
     assert not verdict["bit_exact"]
@@ -65,7 +65,7 @@ def test_a_swapped_shard_is_caught(sp):
 def test_degrees_that_do_not_divide_the_work(field, value, message):
     kw = dict(layers=1, hidden=12, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False) | {field: value}
     with pytest.raises(Exception, match=message):
-        run_tp(DPConfig(model=GPTConfig(**kw), global_batch=2, steps=1), 2, mode="meta")
+        run_tp(TrainingConfig(model=ModelConfig(**kw), global_batch=2, steps=1), 2, mode="meta")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -73,8 +73,8 @@ def test_sequence_parallel_moves_the_same_volume_as_all_reduces(tp):
     """Korthikanti et al.: each all-reduce of sbh becomes an all-gather plus a reduce-scatter of sbh,
     the same bytes on a ring."""
     s, b, h, layers = 64, 2, 256, 2
-    model = GPTConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=8 * tp, tied_head=False)
-    data = DPConfig(model=model, global_batch=b, steps=1, precision="bf16")
+    model = ModelConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=8 * tp, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")
 
     def block_traffic(sp):
         _, run = run_tp(data, tp, mode="meta", sp=sp)
@@ -94,6 +94,6 @@ def test_sequence_parallel_moves_the_same_volume_as_all_reduces(tp):
 
 
 def test_sequence_parallel_needs_tp_to_divide_the_sequence():
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False)
+    model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=3, vocab=8, tied_head=False)
     with pytest.raises(Exception, match="sequence parallelism: tp=2 must divide seq=3; valid degrees: 1, 3"):
-        run_tp(DPConfig(model=model, global_batch=2, steps=1), 2, mode="meta", sp=True)
+        run_tp(TrainingConfig(model=model, global_batch=2, steps=1), 2, mode="meta", sp=True)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simcluster.model.gpt import GPTConfig, Recompute, train
+from simcluster.model.gpt import ModelConfig, Recompute, train
 from simcluster.numerics.modes import make_ops
 
 
@@ -22,7 +22,7 @@ def as_bytes(out):
 def test_recomputation_gives_byte_identical_training(layers, heads, causal, tied, dropout, seed):
     base = dict(layers=layers, hidden=6 * heads, heads=heads, ffn_hidden=10, seq=5, vocab=11, causal=causal,
                 tied_head=tied, dropout=dropout, seed=seed, attention_kernel="unfused")  # (flash keeps no scores)
-    runs = {r: train(make_ops("exact"), GPTConfig(**base, recompute=r), steps=2, batch_size=2) for r in Recompute}
+    runs = {r: train(make_ops("exact"), ModelConfig(**base, recompute=r), steps=2, batch_size=2) for r in Recompute}
     reference = as_bytes(runs[Recompute.NONE])
     assert as_bytes(runs[Recompute.SELECTIVE]) == reference
     assert as_bytes(runs[Recompute.FULL]) == reference
@@ -31,7 +31,7 @@ def test_recomputation_gives_byte_identical_training(layers, heads, causal, tied
 
 
 def test_training_is_deterministic_and_learns():
-    cfg = GPTConfig(layers=1, hidden=16, heads=2, ffn_hidden=32, seq=8, vocab=12)
+    cfg = ModelConfig(layers=1, hidden=16, heads=2, ffn_hidden=32, seq=8, vocab=12)
     a = train(make_ops("exact"), cfg, steps=6, batch_size=4, lr=3e-3)
     b = train(make_ops("exact"), cfg, steps=6, batch_size=4, lr=3e-3)
     assert as_bytes(a) == as_bytes(b)
@@ -47,7 +47,7 @@ def test_training_is_deterministic_and_learns():
 
 
 def test_memory_ledger_reports_model_states_by_category():
-    cfg = GPTConfig(layers=2, hidden=8, heads=2, ffn_hidden=16, seq=4, vocab=10)
+    cfg = ModelConfig(layers=2, hidden=8, heads=2, ffn_hidden=16, seq=4, vocab=10)
     out = train(make_ops("meta"), cfg, steps=1, batch_size=2)
     mem = out["memory"]
     psi = cfg.parameters
@@ -61,8 +61,8 @@ def test_memory_ledger_reports_model_states_by_category():
 
 def test_bad_configurations_name_the_value():
     with pytest.raises(ValueError, match="heads=3 must divide hidden=16; valid: 1, 2, 4, 8, 16"):
-        GPTConfig(hidden=16, heads=3)
+        ModelConfig(hidden=16, heads=3)
     with pytest.raises(ValueError, match="dropout must be in"):
-        GPTConfig(dropout=1.0)
+        ModelConfig(dropout=1.0)
     with pytest.raises(ValueError, match="'sometimes' is not a valid Recompute"):
-        GPTConfig(recompute="sometimes")
+        ModelConfig(recompute="sometimes")

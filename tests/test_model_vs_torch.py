@@ -10,17 +10,17 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 import torch.nn.functional as F  # noqa: E402
 
-from simcluster.model.gpt import GPT, GPTConfig, batch, init_params  # noqa: E402
+from simcluster.model.gpt import GPT, ModelConfig, batch, init_params  # noqa: E402
 from simcluster.numerics.modes import make_ops  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 CONFIGS = [
-    GPTConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=24, causal=True, tied_head=True, seed=1),
-    GPTConfig(layers=1, hidden=12, heads=3, ffn_hidden=20, seq=6, vocab=10, causal=False, tied_head=False, seed=2),
-    GPTConfig(layers=2, hidden=8, heads=2, ffn_hidden=24, seq=5, vocab=16, causal=True, tied_head=False,
+    ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=24, causal=True, tied_head=True, seed=1),
+    ModelConfig(layers=1, hidden=12, heads=3, ffn_hidden=20, seq=6, vocab=10, causal=False, tied_head=False, seed=2),
+    ModelConfig(layers=2, hidden=8, heads=2, ffn_hidden=24, seq=5, vocab=16, causal=True, tied_head=False,
               dropout=0.2, seed=3),
-    GPTConfig(layers=1, hidden=16, heads=2, ffn_hidden=16, seq=7, vocab=20, causal=False, tied_head=True,
+    ModelConfig(layers=1, hidden=16, heads=2, ffn_hidden=16, seq=7, vocab=20, causal=False, tied_head=True,
               dropout=0.1, seed=4),
 ]
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from simcluster.engine import simulate
-from simcluster.model.gpt import GPTConfig, train
+from simcluster.model.gpt import ModelConfig, train
 from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.data_parallel import DPConfig, padded, unit_size
+from simcluster.parallel.data_parallel import TrainingConfig, padded, unit_size
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_scenario
@@ -83,7 +83,7 @@ def run(*extra):
 
 def owned(dp=4):
     """Parameters in a rank's chunks: each unit's flat buffer padded to a multiple of dp, split dp ways."""
-    cfg = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, seq=16, vocab=64, tied_head=False)
+    cfg = ModelConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, seq=16, vocab=64, tied_head=False)
     return sum(padded(unit_size(cfg, u), dp) // dp for u in ["embed", "block0", "block1", "head"])
 
 
@@ -135,7 +135,7 @@ def test_the_delayed_update_hides_the_host_step_under_the_next_one():
 
 
 def test_the_delayed_update_computes_each_step_with_the_weights_from_before_the_last_update():
-    cfg = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
+    cfg = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
     ops = make_ops("exact")
     delayed = train(ops, cfg, steps=2, batch_size=2, delayed_update=True)
     frozen = train(ops, cfg, steps=2, batch_size=2, lr=0.0)  # step 1 at the initial weights too
@@ -168,7 +168,7 @@ def test_a_run_with_the_delayed_update_fails_against_the_plain_reference(monkeyp
 ])
 def test_offloading_what_a_stage_does_not_shard_is_refused(fields, says):
     with pytest.raises(ValueError, match=says):
-        DPConfig(**fields)
+        TrainingConfig(**fields)
 
 
 def test_scenario_mistakes_are_one_line_errors():
@@ -187,9 +187,9 @@ def test_a_copy_between_one_tier_and_itself_is_refused():
 
 def test_nvme_offload_folds_data_parallel_replicas_only():
     """A node's ranks share its drives: folding tp (or cp) peers would leave their transfers out."""
-    cfg = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8)
-    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="nvme")).alike(2, 2) == ("dp",)
-    assert Plan(data=DPConfig(model=cfg, zero=3, offload_params="cpu")).alike(2, 2) == ("dp", "tp", "cp")
+    cfg = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8)
+    assert Plan(data=TrainingConfig(model=cfg, zero=3, offload_params="nvme")).alike(2, 2) == ("dp",)
+    assert Plan(data=TrainingConfig(model=cfg, zero=3, offload_params="cpu")).alike(2, 2) == ("dp", "tp", "cp")
 
 
 def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_layout(tmp_path):

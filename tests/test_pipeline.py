@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 from simcluster import report
 from simcluster.engine import DeadlockError, simulate
-from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.model.gpt import ModelConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.pipeline import UniformPipeline, pipeline_uniform, uniform_cluster
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, describe
@@ -27,9 +27,9 @@ def test_bit_exact_against_one_device(schedule, p, groups, v, extra_layers, dp, 
     p = p + p % 2 if schedule is Schedule.DUALPIPE else p  # DualPipe: an even number of stages
     m = {Schedule.INTERLEAVED: p * groups, Schedule.DUALPIPE: 2 * p * groups}.get(schedule, groups + p - 1)
     layers = p * (2 if schedule is Schedule.ZB_V else v) + extra_layers  # p need not divide the layer count
-    model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False,
+    model = ModelConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False,
                       dropout=dropout, recompute=recompute, seed=seed)
-    data = DPConfig(model=model, global_batch=dp * m, micro_batches=m, steps=3, precision=precision)
+    data = TrainingConfig(model=model, global_batch=dp * m, micro_batches=m, steps=3, precision=precision)
     got, _ = run_plan(data, dp=dp, pp=p, schedule=schedule, virtual=v)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -151,8 +151,8 @@ def test_schedules_are_printable_data():
 
 
 def activation_peaks(schedule, p, m):
-    model = GPTConfig(layers=p, hidden=64, heads=4, ffn_hidden=128, seq=16, vocab=32, tied_head=False)
-    data = DPConfig(model=model, global_batch=m, micro_batches=m, steps=1)
+    model = ModelConfig(layers=p, hidden=64, heads=4, ffn_hidden=128, seq=16, vocab=32, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=m, micro_batches=m, steps=1)
     _, run = run_plan(data, pp=p, schedule=schedule, mode="meta")
     per_micro_batch: dict[str, int] = {}
     for e in run.trace.memory:
@@ -199,16 +199,16 @@ def test_broken_schedules_are_caught():
     ("dualpipe", 4, 6, 1, 4, "at least 2p = 8 \\(m=6\\)"),
 ])
 def test_invalid_configurations(schedule, p, m, v, layers, message):
-    model = GPTConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False)
+    model = ModelConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False)
     with pytest.raises(Exception, match=message):
-        run_plan(DPConfig(model=model, global_batch=m, micro_batches=m), pp=p, mode="meta", schedule=schedule,
+        run_plan(TrainingConfig(model=model, global_batch=m, micro_batches=m), pp=p, mode="meta", schedule=schedule,
                  virtual=v)
 
 
 def test_tied_head_with_pipeline_is_a_clear_error():
-    model = GPTConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
+    model = ModelConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
     with pytest.raises(Exception, match="set model.tied_head = false for pipeline parallelism"):
-        run_plan(DPConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
+        run_plan(TrainingConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
 
 
 def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
@@ -220,8 +220,8 @@ def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
     def alone(self, *args, **kw):
         init(self, *args, **kw | {"twin": None})
 
-    model = GPTConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False, seed=1)
-    data = DPConfig(model=model, global_batch=4, micro_batches=4, steps=2, precision="bf16")
+    model = ModelConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False, seed=1)
+    data = TrainingConfig(model=model, global_batch=4, micro_batches=4, steps=2, precision="bf16")
     got, _ = run_plan(data, pp=2, schedule="dualpipe")
     assert report.verification("exact", reference(data), got)["bit_exact"]
     monkeypatch.setattr(DPWrap, "__init__", alone)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from simcluster.cli import main
-from simcluster.model.config import GPTConfig
+from simcluster.model.config import ModelConfig
 from simcluster.model.flops import step_flops
 from simcluster.model.precision import model_state_bytes
 
@@ -16,13 +16,13 @@ def test_flops_are_megatrons_closed_forms(l, h, a, s, V):
     """Narayanan et al. 2021, eq. 3 (full recomputation: 96), and Korthikanti et al. 2022 (model FLOPs: 72),
     for a GPT with a 4h MLP, B sequences of s tokens."""
     B = 8
-    model = GPTConfig(layers=l, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False)
+    model = ModelConfig(layers=l, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False)
     useful, _ = step_flops(model, B * s)
     assert useful == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
-    full = GPTConfig(**{**model.__dict__, "recompute": "full"})
+    full = ModelConfig(**{**model.__dict__, "recompute": "full"})
     assert step_flops(full, B * s)[1] == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)),
                                                        rel=1e-12)
-    selective = GPTConfig(**{**model.__dict__, "recompute": "selective"})  # again: QK^T and PV, 4Bs^2h a layer
+    selective = ModelConfig(**{**model.__dict__, "recompute": "selective"})  # again: QK^T and PV, 4Bs^2h a layer
     assert step_flops(selective, B * s)[1] - useful == pytest.approx(4 * B * s * s * h * l, rel=1e-12)
 
 
@@ -51,7 +51,7 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
     rate. The unfused core issues its steps instead, and no fused kernel."""
     from simcluster.engine import simulate
     from simcluster.parallel.composed import composed
-    from simcluster.parallel.data_parallel import DPConfig
+    from simcluster.parallel.data_parallel import TrainingConfig
     from simcluster.parallel.plan import Plan
     from simcluster.program.mesh import DeviceMesh
     from simcluster.topology.presets import preset
@@ -61,9 +61,9 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
     rate = spec.peak_tflops * 1e3 * spec.compute_efficiency  # FLOPs per ns
     names = {}
     for kernel in ("flash", "unfused"):
-        model = GPTConfig(layers=1, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
+        model = ModelConfig(layers=1, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
                           dtype="bf16", causal=causal, attention_kernel=kernel)
-        run = simulate(composed, Plan(data=DPConfig(model=model, global_batch=b, steps=1, precision="bf16")),
+        run = simulate(composed, Plan(data=TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")),
                        mesh=DeviceMesh(), cluster=spec, mode="meta")
         names[kernel] = {e.name.split("/")[-1]: e.duration for e in run.trace if e.name.startswith(("F0:block0",
                                                                                                      "B0:block0"))}

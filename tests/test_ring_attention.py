@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from simcluster import report
 from simcluster.engine import simulate
-from simcluster.model.gpt import GPTConfig, Slice
+from simcluster.model.gpt import ModelConfig, Slice
 from simcluster.numerics import kernels
 from simcluster.parallel import cp_blocks, ring_attention
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.plan import Plan
@@ -28,9 +28,9 @@ from plans import run_plan
        recompute=st.sampled_from(["none", "selective", "full"]), seed=st.integers(0, 50))
 def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, causal, dropout, precision, recompute,
                                       seed):
-    model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=2 * cp * chunk, vocab=9,
+    model = ModelConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=2 * cp * chunk, vocab=9,
                       causal=causal, dropout=dropout, recompute=recompute, seed=seed)
-    data = DPConfig(model=model, global_batch=dp, steps=3, precision=precision)
+    data = TrainingConfig(model=model, global_batch=dp, steps=3, precision=precision)
     got, _ = run_plan(data, dp=dp, cp=cp, attention=attention)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -48,8 +48,8 @@ def attention_only(ctx, cfg, seed):
 
 
 def ring_outputs(mode, P, seq, seed=0, causal=True):
-    model = GPTConfig(layers=1, hidden=8, heads=2, ffn_hidden=4, seq=seq, vocab=5, causal=causal)
-    cfg = Plan(data=DPConfig(model=model, global_batch=1, steps=1), attention="ring")
+    model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=4, seq=seq, vocab=5, causal=causal)
+    cfg = Plan(data=TrainingConfig(model=model, global_batch=1, steps=1), attention="ring")
     run = simulate(attention_only, cfg, seed, mesh=DeviceMesh(cp=P), cluster=preset("dgx-a100", gpus_per_node=P),
                    mode=mode)
     out = np.zeros((1, 2, seq, 4))
@@ -80,8 +80,8 @@ def ring_gaps(seq, nodes):
     """Compute-stream idle time of rank 0 during the ring passes, with the block transfer and compute
     times read from the trace."""
     P = 4
-    model = GPTConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=seq, vocab=64, causal=False)
-    data = DPConfig(model=model, global_batch=1, steps=1, precision="bf16")
+    model = ModelConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=seq, vocab=64, causal=False)
+    data = TrainingConfig(model=model, global_batch=1, steps=1, precision="bf16")
     cluster = preset("dgx-a100", nodes=nodes, gpus_per_node=P // nodes)
     trace = run_plan(data, cp=P, cluster=cluster, mode="meta", attention="ring")[1].trace
     compute = trace.lane(0, "compute")
@@ -108,8 +108,8 @@ def test_ring_communication_hides_behind_compute_only_for_big_enough_blocks():
 @pytest.mark.parametrize("attention", ["ring", "allgather"])
 def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
     """Masking every key block as if it held the query's own positions."""
-    model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=8, vocab=5, causal=True)
-    data = DPConfig(model=model, global_batch=1, steps=1)
+    model = ModelConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=8, vocab=5, causal=True)
+    data = TrainingConfig(model=model, global_batch=1, steps=1)
     wrong = lambda model, owner: model.positions  # noqa: E731
     monkeypatch.setattr(cp_blocks, "positions_of", wrong)  # (what the all-gather's columns are made of)
     monkeypatch.setattr(ring_attention, "positions_of", wrong)
@@ -118,9 +118,9 @@ def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
 
 
 def test_zigzag_needs_twice_the_degree_to_divide_the_sequence():
-    model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=6, vocab=5, causal=True)
+    model = ModelConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=6, vocab=5, causal=True)
     with pytest.raises(Exception, match="seq=6 must be divisible by 2 x cp = 4; valid degrees: 1, 3"):
-        run_plan(DPConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")
+        run_plan(TrainingConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")
 
 
 def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
@@ -133,8 +133,8 @@ def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
     s/P x d per block): under 20 % here, where materialised blocks made it 2.7x. RSA keeps its score
     rows: unfused, whatever the model's kernel (ColossalAI's)."""
     P, gap = 4, preset("dgx-a100").kernel_overhead_ns
-    model = GPTConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=8192, vocab=64)
-    data = DPConfig(model=model, global_batch=1, steps=1, precision="bf16")
+    model = ModelConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=8192, vocab=64)
+    data = TrainingConfig(model=model, global_batch=1, steps=1, precision="bf16")
     runs = {a: run_plan(data, cp=P, mode="meta", attention=a)[1] for a in ("ring", "ulysses", "rsa")}
 
     def kernels(attention, name):

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from simcluster import report
 from simcluster.model.activations import layer_bytes
-from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.model.gpt import ModelConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
 from plans import run_plan
@@ -22,10 +22,10 @@ from plans import run_plan
 def test_bit_exact_against_one_device(cp, dp, tp, chunk, causal, dropout, precision, recompute, arch, seed):
     """Composes with DP and with TP (the paper's 4D claim; heads over tp, tokens over the ring)."""
     heads = 2 * tp
-    model = GPTConfig(layers=2, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=cp * chunk * tp, vocab=4 * tp,
+    model = ModelConfig(layers=2, hidden=2 * heads, heads=heads, ffn_hidden=3 * tp, seq=cp * chunk * tp, vocab=4 * tp,
                       causal=causal, dropout=dropout, recompute=recompute, seed=seed, tied_head=False, arch=arch,
                       kv_heads=tp if arch == "llama" else None)
-    data = DPConfig(model=model, global_batch=dp, steps=2, precision=precision)
+    data = TrainingConfig(model=model, global_batch=dp, steps=2, precision=precision)
     got, _ = run_plan(data, dp=dp, cp=cp, tp=tp, sp=tp > 1, attention="rsa")
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -44,8 +44,8 @@ def test_communication_per_layer(P):
     6(P-1)Nh/P. Ring attention moves less backward (keys, values and their gradient accumulators,
     2(P-1)Nh/P + 2Nh); Ulysses 4Nh(P-1)/P^2 each way."""
     s, b, h, layers = 64 * P, 2, 64, 2
-    model = GPTConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False)
-    data = DPConfig(model=model, global_batch=b, steps=1, precision="bf16")
+    model = ModelConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")
     N, item = s * b, 2
     _, rsa = run_plan(data, cp=P, attention="rsa", mode="meta")
     assert sent(rsa, ("send",), "F") == layers * 2 * (P - 1) * N * h // P * item
@@ -64,9 +64,9 @@ def test_activations_split_p_ways_scores_included(P, recompute):
     """The paper's point against Megatron TP: every activation of a layer, the s x s scores too, is split
     over the ring's ranks: a rank keeps Korthikanti et al.'s sbh(34 + 5as/h) (selective: 34 sbh) / P."""
     s, b, h, a = 16 * P, 2, 32, 4
-    model = GPTConfig(layers=1, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
+    model = ModelConfig(layers=1, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
                       recompute=recompute, dtype="bf16")  # (flash, the default kernel, is no matter: RSA keeps scores)
-    _, run = run_plan(DPConfig(model=model, global_batch=b, steps=1, precision="bf16"), cp=P, attention="rsa",
+    _, run = run_plan(TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16"), cp=P, attention="rsa",
                       mode="meta")
     held = [e.bytes for e in run.trace.memory if e.rank == 0 and e.category == "activations"
             and e.name.endswith("block0") and e.bytes > 0]
@@ -80,7 +80,7 @@ def test_keeping_the_wrong_rows_is_caught(monkeypatch):
 
     own = rsa._own_rows
     monkeypatch.setattr(rsa, "_own_rows", lambda ops, full, P, r: own(ops, full, P, (r + 1) % P))
-    model = GPTConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=4, vocab=5, tied_head=False)
-    data = DPConfig(model=model, global_batch=1, steps=1)
+    model = ModelConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=4, vocab=5, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=1, steps=1)
     got, _ = run_plan(data, cp=2, attention="rsa")
     assert not report.verification("exact", reference(data), got)["bit_exact"]

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis.errors import NoSuchExample
 
 from broken import swapped_tp, wrong_coord
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.parallel.plan import ATTENTIONS, Plan
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
@@ -19,7 +19,7 @@ from simcluster.testing import (Layout, assert_bit_exact, assert_close_fast, ass
                                 replicated, unshard)
 
 SEARCH = settings(database=None, derandomize=True, max_examples=400, suppress_health_check=list(HealthCheck))
-MODEL = GPTConfig(layers=4, hidden=12, heads=6, ffn_hidden=6, seq=12, vocab=12, tied_head=False, dropout=0.1)
+MODEL = ModelConfig(layers=4, hidden=12, heads=6, ffn_hidden=6, seq=12, vocab=12, tied_head=False, dropout=0.1)
 
 
 def first(strategy, condition):
@@ -58,7 +58,7 @@ def test_every_schedule_and_attention_can_be_drawn(schedule):
 
 
 def test_the_rules_of_a_model_bound_what_is_drawn():
-    tied = GPTConfig(layers=4, hidden=8, heads=4, ffn_hidden=8, seq=6, vocab=8, tied_head=True, causal=True)
+    tied = ModelConfig(layers=4, hidden=8, heads=4, ffn_hidden=8, seq=6, vocab=8, tied_head=True, causal=True)
     with pytest.raises(NoSuchExample):  # a tied head keeps the embedding and the head on one stage
         first(layouts(tied), lambda lay: lay.mesh.sizes["pp"] > 1)
     with pytest.raises(NoSuchExample):  # causal ring attention's zigzag: seq 6 is not divisible by 2 x 2
@@ -117,8 +117,8 @@ def test_assert_same_names_missing_outputs():
 
 
 def test_assert_close_fast_passes_a_layout_and_fails_a_swapped_shard():
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
-    layout = Layout(DeviceMesh(dp=2, tp=2), Plan(data=DPConfig(model=model, global_batch=4, precision="bf16")))
+    model = ModelConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
+    layout = Layout(DeviceMesh(dp=2, tp=2), Plan(data=TrainingConfig(model=model, global_batch=4, precision="bf16")))
     run = assert_close_fast(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
                             reference_config=layout.one_device_plan, bounds=layout.fast_bounds)
     assert run.mesh.world_size == 4

@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the
 from byte_compare import assert_same_bytes  # noqa: E402
 from gpu_backend.runner import spawn  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
-from simcluster.model.gpt import GPTConfig  # noqa: E402
+from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
-from simcluster.parallel.data_parallel import DPConfig  # noqa: E402
+from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
 from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.plan import Plan  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
@@ -126,9 +126,9 @@ def test_the_other_programs_from_the_command_line(program):
 @pytest.mark.parametrize("zero,attention", [(3, "ring")])
 def test_4d(zero, attention):
     """pp2 x cp2 x tp2 with SP, dropout and selective recomputation, ZeRO-3 over cp: 8 processes."""
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False, dropout=0.1,
+    model = ModelConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False, dropout=0.1,
                       recompute="selective")
-    data = DPConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16", zero=zero)
+    data = TrainingConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16", zero=zero)
     same_on_gloo(data, DeviceMesh(pp=2, cp=2, tp=2), sp=True, attention=attention, schedule="1f1b")
 
 
@@ -191,8 +191,8 @@ def test_a_checkpoint_saved_on_gloo_resumes_on_the_emulator_and_back(tmp_path):
 def test_pipeline_messages_scattered_and_gathered_on_gloo():
     """pp2 x tp2 without SP, Megatron's scatter/gather: each tp rank sends half a message, the next
     stage all-gathers it over tp (torch's all_gather_single): the emulator's bytes on gloo."""
-    model = GPTConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False)
-    data = DPConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16")
+    model = ModelConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=2, micro_batches=2, steps=2, precision="bf16")
     same_on_gloo(data, DeviceMesh(pp=2, tp=2), scatter_gather=True, schedule="1f1b")
 
 
@@ -204,8 +204,8 @@ def test_the_fast_bound_catches_a_swapped_shard_on_gloo(broken):
     from simcluster import report
     from simcluster.numerics import tolerance
 
-    model = GPTConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
-    data = DPConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
+    model = ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
+    data = TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
     plan, mesh = Plan(data=data), DeviceMesh(tp=2)
     got = spawn(swapped_tp if broken else composed, plan, mesh=mesh, mode="fast", backend="gloo")
     outputs = assemble(got, [mesh.coords(r) for r in range(mesh.world_size)], plan)

@@ -325,9 +325,9 @@ def test_the_fused_attention_agrees_with_the_two_pass_core(dtype):
     """torch's scaled_dot_product_attention (the kernel set's fused attention, used where there is no
     dropout) against the model's two-pass core in numpy's fast mode: output and dq, dk, dv within the
     derived bound of a softmax's reductions (the keys)."""
-    from simcluster.model.gpt import GPT, GPTConfig, Slice
+    from simcluster.model.gpt import GPT, ModelConfig, Slice
 
-    cfg = GPTConfig(hidden=32, heads=4, seq=16, causal=True)
+    cfg = ModelConfig(hidden=32, heads=4, seq=16, causal=True)
     q, k, v, dout = (draw(n, (2, 4, 16, 8), dtype) for n in ("q", "k", "v", "dout"))
     host, device = GPT(HOST, cfg), GPT(DEVICE, cfg)
     want = host.attention_core(q, k, v, 0, 0, Slice(0, 2))
@@ -345,9 +345,9 @@ def test_the_fused_attention_is_charged_as_the_emulators_flash_kernel():
     for the same core (model/flash.py: one flash_attention forward, one backward, the same FLOPs and
     bytes), so that calibrate, which divides a kernel's charged bytes by its measured time, measures the
     rate the emulator times it at. Before, the fused kernel recorded nothing: its time went uncharged."""
-    from simcluster.model.gpt import GPT, GPTConfig, Slice
+    from simcluster.model.gpt import GPT, ModelConfig, Slice
 
-    cfg = GPTConfig(hidden=32, heads=4, seq=16, causal=True)
+    cfg = ModelConfig(hidden=32, heads=4, seq=16, causal=True)
     q, k, v, dout = (draw(n, (2, 4, 16, 8), "fp32") for n in ("q", "k", "v", "dout"))
     host_log, device_log = [], []
     host = GPT(make_ops("fast", lambda *r: host_log.append(r)), cfg)

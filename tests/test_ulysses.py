@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster import report
-from simcluster.model.gpt import GPTConfig
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.model.gpt import ModelConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
 from plans import run_plan
@@ -24,9 +24,9 @@ def run_cp(data, cp, dp=1, mode="exact"):
 def test_bit_exact_against_one_device(cp, dp, per_rank_heads, tokens_per_rank, layers, tied, causal, dropout,
                                       precision, recompute, seed):
     heads = cp * per_rank_heads
-    model = GPTConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=cp * tokens_per_rank, vocab=9,
+    model = ModelConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=cp * tokens_per_rank, vocab=9,
                       tied_head=tied, causal=causal, dropout=dropout, recompute=recompute, seed=seed)
-    data = DPConfig(model=model, global_batch=dp, steps=3, precision=precision)
+    data = TrainingConfig(model=model, global_batch=dp, steps=3, precision=precision)
     got, _ = run_cp(data, cp, dp)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
@@ -38,8 +38,8 @@ def test_ulysses_moves_1_over_p_of_megatron_sp_per_layer(P):
     """Jacobs et al.: per layer and direction, Ulysses all-to-alls 4Nh/P per rank (q, k, v and the
     output, N = s*b tokens), where Megatron SP all-gathers and reduce-scatters about 4Nh: side by side."""
     s, b, h, layers = 256, 2, 256, 2
-    model = GPTConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False)
-    data = DPConfig(model=model, global_batch=b, steps=1, precision="bf16")
+    model = ModelConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")
     _, run = run_cp(data, P, mode="meta")
     forward = [e for e in run.trace if e.rank == 0 and e.kind == "all_to_all" and e.name.startswith("F")]
     N = s * b
@@ -66,8 +66,8 @@ def test_mixing_up_the_heads_is_caught():
         out, core = yield from original(model, q, k[:, ::-1].copy(), v, layer, step, where)
         return out, core
 
-    model = GPTConfig(layers=1, hidden=8, heads=4, ffn_hidden=4, seq=4, vocab=7, tied_head=False)
-    data = DPConfig(model=model, global_batch=1, steps=1)
+    model = ModelConfig(layers=1, hidden=8, heads=4, ffn_hidden=4, seq=4, vocab=7, tied_head=False)
+    data = TrainingConfig(model=model, global_batch=1, steps=1)
     try:
         ulysses_module.forward = wrong
         got, _ = run_cp(data, 2)
@@ -81,6 +81,6 @@ def test_mixing_up_the_heads_is_caught():
     (3, 4, "context-parallel degree 3 must divide seq=4; valid degrees: 1, 2, 4"),
 ])
 def test_degrees_that_do_not_divide_the_work(heads, seq, message):
-    model = GPTConfig(layers=1, hidden=4 * heads, heads=heads, ffn_hidden=4, seq=seq, vocab=7, tied_head=False)
+    model = ModelConfig(layers=1, hidden=4 * heads, heads=heads, ffn_hidden=4, seq=seq, vocab=7, tied_head=False)
     with pytest.raises(Exception, match=message):
-        run_cp(DPConfig(model=model, global_batch=1, steps=1), 3, mode="meta")
+        run_cp(TrainingConfig(model=model, global_batch=1, steps=1), 3, mode="meta")

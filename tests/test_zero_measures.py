@@ -2,14 +2,14 @@
 
 import pytest
 
-from simcluster.model.gpt import GPTConfig, units
-from simcluster.parallel.data_parallel import DPConfig, padded, unit_size
+from simcluster.model.gpt import ModelConfig, units
+from simcluster.parallel.data_parallel import TrainingConfig, padded, unit_size
 from simcluster.topology.presets import preset
 
 from plans import run_plan
 
 # Psi = 7.5e9 exactly, as in Table 1 of the ZeRO paper (Rajbhandari et al. 2020), in one layer
-BIG = GPTConfig(layers=1, hidden=17280, heads=135, ffn_hidden=134400, seq=2048, vocab=94041)
+BIG = ModelConfig(layers=1, hidden=17280, heads=135, ffn_hidden=134400, seq=2048, vocab=94041)
 # Table 1: per-device memory of model states in GB, Psi = 7.5B, K = 12, for DDP and ZeRO-1/2/3
 TABLE_1 = {1: (120, 120, 120, 120), 4: (120, 52.5, 41.3, 30), 16: (120, 35.6, 21.6, 7.5),
            64: (120, 31.4, 16.6, 1.88), 256: (120, 30.4, 15.4, 0.47), 1024: (120, 30.1, 15.1, 0.12)}
@@ -20,7 +20,7 @@ def cluster(n):
 
 
 def meta_run(model, n, stage, **kw):
-    cfg = DPConfig(model=model, global_batch=n, steps=1, precision="bf16", zero=stage, **kw)
+    cfg = TrainingConfig(model=model, global_batch=n, steps=1, precision="bf16", zero=stage, **kw)
     return run_plan(cfg, dp=n, cluster=cluster(n), mode="meta")[1]
 
 
@@ -53,7 +53,7 @@ def test_zero_paper_table_1(n):
         assert abs(owned - psi / n) < len(units(BIG))  # padding: less than one element per unit
 
 
-SMALL = GPTConfig(layers=3, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128, tied_head=False)
+SMALL = ModelConfig(layers=3, hidden=64, heads=4, ffn_hidden=256, seq=32, vocab=128, tied_head=False)
 
 
 @pytest.mark.parametrize("stage,volume", [(0, 2), (1, 2), (2, 2), (3, 3)])
@@ -80,11 +80,11 @@ def forward_timeline(trace, model):
 @pytest.mark.parametrize("batch_per_rank,comm_bound", [(1, True), (64, False)])
 def test_zero3_prefetch_overlap_against_the_closed_form(batch_per_rank, comm_bound):
     """FSDP's forward: T = AG_0 + sum C_u + sum max(0, AG_{u+1} - C_u); without prefetch sum (AG_u + C_u)."""
-    model = GPTConfig(layers=4, hidden=1024, heads=8, ffn_hidden=4096, seq=128, vocab=1024, tied_head=False)
+    model = ModelConfig(layers=4, hidden=1024, heads=8, ffn_hidden=4096, seq=128, vocab=1024, tied_head=False)
     n = 16  # two nodes: the gathers cross InfiniBand
 
     def run(prefetch):
-        cfg = DPConfig(model=model, global_batch=n * batch_per_rank, steps=1, precision="bf16", zero=3,
+        cfg = TrainingConfig(model=model, global_batch=n * batch_per_rank, steps=1, precision="bf16", zero=3,
                        prefetch=prefetch)
         return run_plan(cfg, dp=n, cluster=cluster(n), mode="meta")[1].trace
 
@@ -109,7 +109,7 @@ def test_zero3_prefetch_overlap_against_the_closed_form(batch_per_rank, comm_bou
 
 def test_ddp_buckets_overlap_the_backward_pass():
     """Each bucket's all-reduce starts as soon as backward has finished that unit, before backward ends."""
-    model = GPTConfig(layers=4, hidden=512, heads=8, ffn_hidden=2048, seq=128, vocab=1024, tied_head=False)
+    model = ModelConfig(layers=4, hidden=512, heads=8, ffn_hidden=2048, seq=128, vocab=1024, tied_head=False)
     trace = meta_run(model, 8, 0).trace
     backward = [e for e in trace.lane(0, "compute") if e.kind == "backward"]
     buckets = [e for e in trace.lane(0, "comm:dp") if e.kind == "all_reduce" and e.name != "loss"]

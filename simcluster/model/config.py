@@ -30,7 +30,7 @@ class Recompute(Enum):
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class ModelConfig:
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -110,7 +110,7 @@ class GPTConfig:
         return sum(math.prod(s) for s in self.parameter_shapes().values())
 
 
-def init_params(ops: Ops, cfg: GPTConfig, names: Any = None) -> dict[str, Any]:
+def init_params(ops: Ops, cfg: ModelConfig, names: Any = None) -> dict[str, Any]:
     """Deterministic initial weights: counter-based uniform, a pure function of (seed, name, index), so
     that a rank may make just its own (`names`; default: all) and get the same values."""
     params = {}
@@ -128,7 +128,7 @@ def init_params(ops: Ops, cfg: GPTConfig, names: Any = None) -> dict[str, Any]:
     return params
 
 
-def batch(cfg: GPTConfig, seed: int, step: int, size: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def batch(cfg: ModelConfig, seed: int, step: int, size: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and next-token targets, (size, seq) each, of sequences first .. first+size-1 of
     the step's data: a pure function of (seed, step, sequence index)."""
     from simcluster.numerics import random as _random
@@ -150,22 +150,22 @@ class Slice:
     total: int
 
 
-def units(cfg: GPTConfig) -> list[str]:
+def units(cfg: ModelConfig) -> list[str]:
     """The model's parameter units in forward order: "embed", "block0" .. "block{L-1}", "head"."""
     return ["embed"] + [f"block{i}" for i in range(cfg.layers)] + ["head"]
 
 
-def unit_names(cfg: GPTConfig, unit: str) -> list[str]:
+def unit_names(cfg: ModelConfig, unit: str) -> list[str]:
     """The parameters of a unit, in a fixed order (what a bucket or a ZeRO-3 unit flattens)."""
     return list(_unit_names(cfg, unit))
 
 
-def _unit_names(cfg: GPTConfig, unit: str) -> tuple[str, ...]:
+def _unit_names(cfg: ModelConfig, unit: str) -> tuple[str, ...]:
     return _names_by_unit(cfg).get(unit, ())
 
 
 @functools.lru_cache(maxsize=64)
-def _names_by_unit(cfg: GPTConfig) -> dict[str, tuple[str, ...]]:
+def _names_by_unit(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Every unit's parameter names, made in one pass (a lookup a unit: pipelines of a thousand stages
     ask for each of theirs on every rank)."""
     shapes = _parameter_shapes(cfg)
@@ -179,6 +179,6 @@ def _names_by_unit(cfg: GPTConfig) -> dict[str, tuple[str, ...]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _parameter_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+def _parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """(Cached: meta-mode programs at scale ask for it per unit and per step. Not to be mutated.)"""
     return cfg._build_parameter_shapes()

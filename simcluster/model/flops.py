@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import math
 
-from simcluster.model.config import GPTConfig, Recompute
+from simcluster.model.config import ModelConfig, Recompute
 
 
-def forward_per_token(model: GPTConfig) -> tuple[float, float, float]:
+def forward_per_token(model: ModelConfig) -> tuple[float, float, float]:
     """Forward FLOPs per token: (all layers' weight products, all layers' attention cores, the head)."""
     shapes = model.parameter_shapes()
     weights = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.") and len(s) == 2)
     return 2.0 * weights, 4.0 * model.layers * model.seq * model.hidden, 2.0 * model.hidden * model.vocab
 
 
-def step_flops(model: GPTConfig, tokens: int) -> tuple[float, float]:
+def step_flops(model: ModelConfig, tokens: int) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of a step over `tokens` tokens."""
     layers, core, head = forward_per_token(model)
     useful = 3.0 * (layers + core + head)

@@ -24,7 +24,7 @@ from typing import Any
 
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
-from simcluster.model.config import GPTConfig, Recompute, Slice, batch, init_params, unit_names, units
+from simcluster.model.config import ModelConfig, Recompute, Slice, batch, init_params, unit_names, units
 from simcluster.model.memory import MemoryLedger
 from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_by_norm, square_sum
 from simcluster.model.precision import LOSS_SCALE, PRECISIONS, grad_dtype, model_state_bytes, unscale, working_copy
@@ -32,7 +32,7 @@ from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial
 
 
-def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
+def _keep(ops: Ops, cfg: ModelConfig, name: str, shape: tuple[int, ...], step: int, where: Slice) -> Any:
     if cfg.dropout == 0.0:
         return None
     full = (where.total,) + tuple(shape[1:])
@@ -40,13 +40,13 @@ def _keep(ops: Ops, cfg: GPTConfig, name: str, shape: tuple[int, ...], step: int
     return ops.dropout_keep(cfg.seed + 7919 * step, name, tuple(shape), cfg.dropout, offset=offset, full_shape=full)
 
 
-def _drop(ops: Ops, x: Any, keep: Any, cfg: GPTConfig) -> Any:
+def _drop(ops: Ops, x: Any, keep: Any, cfg: ModelConfig) -> Any:
     if keep is None:
         return x
     return ops.scale(ops.zero_where(keep, x), 1.0 / (1.0 - cfg.dropout))
 
 
-def _drop_grad(ops: Ops, grad: Any, keep: Any, cfg: GPTConfig) -> Any:
+def _drop_grad(ops: Ops, grad: Any, keep: Any, cfg: ModelConfig) -> Any:
     if keep is None:
         return grad
     with fusion.dropout_backward(ops, cfg, grad):
@@ -56,7 +56,7 @@ def _drop_grad(ops: Ops, grad: Any, keep: Any, cfg: GPTConfig) -> Any:
 class GPT:
     """Forward, backward and step of the reference model on one device, through `ops`."""
 
-    def __init__(self, ops: Ops, cfg: GPTConfig, memory: MemoryLedger | None = None) -> None:
+    def __init__(self, ops: Ops, cfg: ModelConfig, memory: MemoryLedger | None = None) -> None:
         self.ops = ops
         self.cfg = cfg
         self.memory = memory if memory is not None else MemoryLedger()
@@ -314,7 +314,7 @@ def ops_t(ops: Ops, w: Any) -> Any:
     return ops.transpose(w)
 
 
-def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
+def train(ops: Ops, cfg: ModelConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
           clip_grad: float | None = None, precision: str = "fp32",
           params: dict[str, Any] | None = None, delayed_update: bool = False) -> dict[str, Any]:
     """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
@@ -359,6 +359,6 @@ def train(ops: Ops, cfg: GPTConfig, *, steps: int, batch_size: int, lr: float = 
             "peak_activation_bytes": model.memory.peak("activations"), "memory": model.memory}
 
 
-__all__ = ["AdamState", "GPT", "GPTConfig", "PRECISIONS", "Partial", "Recompute", "Slice", "adam_init", "adam_step",
+__all__ = ["AdamState", "GPT", "ModelConfig", "PRECISIONS", "Partial", "Recompute", "Slice", "adam_init", "adam_step",
            "LOSS_SCALE", "batch", "grad_dtype", "init_params", "model_state_bytes", "train", "unit_names", "units",
            "unscale", "working_copy"]

@@ -1,5 +1,6 @@
-"""What every data-parallel layout shares: the run's configuration, the batch split, flat units, and
-the single-device reference run.
+"""What every layout of a training shares: its configuration (`TrainingConfig`: the model, the batch, the
+optimizer, precision and the data-parallel choices), the batch split and the flat units (the single-device
+reference run it is checked against is reference.py).
 
 The global batch of a step is split over data-parallel ranks, then into micro-batches on each rank:
 rank d's micro-batch j holds sequences [d*B/N + j*b, d*B/N + (j+1)*b) of the global batch B, b =
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.model.gpt import PRECISIONS, GPTConfig, Slice, batch, unit_names
+from simcluster.model.gpt import PRECISIONS, ModelConfig, Slice, batch, unit_names
 from simcluster.valid import divisors, listed
 
 
@@ -27,8 +28,8 @@ OFFLOAD = ("none", "cpu", "nvme")  # where ZeRO-Offload/Infinity keep what they 
 
 
 @dataclass(frozen=True)
-class DPConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
+class TrainingConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
     global_batch: int = 4  # sequences per step, over all data-parallel ranks
     micro_batches: int = 1  # per rank and step (gradient accumulation)
     steps: int = 3
@@ -88,12 +89,12 @@ class DPConfig:
                      self.global_batch)
 
 
-def unit_shapes(cfg: GPTConfig, unit: str) -> list[tuple[int, ...]]:
+def unit_shapes(cfg: ModelConfig, unit: str) -> list[tuple[int, ...]]:
     shapes = cfg.parameter_shapes()
     return [shapes[n] for n in unit_names(cfg, unit)]
 
 
-def unit_size(cfg: GPTConfig, unit: str) -> int:
+def unit_size(cfg: ModelConfig, unit: str) -> int:
     return sum(math.prod(s) for s in unit_shapes(cfg, unit))
 
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from simcluster.model.gpt import grad_dtype, model_state_bytes, unscale
 from simcluster.model.optimizer import AdamState, adam_init, adam_step, clip_coefficient, square_sum
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.program.comm import Work
 from simcluster.program.context import Context
 from simcluster.topology.cluster import HOST
@@ -56,7 +56,7 @@ def _uniform(mask: Any) -> bool | None:
     return True if mask.all() else False if not mask.any() else None
 
 class DPWrap:
-    def __init__(self, ctx: Context, data: DPConfig, names: dict[str, list[str]],
+    def __init__(self, ctx: Context, data: TrainingConfig, names: dict[str, list[str]],
                  shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp",
                  counted_elsewhere: frozenset[str] = frozenset(), twin: Any = None) -> None:
         ops, mesh = ctx.ops, ctx.mesh

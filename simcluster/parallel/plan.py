@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
 from simcluster.valid import divisors, listed
@@ -32,7 +32,7 @@ ZERO_OVER = ("dp_cp", "dp")
 
 @dataclass(frozen=True)
 class Plan:
-    data: DPConfig = field(default_factory=DPConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
+    data: TrainingConfig = field(default_factory=TrainingConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
     sp: bool = False
     attention: str = "ulysses"
     schedule: Schedule = Schedule.ONE_F_ONE_B

@@ -13,13 +13,13 @@ from simcluster.engine import simulate
 from simcluster.model.gpt import train
 from simcluster.numerics.modes import make_ops
 from simcluster.parallel.composed import assemble, composed
-from simcluster.parallel.data_parallel import KINDS, DPConfig
+from simcluster.parallel.data_parallel import KINDS, TrainingConfig
 from simcluster.parallel.plan import Plan
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
 
-def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
+def reference(cfg: TrainingConfig, mode: str = "exact") -> dict[str, Any]:
     """The single-device run that every data-parallel run must equal (cached: the configuration is
     immutable, and every variant of a comparison shares it, whatever its ZeRO stage, micro-batches or
     offload: one device has none of them). Do not modify what it returns."""
@@ -28,7 +28,7 @@ def reference(cfg: DPConfig, mode: str = "exact") -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(cfg: DPConfig, mode: str) -> dict[str, Any]:
+def _reference(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
     """(reference's cache: reference.cache_clear() empties it, for a caller that changes the model's code.)"""
     if cfg.model.arch != "gpt":  # the model is defined once, by its shards: one device is a mesh of one
         return _one_rank(cfg, mode)
@@ -43,7 +43,7 @@ def _reference(cfg: DPConfig, mode: str) -> dict[str, Any]:
     return flat
 
 
-def _one_rank(cfg: DPConfig, mode: str) -> dict[str, Any]:
+def _one_rank(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
     plan, mesh = Plan(data=cfg), DeviceMesh()
     run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
     return assemble(run.results, [mesh.coords(0)], plan)

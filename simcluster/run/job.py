@@ -14,14 +14,14 @@ from simcluster import report as _report
 from simcluster.engine import simulate
 from simcluster.engine.faults import Faults
 from simcluster.model.flops import step_flops
-from simcluster.model.gpt import GPTConfig
+from simcluster.model.gpt import ModelConfig
 from simcluster.model.optimizer import WEIGHT_DECAY
 from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.allreduce_decomposed import allreduce_decomposed
 from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.composed import assemble as assemble_composed
 from simcluster.parallel.composed import composed
-from simcluster.parallel.data_parallel import DPConfig
+from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.plan import Plan
 from simcluster.parallel.reference import reference
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
@@ -61,7 +61,7 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
     dp = mesh.sizes["dp"]
     micro = m["micro_batch"]
     with _as_scenario_error():
-        model = GPTConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
+        model = ModelConfig(layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn_hidden=m["ffn_hidden"],
                           seq=m["seq"], vocab=m["vocab"], causal=m["causal"], arch=m["arch"], kv_heads=m["kv_heads"],
                           attention_kernel=m["attention_kernel"], fused_kernels=m["fused_kernels"],
                           tied_head=m["arch"] == "gpt" if m["tied_head"] is None else m["tied_head"],
@@ -72,7 +72,7 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
         if micro is not None and per_rank % micro:
             raise ValueError(f"model.micro_batch={micro} must divide each rank's {per_rank} sequences "
                              f"(global_batch {m['global_batch']} / dp {dp})")
-        cfg = DPConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
+        cfg = TrainingConfig(model=model, global_batch=m["global_batch"], micro_batches=per_rank // (micro or per_rank),
                        steps=r["steps"], lr=r["lr"], weight_decay=WEIGHT_DECAY[m["arch"]] if r["weight_decay"] is None else r["weight_decay"], clip_grad=r["clip_grad"] or None,
                        precision=m["dtype"], zero=p["zero"], prefetch=p["prefetch"],
                        overlap_grad_reduce=p["overlap_grad_reduce"], offload_optimizer=p["offload_optimizer"],
