@@ -219,14 +219,18 @@ class Outcome:
     seconds_limit: float
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """(Not an Exception: the emulator reports a program's exceptions as that rank's error, exit 2.)"""
 
 
 def attempt(case: Case, limit_s: int = 20) -> Outcome:
     """Run the case; a problem is a traceback (an exception out of `main`), an unknown exit status, a
-    refusal longer than one line, or a run over `limit_s` seconds (SIGALRM: main thread only)."""
+    refusal longer than one line, or a run over `limit_s` seconds (SIGALRM: main thread only; a run the
+    alarm interrupted is over its limit however the tool then ended)."""
+    fired = []
+
     def alarm(signum: int, frame: Any) -> None:
+        fired.append(True)
         raise _Timeout()
 
     previous = signal.signal(signal.SIGALRM, alarm)
@@ -247,6 +251,8 @@ def attempt(case: Case, limit_s: int = 20) -> Outcome:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         os.chdir(here)
+    if fired:
+        return Outcome(None, f"did not finish in {limit_s} s", limit_s)
     if status not in STATUSES:
         return Outcome(status, f"exit status {status!r}", limit_s)
     errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]

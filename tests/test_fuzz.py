@@ -45,3 +45,13 @@ def test_the_fuzzer_sees_a_traceback_a_bad_status_and_a_hang(monkeypatch, tmp_pa
             pass
     monkeypatch.setattr(simcluster.cli, "_main", forever)
     assert attempt(case, 1).problem == "did not finish in 1 s"
+
+    def swallowed(argv):  # a hang whose interruption the tool reports as an error (the emulator reports a
+        try:  # rank's exception as that rank's, exit 2): still a run over its limit
+            while True:
+                pass
+        except BaseException:  # noqa: BLE001
+            print("error: rank 3: interrupted", file=__import__("sys").stderr)
+            return 2
+    monkeypatch.setattr(simcluster.cli, "_main", swallowed)
+    assert attempt(case, 1).problem == "did not finish in 1 s"
