@@ -24,12 +24,12 @@ from rich.console import Console
 
 from simcluster import checkpoint
 from simcluster.config.options import say_error, say_warnings, scenario_arguments, torch_arguments, without_torch
-from simcluster.viz.outcome_view import render_torch
+from simcluster.config.scenario import Scenario, ScenarioError, load
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.run.job import Job
 from simcluster.run.runner import Outcome
-from simcluster.config.scenario import Scenario, ScenarioError, load
+from simcluster.viz.outcome_view import render_torch
 
 EMULATOR_S = 3600.0  # under torchrun, how long the other ranks wait for rank 0's emulator run
 

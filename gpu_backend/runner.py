@@ -34,8 +34,8 @@ from simcluster.program.context import COMPUTE, Context, Program
 from simcluster.program.mesh import DeviceMesh
 
 from gpu_backend.digests import summarize, walk
-from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.processes import GRACE_S, LaunchError, check_backend, in_processes
+from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.watchdog import FlightRecorder
 
 _REDUCE = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}

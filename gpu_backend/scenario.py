@@ -23,11 +23,11 @@ import numpy as np
 
 from gpu_backend.digests import digests, restore
 from gpu_backend.runner import preflight as check
-from simcluster.report import relative_error
 from simcluster import checkpoint
+from simcluster.config.scenario import Scenario, ScenarioError
+from simcluster.report import relative_error
 from simcluster.run.job import Job, faults_of, job_of
 from simcluster.run.runner import Outcome, checkpoints, run_scenario
-from simcluster.config.scenario import Scenario, ScenarioError
 
 
 FLOAT_REDUCTION = 1e-5  # a float sum in another order: the collectives and mlp programs' (relative norm)

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from gpu_backend.runner import measured
+from simcluster.config.scenario import load
 from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
 from simcluster.run.job import job_of
-from simcluster.config.scenario import load
 from simcluster.topology import profile as _profile
 
 

@@ -45,9 +45,9 @@ import numpy as np
 
 from simcluster import checkpoint_folder as folders
 from simcluster.checkpoint_folder import LATEST, MANIFEST, PARTIAL, CheckpointError, resolve  # noqa: F401
+from simcluster.config.scenario import Scenario
 from simcluster.model.optimizer import WEIGHT_DECAY
 from simcluster.numerics.tensor import dtype_name, numpy_dtype
-from simcluster.config.scenario import Scenario
 
 FORMAT, VERSION = "simcluster-checkpoint", 2  # 2: step folders, `sequence` and `checksum` (1 is still read)
 

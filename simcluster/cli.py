@@ -13,13 +13,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from simcluster.commands import export, pick_variant, stage_rows, sweep_command, write_svg
+from simcluster.config.options import (check_options, checkpoint_overrides, ints, say_error, say_warnings,
+                                       scenario_arguments, torch_arguments, variant_argument, without_torch)
+from simcluster.config.scenario import ScenarioError, library, load
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
-from simcluster.config.options import (check_options, checkpoint_overrides, ints, say_error, say_warnings, scenario_arguments,
-                                torch_arguments, variant_argument, without_torch)
-from simcluster.commands import export, pick_variant, stage_rows, sweep_command, write_svg
 from simcluster.run.runner import Outcome, run_all
-from simcluster.config.scenario import ScenarioError, library, load
 from simcluster.viz.outcome_view import render, repeated
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import Timeline

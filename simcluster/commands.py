@@ -11,8 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.run.runner import Outcome
 from simcluster.config.scenario import ScenarioError, all_keys
+from simcluster.run.runner import Outcome
 
 
 def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:

@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from simcluster.config.scenario import Scenario
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
-from simcluster.config.scenario import Scenario
 from simcluster.engine.totals import Totals
 
 

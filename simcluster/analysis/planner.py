@@ -20,7 +20,8 @@ Two stages, as an engineer would search:
    what the data-parallel gradient reduction leaves exposed after the backward pass). Layouts whose
    estimate exceeds the device by more than `MARGIN` are dropped; the rest are ranked by estimated
    time.
-2. The best few are simulated (meta mode, folded) and reported by simulated step time, with MFU,
+2. The best few are simulated (meta mode, folded; refused up front, with the budget's estimate, where
+   they could not finish here) and reported by simulated step time, with MFU,
    peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
 The estimate only chooses what to simulate: every figure in the table is the simulator's.
 """
@@ -35,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
-from simcluster.run import budget
+from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.model.activations import layer_bytes
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
@@ -45,9 +46,9 @@ from simcluster.parallel.pipeline import partition
 from simcluster.parallel.pipeline_schedules import deferred, passes as stage_passes, placement
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
+from simcluster.run import budget
 from simcluster.run.job import plan_of
 from simcluster.run.runner import run_scenario
-from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
 from simcluster.valid import divisors

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from simcluster.config.scenario import Scenario, ScenarioError, load, parse_override
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.run.runner import run_all
-from simcluster.config.scenario import Scenario, ScenarioError, load, parse_override
 
 DEGREES = ("parallel.tp", "parallel.pp", "parallel.cp")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from simcluster.engine.faults import Faults, Hang
 from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError, SimulationError
+from simcluster.engine.faults import Faults, Hang
 from simcluster.engine.fold import Fold, fold_for
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Interpreter

@@ -21,17 +21,17 @@ from functools import partial
 from typing import Any, Sequence
 
 from simcluster.engine import collectives
-from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError
 from simcluster.engine.calls import Call, Channel, EmulatedWork
+from simcluster.engine.errors import CollectiveMismatchError, DeadlockError, FoldError
 from simcluster.engine.fold import Fold
 from simcluster.engine.gcpause import gc_paused
+from simcluster.engine.streams import COMM, WAIT, RankState, wait_index
 from simcluster.numerics.modes import make_ops
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import describe_signature
 from simcluster.program.comm import Comm, CommKind, CommOp, ProgramError, Work
 from simcluster.program.context import Context, Program
 from simcluster.program.mesh import DeviceMesh, ProcessGroup
-from simcluster.engine.streams import COMM, WAIT, RankState, wait_index
 
 _SEND, _RECV, _COPY = CommKind.SEND, CommKind.RECV, CommKind.COPY
 

@@ -8,11 +8,11 @@ from typing import Any, Callable
 import numpy as np
 
 from simcluster.numerics import exact as _exact
+from simcluster.numerics import kernels as _k
 from simcluster.numerics import transcendental as _tr
 from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.dtypes import accumulator_name
 from simcluster.numerics.ops import Mode, Ops, Record, broadcast_shape
-from simcluster.numerics import kernels as _k
 from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
 
 

@@ -36,8 +36,8 @@ from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
 from simcluster.parallel.pipeline_schedules import Pass, deferred, passes as stage_passes, placement
 from simcluster.parallel.plan import Plan
-from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.parallel.tape import Tapes, shape_key
+from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.program.context import Context
 
 

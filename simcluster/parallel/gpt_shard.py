@@ -30,8 +30,8 @@ from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
 from simcluster.parallel import allgather_attention, ring_attention, rsa, tensor_parallel, ulysses
-from simcluster.parallel.positions import layout, runs
 from simcluster.parallel.plan import Plan
+from simcluster.parallel.positions import layout, runs
 from simcluster.program.context import Context
 
 ATTENTION = {

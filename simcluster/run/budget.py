@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from simcluster.config.scenario import Scenario, ScenarioError
+from simcluster.parallel.pipeline_schedules import PipelineShape, placement
 from simcluster.run import pipeline_steady
 from simcluster.run.job import faults_of, job_of
-from simcluster.parallel.pipeline_schedules import PipelineShape, placement
-from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.run.steady import SIMULATED
 
 LIMIT_S = 24 * 3600

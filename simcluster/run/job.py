@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from simcluster import checkpoint
 from simcluster import report as _report
+from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.engine import simulate
 from simcluster.engine.faults import Faults
 from simcluster.model.flops import step_flops
@@ -26,7 +27,6 @@ from simcluster.parallel.plan import Plan
 from simcluster.parallel.reference import reference
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
-from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.topology.presets import preset
 
 CLOCK_NS = 2**62  # the latest simulated time a fault may name (int64 nanoseconds, with room to add to it)
