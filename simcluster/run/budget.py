@@ -20,7 +20,7 @@ from dataclasses import replace
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.parallel.pipeline_schedules import PipelineShape, placement
 from simcluster.run import pipeline_steady
-from simcluster.run.job import faults_of, job_of
+from simcluster.run.job import COUNTABLE, faults_of, job_of
 from simcluster.run.steady import SIMULATED
 
 LIMIT_S = 24 * 3600
@@ -157,7 +157,7 @@ def _size(sc: Scenario) -> tuple[int, float] | None:
 # The emulator counts time in int64 nanoseconds and bytes in int64 (numpy's): a model whose step or
 # memory does not fit is refused, not overflowed. The step's floor: every rank at 1e16 FLOP/s, above
 # any GPU built (the B200's dense FP4 peak is 9e15, NVIDIA's datasheet).
-COUNTABLE, PEAK_FLOPS = 2**62, 1e16
+PEAK_FLOPS = 1e16
 
 
 def _countable(sc: Scenario) -> None:

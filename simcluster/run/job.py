@@ -29,7 +29,7 @@ from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
-CLOCK_NS = 2**62  # the latest simulated time a fault may name (int64 nanoseconds, with room to add to it)
+COUNTABLE = 2**62  # what the emulator's int64 counters hold, with room to add (nanoseconds, bytes; budget.py too)
 MAX_SLOWDOWN = 1e6  # a straggler's factor at most: kernel times stay far inside the int64 clock
 
 
@@ -205,9 +205,9 @@ def faults_of(sc: Scenario) -> Faults | None:
         raise ScenarioError(f"faults.straggler_factor = {f['straggler_factor']!r}: at most {MAX_SLOWDOWN:.0e} (a "
                             f"millisecond's kernel would take {MAX_SLOWDOWN / 1e3 / 60:.0f} minutes)")
     for key, ns in (("straggler_from_us", 1e3), ("failed_at_us", 1e3), ("watchdog_s", 1e9)):
-        if f[key] * ns > CLOCK_NS:  # (the emulator's clock: int64 nanoseconds)
+        if f[key] * ns > COUNTABLE:  # (the emulator's clock: int64 nanoseconds)
             raise ScenarioError(f"faults.{key} = {f[key]!r} is past the emulator's clock, which counts int64 "
-                                f"nanoseconds: at most {CLOCK_NS / ns:.3g} ({CLOCK_NS / 1e9 / 86400 / 365:.0f} years)")
+                                f"nanoseconds: at most {COUNTABLE / ns:.3g} ({COUNTABLE / 1e9 / 86400 / 365:.0f} years)")
     faults = Faults(
         straggler=None if f["straggler_rank"] is None else (f["straggler_rank"], f["straggler_factor"],
                                                             round(f["straggler_from_us"] * 1e3)),
