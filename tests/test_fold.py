@@ -29,6 +29,7 @@ FOLDING = [
     ("sequence_volume", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP+SP, Ulysses (cp in a node), ring
     ("sequence_volume", ["cluster.gpus_per_node=2", "cluster.nodes=4"]),  # Ulysses' cp over two nodes
     ("llama3_4d", ["parallel.attention=ulysses", "model.kv_heads=4"]),  # GQA, a cp rank's own kv heads
+    ("llama3_4d", ["parallel.pp=1", "parallel.cp=4", "run.clip_grad=0"]),  # all-gather CP's peers in a node
     ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
     ("tp_cliff", []),  # TP inside a node (folds), TP across nodes (does not)
 ]
@@ -139,9 +140,10 @@ def test_tp_peers_fold_when_a_node_holds_several_tp_groups():
     assert len(result.fold.ranks) == 4  # one replica of tp 2 x pp 4, one rank of each tp pair
 
 
-def test_context_parallel_peers_fold_under_ulysses_and_only_there():
+def test_context_parallel_peers_fold_under_ulysses_and_all_gather_attention_only():
     """Ulysses gives every cp rank the same shapes: with one cp group a node, one rank stands for its
-    node's four (and the other node's); ring attention gives each rank other blocks of the mask, and
+    node's four (and the other node's); so does all-gather attention (every rank attends its two zigzag
+    chunks to all the keys); ring attention gives each rank other blocks of the mask, and
     its cp peers run. Where a ring through a node's tp and cp ranks cannot be its own image under
     both rotations (llama3_4d's world all-reduce), the run folds dp and tp, and says why not cp."""
     sc = load("sequence_volume", ["run.numerics=meta", "cluster.gpus_per_node=4", "cluster.nodes=2"])
@@ -149,6 +151,8 @@ def test_context_parallel_peers_fold_under_ulysses_and_only_there():
     ulysses, ring = (runs[f"tp=1, cp=4, sp=false, attention={a}"].result for a in ("ulysses", "ring"))
     assert ulysses.fold.cp_local == 4 and ulysses.fold.copies == 8 and "context-parallel" in ulysses.fold.describe()
     assert ring.fold.cp_local == 0 and ring.fold.copies == 2
+    gathered = run_all(load("llama3_4d", ["run.numerics=meta", "parallel.pp=1", "parallel.cp=4", "run.clip_grad=0"]))
+    assert gathered.result.fold.cp_local == 4 and gathered.result.fold.copies == 16  # one rank of 16 runs
     mixed = run_all(load("llama3_4d", ["run.numerics=meta", "parallel.attention=ulysses", "model.kv_heads=4"]))
     assert mixed.result.fold.tp and not mixed.result.fold.cp_local
     assert "does not move the same bytes" in mixed.result.unfolded_because

@@ -5,8 +5,9 @@ the tensor-parallel peers of a Megatron layout: their kernels, memory and waits 
 fold's symmetries are
 - a shift by `block` data-parallel replicas (a block being whole nodes),
 - a rotation of the tp coordinate inside each tp group (a tp group being inside one node),
-- with Ulysses, a rotation of the cp coordinate: of a node's cp positions inside it, and of runs of
-  them, a node's worth each, across nodes (a cp x tp block being inside a node or whole nodes),
+- with Ulysses or all-gather attention, a rotation of the cp coordinate: of a node's cp positions
+  inside it, and of runs of them, a node's worth each, across nodes (a cp x tp block being inside a
+  node or whole nodes),
 and each is a symmetry of the whole run:
 - of the mesh: it changes only the dp (tp, cp) coordinate, so a group is mapped onto a group, one
   that spans dp (tp, cp) onto itself;
@@ -45,7 +46,7 @@ class Fold:
     mesh: DeviceMesh
     block: int  # data-parallel replicas simulated (all dp replicas: dp is not folded)
     tp: bool  # tp peers folded onto tp index 0
-    # cp peers folded onto cp index 0 (Ulysses: every cp rank runs the same shapes): 0, not folded; else
+    # cp peers folded onto cp index 0 (Ulysses, all-gather attention: every cp rank runs the same shapes): 0, not folded; else
     # the cp positions a node holds, rotated inside it, the runs of them rotated across nodes
     cp_local: int = 0
 

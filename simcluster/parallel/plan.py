@@ -64,16 +64,19 @@ class Plan:
         in their data: what a meta-mode simulation may fold (engine/fold.py). dp always; tp unless
         kv heads are replicated over tp ranks (one of each kv head's copies adds its input gradient),
         or something is offloaded to NVMe (a node's ranks share its drives: folding dp keeps whole
-        nodes, folding tp would leave a node's tp peers' transfers out); cp with Ulysses where tp
-        folds and each cp rank gets its own kv heads (the ring and all-gather attention give each
-        rank other blocks of a causal mask; RSA's rings are its own)."""
+        nodes, folding tp would leave a node's tp peers' transfers out); cp where tp folds, with
+        Ulysses where each cp rank gets its own kv heads, and with all-gather attention (every cp rank
+        attends its two zigzag chunks' queries to all the keys: the same shapes, and in meta mode the
+        mask is not built; the ring gives each rank other blocks of the mask at each step, RSA's rings
+        are its own)."""
         kv, d = self.model.kv_heads, self.data
         if "nvme" in (d.offload_optimizer, d.offload_params):
             return ("dp",)
         if self.model.arch == "llama" and kv is not None and tp > kv:
             return ("dp",)
         own = self.model.arch != "llama" or kv is None or (kv // tp) % cp == 0
-        return ("dp", "tp", "cp") if self.attention == "ulysses" and own else ("dp", "tp")
+        folds_cp = (self.attention == "ulysses" and own) or self.attention == "allgather"
+        return ("dp", "tp", "cp") if folds_cp else ("dp", "tp")
 
     def shape(self, pp: int) -> PipelineShape:
         return PipelineShape(pp, self.data.micro_batches, self.virtual)

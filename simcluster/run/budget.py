@@ -122,13 +122,13 @@ def _meta_counts(sc: Scenario, repeat: bool) -> tuple[int, int]:
 
 def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, bool, str]:
     """A meta-mode GPT run's kernels at least: those of one replica (20 a block a micro-batch), times the
-    ranks that run (every cp rank, but with Ulysses, which may fold them; unfolded, every dp and tp rank
+    ranks that run (every cp rank, but with Ulysses or all-gather attention, which may fold them; unfolded, every dp and tp rank
     too); the copies, whether it folds, and if not why."""
     p = sc.parallel
     faulty = faults_of(sc) is not None
     cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
     folds = fold and not faulty and not cluster
-    copies = (1 if folds and p["attention"] == "ulysses" else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
+    copies = (1 if folds and p["attention"] in ("ulysses", "allgather") else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
     steps, micro = _meta_counts(sc, repeat)
     why = "" if folds else (f" x {copies:,} copies: every dp and tp rank runs, " + (
         "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster else "--no-fold"))
