@@ -158,7 +158,7 @@ def test_interrupted_is_one_line(monkeypatch, capsys):
     def pressed(*_args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_with_progress", pressed)
+    monkeypatch.setattr("simcluster.cli.run.simulated", pressed)
     assert cli.main(["run"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 
@@ -172,7 +172,7 @@ def test_names_and_descriptions_are_printed_verbatim_not_as_markup(tmp_path, mon
     assert main(["run", str(f), "--width", "80"]) == 0
     out = capsys.readouterr().out
     assert "scenario 'x[/bold]y [red]z': 2 variants" in out
-    monkeypatch.setattr("simcluster.cli.library", lambda: [f])
+    monkeypatch.setattr("simcluster.cli.library.library", lambda: [f])
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "shows [/x] and [b]bold[/b]" in out
@@ -232,7 +232,7 @@ def test_keys_prints_every_key_with_its_default_and_valid_values(capsys):
 
 def test_the_pipeline_picture_draws_one_rank_per_stage_and_names_other_replicas_by_rank():
     """dp=2 x pp=4: ranks 0-3 are replica 0's stages 0-3, ranks 4-7 replica 1's (pp inside dp)."""
-    from simcluster.commands import stage_rows
+    from simcluster.cli.timeline import stage_rows
     from simcluster.program.mesh import DeviceMesh
 
     mesh = DeviceMesh(dp=2, pp=4)

@@ -1,0 +1,42 @@
+"""`simcluster list` (the scenarios in scenarios/, with what each shows) and `simcluster keys` (every
+scenario key: its meaning, default and valid values)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from simcluster.config.scenario import library, load
+
+
+def add(sub: Any) -> None:
+    listed = sub.add_parser("list", help="the scenarios in scenarios/, with what each shows",
+                            description="List the library's scenarios with a one-line description.")
+    listed.set_defaults(command_of=list_command)
+    keys = sub.add_parser("keys", help="every scenario key: its meaning, default and valid values",
+                          description="Print the keys a scenario file or --set takes, by section, with what each "
+                                      "means, its default and the values it accepts.")
+    keys.add_argument("which", nargs="?", metavar="SECTION|KEY",
+                      help="one section (parallel) or one key (parallel.schedule); default: all")
+    keys.set_defaults(command_of=keys_command)
+
+
+def list_command(args: argparse.Namespace, out: Console, err: Console) -> int:
+    t = Table(title="scenarios (simcluster run NAME)", title_justify="left")
+    t.add_column("name")
+    t.add_column("what it shows")
+    for f in library():
+        t.add_row(escape(f.stem), escape(load(str(f)).description))
+    out.print(t)
+    return 0
+
+
+def keys_command(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from simcluster.viz.keys_view import describe
+
+    out.print(describe(args.which, width=max(60, min(out.width, 100))), markup=False, highlight=False)
+    return 0
