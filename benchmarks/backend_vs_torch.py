@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_backend.backend import launch
 from gpu_backend.processes import in_processes
-from gpu_backend.runner import launch
 from simcluster.run.job import job_of
 from simcluster.config.scenario import load
 

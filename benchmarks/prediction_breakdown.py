@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from calibrated_prediction import scenario_sets  # (the row taken apart; this script's folder is on the path)
-from gpu_backend import runner
+from gpu_backend import backend
 from gpu_backend.step_profile import TimedKernels
 from gpu_backend.processes import in_processes
 from simcluster.run.job import job_of
@@ -35,7 +35,7 @@ def rank(device: Any, program: Any, args: Any, mesh: Any) -> tuple[float, dict[s
     """(In each rank's process.) The run's seconds, and seconds by kernel name and by collective waited for."""
     timed = TimedKernels()
     waits: dict[str, float] = {}
-    wait = runner.TorchBackend.wait
+    wait = backend.TorchBackend.wait
 
     def timed_wait(self: Any, work: Any) -> Any:
         t0 = time.perf_counter()
@@ -45,8 +45,8 @@ def rank(device: Any, program: Any, args: Any, mesh: Any) -> tuple[float, dict[s
             shape = tuple(work.op.tensor.shape) if work.op.tensor is not None else ()
             key = f"wait {work.op.kind.name.lower()} {shape}"
             waits[key] = waits.get(key, 0.0) + time.perf_counter() - t0
-    runner.TorchBackend.wait = timed_wait
-    run = runner.measured(program, args, mesh, mode="fast", device=device, kernels=timed.wrap)
+    backend.TorchBackend.wait = timed_wait
+    run = backend.measured(program, args, mesh, mode="fast", device=device, kernels=timed.wrap)
     return run.seconds, timed.seconds | waits
 
 

@@ -47,18 +47,18 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Both ways in: under torchrun (RANK set) this process is one rank; otherwise spawn the ranks."""
     if without_torch(err, "the torch backend"):
         return 2
-    from gpu_backend import scenario as torch_scenario
+    from gpu_backend import scenario_run
     from gpu_backend.processes import LaunchError, check_backend
-    from gpu_backend.runner import launch
+    from gpu_backend.backend import launch
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         sc = load(args.scenario, args.overrides, at_scale=args.at_scale)
-        job = torch_scenario.prepare(sc, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
+        job = scenario_run.prepare(sc, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under_torchrun \
             else job.mesh.world_size
         kind = check_backend(args.dist_backend, local)  # at once: nccl without CUDA is a mistake, not a hang
-        torch_scenario.preflight(sc, job)
+        scenario_run.check(sc, job)
     except (ScenarioError, SimulationError, ProgramError, LaunchError) as exc:
         say_error(err, str(exc))
         return 2
@@ -75,13 +75,13 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 if err.is_terminal:
                     err.print("the emulator's run (the prediction" + (", and the numbers to compare)" if
                               sc.run["verify"] else ")") + " ...", highlight=False)
-                emulated = torch_scenario.emulate(sc, job)
+                emulated = scenario_run.emulate(sc, job)
                 if err.is_terminal:
                     err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)
                 runs = launch(job.program, *job.args, mesh=job.mesh, mode=job.mode, backend=kind,
                               timeout_s=args.timeout, watchdog_s=args.watchdog, check=False, digests=True,
-                              expected=torch_scenario.expected(sc, emulated))
-                outcome = torch_scenario.finish(sc, job, runs, kind, emulated)
+                              expected=scenario_run.expected(sc, emulated))
+                outcome = scenario_run.finish(sc, job, runs, kind, emulated)
     except LaunchError as exc:
         say_error(err, str(exc))
         return 1
@@ -100,8 +100,8 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
     import torch
     import torch.distributed as dist
 
-    from gpu_backend import scenario as torch_scenario
-    from gpu_backend.runner import measured
+    from gpu_backend import scenario_run
+    from gpu_backend.backend import measured
 
     device = torch.device("cpu")
     if kind == "nccl":
@@ -112,8 +112,8 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
         first = dist.get_rank() == 0
         # objects between the ranks over gloo, which waits as long as rank 0's emulator may take
         talk = dist.new_group(backend="gloo", timeout=timedelta(seconds=EMULATOR_S))
-        emulated = torch_scenario.emulate(sc, job) if first else None
-        expected = torch_scenario.expected(sc, emulated) if first else None
+        emulated = scenario_run.emulate(sc, job) if first else None
+        expected = scenario_run.expected(sc, emulated) if first else None
         mine_expected: list[Any] = [None]
         dist.scatter_object_list(mine_expected, expected, src=0, group=talk)
         try:
@@ -129,7 +129,7 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
             return 0
     finally:
         dist.destroy_process_group()
-    return torch_scenario.finish(sc, job, runs, kind, emulated)
+    return scenario_run.finish(sc, job, runs, kind, emulated)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

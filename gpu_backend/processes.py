@@ -49,7 +49,7 @@ def check_backend(requested: str, world: int) -> str:
 # The server also imports what torch imports lazily on a rank's first attention backward (autograd through
 # scaled_dot_product_attention loads torch.fx's symbolic shapes, and sympy with them: 0.24 s, measured), which
 # every rank would otherwise pay inside its first step.
-START, PRELOAD = "forkserver", ["gpu_backend.runner", "torch.fx.experimental.symbolic_shapes"]
+START, PRELOAD = "forkserver", ["gpu_backend.backend", "torch.fx.experimental.symbolic_shapes"]
 
 
 def _worker(rank: int, world: int, port: int, kind: str, timeout_s: float, threads: int | None,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from gpu_backend.runner import measured
+from gpu_backend.backend import measured
 from simcluster.config.scenario import load
 from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
 from simcluster.run.job import job_of

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
-from gpu_backend.runner import spawn  # noqa: E402
+from gpu_backend.backend import spawn  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402
 from simcluster.parallel.collectives_demo import collectives_demo  # noqa: E402

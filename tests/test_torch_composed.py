@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
 from byte_compare import assert_same_bytes  # noqa: E402
-from gpu_backend.runner import spawn  # noqa: E402
+from gpu_backend.backend import spawn  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
 from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402

@@ -278,7 +278,7 @@ def one_process_group():
 
 
 def step_on(device, family, monkeypatch=None):
-    from gpu_backend.runner import measured
+    from gpu_backend.backend import measured
     from simcluster.run.job import job_of
     from simcluster.config.scenario import load
 
@@ -402,7 +402,7 @@ def test_a_gather_along_the_first_axis_is_the_buffer_it_arrived_in():
     """The torch backend joins an all-gather's (and an all-to-all's) received parts along the first axis
     as a view of the receive buffer, no copy (FSDP's gathered weights); along another axis, one copy. Both
     are the parts concatenated, byte for byte."""
-    from gpu_backend.runner import _joined
+    from gpu_backend.backend import _joined
 
     parts = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # two ranks' (3, 4) tensors
     first, second = _joined(parts, 0), _joined(parts, 1)

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
+from gpu_backend.backend import launch  # noqa: E402
 from gpu_backend.processes import LaunchError, free_port  # noqa: E402
-from gpu_backend.runner import launch  # noqa: E402
 from simcluster.engine import CollectiveMismatchError, DeadlockError  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 
@@ -152,7 +152,7 @@ def test_a_worker_stopped_while_starting_ends_the_launch_within_its_timeout():
 def test_a_script_without_a_main_guard_fails_instead_of_hanging(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent("""
-        from gpu_backend.runner import launch
+        from gpu_backend.backend import launch
         from simcluster.parallel.collectives_demo import collectives_demo
         from simcluster.program.mesh import DeviceMesh
         launch(collectives_demo, 0, mesh=DeviceMesh(dp=2), backend="gloo", timeout_s=100)

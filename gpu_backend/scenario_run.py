@@ -3,12 +3,13 @@ puts what was measured beside what the emulator predicted.
 
     prepare   the scenario's job (simcluster.run.job.job_of) for torch: numbers (exact or fast mode),
               one variant, as many processes as the mesh has ranks;
-    preflight the job on the emulator in meta mode (shapes only, seconds): a mismatched collective or a
-              deadlock is refused with the emulator's diagnosis before any process starts;
+    preflight the job on the emulator in meta mode (shapes only, seconds; backend.preflight on the
+              scenario's cluster): a mismatched collective or a deadlock is refused with the emulator's
+              diagnosis before any process starts;
     emulate   the emulator's run: its prediction, and with run.verify its numbers, in the same mode (else
               meta mode, which predicts the same times at any size); `expected`: its outputs' digests,
               by rank, which each rank checks its own against (digests.py);
-    launch    the ranks (runner.launch, or torchrun's processes calling runner.measured), which send back
+    launch    the ranks (backend.launch, or torchrun's processes calling backend.measured), which send back
               a digest for each output the emulator computed the same, the output only where it differs;
     finish    the report: the emulator's, with a `torch` section of measured figures and of how the real
               run's outputs compare with the emulator's and with one device's.
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpu_backend.digests import digests, restore
-from gpu_backend.runner import preflight as check
+from gpu_backend.backend import preflight
 from simcluster import checkpoint
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.report import relative_error
@@ -54,9 +55,9 @@ def prepare(sc: Scenario, nproc: int | None = None) -> Job:
     return job
 
 
-def preflight(sc: Scenario, job: Job) -> None:
-    """The job on the emulator in meta mode, on the scenario's cluster (runner.preflight)."""
-    check(job.program, job.args, job.mesh, sc.cluster_spec(), sc.model["dtype"])
+def check(sc: Scenario, job: Job) -> None:
+    """The preflight: the job on the emulator in meta mode, on the scenario's cluster."""
+    preflight(job.program, job.args, job.mesh, sc.cluster_spec(), sc.model["dtype"])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -98,7 +99,7 @@ def expected(sc: Scenario, emulated: Outcome) -> list[Any] | None:
 
 
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
-    """The emulator's run of the scenario beside the real one (`runs`: runner.RankRun by rank, their
+    """The emulator's run of the scenario beside the real one (`runs`: backend.RankRun by rank, their
     results against `expected(sc, emulated)`)."""
     verify = sc.run["verify"]  # (without it the ranks sent digests alone: nothing to restore)
     real = [restore(run.result, mine) for run, mine in zip(runs, emulated.result.results)] if verify \
