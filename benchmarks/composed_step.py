@@ -18,11 +18,11 @@ from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
-LAYOUTS = [  # (label, mesh degrees, plan options)
+LAYOUTS = [  # (label, mesh degrees, parallelism options)
     ("dp16, ZeRO-3", dict(dp=16), dict()),
     ("tp4 sp x dp4", dict(dp=4, tp=4), dict(sp=True)),
     ("pp2 x cp2 x tp2 x dp2, ring", dict(dp=2, pp=2, cp=2, tp=2), dict(sp=True, attention="ring")),
@@ -45,7 +45,7 @@ def main() -> None:
                             zero=zero, clip_grad=1.0, weight_decay=0.1)
             mesh = DeviceMesh(**degrees)
             t = time.perf_counter()
-            simulate(composed, Plan(data=data, **options), mesh=mesh,
+            simulate(composed, Parallelism(data=data, **options), mesh=mesh,
                      cluster=preset("dgx-a100", nodes=2, gpus_per_node=8))
             per = (time.perf_counter() - t) / args.steps
             reference.cache_clear()

@@ -32,7 +32,7 @@ from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import Schedule
-from simcluster.parallel.plan import ATTENTIONS, ZERO_OVER, Plan
+from simcluster.parallel.parallelism import ATTENTIONS, ZERO_OVER, Parallelism
 from simcluster.program.mesh import AXES, DeviceMesh
 from simcluster.topology.presets import preset
 from simcluster.valid import divisors
@@ -214,13 +214,13 @@ def meshes(max_world: int = 16, *, axes: Iterable[str] = AXES, min_world: int = 
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """A mesh and a plan for the composed GPT program (simcluster.parallel.composed) that it can run."""
+    """A mesh and a parallelism for the composed GPT program (simcluster.parallel.composed) that it can run."""
 
     mesh: DeviceMesh
-    plan: Plan
+    parallelism: Parallelism
 
     def __repr__(self) -> str:
-        p, d = self.plan, self.plan.data
+        p, d = self.parallelism, self.parallelism.data
         degrees = ", ".join(f"{a}={n}" for a, n in self.mesh.sizes.items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
                 f"sp={p.sp}, scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
@@ -229,17 +229,17 @@ class Layout:
 
     def assemble(self, results: list[Any], coords: list[dict[str, int]]) -> dict[str, Any]:
         from simcluster.parallel.composed import assemble
-        return assemble(results, coords, self.plan)
+        return assemble(results, coords, self.parallelism)
 
     @property
-    def one_device_plan(self) -> Plan:
-        """The plan of the reference run: the same training on one device."""
-        return Plan(data=self.plan.data)
+    def one_device(self) -> Parallelism:
+        """The parallelism of the reference run: the same training on one device."""
+        return Parallelism(data=self.parallelism.data)
 
     @property
     def fast_bounds(self) -> Callable[[str], float | None]:
         """The derived fast-mode bound of each output of the training (numerics/tolerance.py)."""
-        m, d = self.plan.model, self.plan.data
+        m, d = self.parallelism.model, self.parallelism.data
         return training_bounds(d.precision, m.layers, max(m.hidden, m.ffn_hidden, m.seq, m.vocab, d.global_batch * m.seq))
 
 
@@ -267,7 +267,7 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
 def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
     stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over, and
-    micro-batch count that `Plan.check` accepts for `model` -- every divisibility rule honoured by
+    micro-batch count that `Parallelism.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
     other TrainingConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
     from hypothesis import strategies as st
@@ -303,13 +303,13 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         batch = global_batch or dp * micro * d(st.integers(1, 2))
         data = TrainingConfig(model=m, global_batch=batch, micro_batches=micro,
                         zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
-        plan = Plan(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
+        parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
                     zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()))
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp)
         try:
-            plan.check(dp, pp, cp, tp)
+            parallelism.check(dp, pp, cp, tp)
         except ValueError as exc:  # a rule this strategy does not know: a bug here, not in the caller's test
-            raise AssertionError(f"simcluster.testing.layouts drew a layout Plan.check refuses: {exc}") from exc
-        return Layout(mesh, plan)
+            raise AssertionError(f"simcluster.testing.layouts drew a layout Parallelism.check refuses: {exc}") from exc
+        return Layout(mesh, parallelism)
 
     return draw()

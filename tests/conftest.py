@@ -37,14 +37,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def simulated(monkeypatch):
-    """The plans (their TrainingConfig: steps, micro-batches) of every simulation the runner starts, in order."""
+    """The training configurations (steps, micro-batches) of every simulation the runner starts, in order."""
     from simcluster.run import runner
 
     seen = []
     real = runner.simulate
 
-    def counting(program, plan, **kwargs):
-        seen.append(plan.data)
-        return real(program, plan, **kwargs)
+    def counting(program, parallelism, **kwargs):
+        seen.append(parallelism.data)
+        return real(program, parallelism, **kwargs)
     monkeypatch.setattr(runner, "simulate", counting)
     return seen

@@ -8,7 +8,7 @@ from simcluster.engine import simulate
 from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
@@ -30,12 +30,12 @@ def model(recompute="none", kernel="unfused"):
 
 def tp_layer(t, sp=False, recompute="none", kernel="unfused"):
     data = TrainingConfig(model=model(recompute, kernel), global_batch=b, steps=1, precision="bf16")
-    return held_per_layer(composed, Plan(data=data, sp=sp), DeviceMesh(tp=t))
+    return held_per_layer(composed, Parallelism(data=data, sp=sp), DeviceMesh(tp=t))
 
 
 def test_no_parallelism():
     data = TrainingConfig(model=model(), global_batch=b, steps=1, precision="bf16")
-    assert held_per_layer(composed, Plan(data=data), DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
+    assert held_per_layer(composed, Parallelism(data=data), DeviceMesh()) == s * b * h * (34 + 5 * a * s / h)
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -67,7 +67,7 @@ def test_full_recomputation(t):
 def test_context_parallel_shards_everything_like_tp_plus_sp(attention):
     P = 4
     data = TrainingConfig(model=model(), global_batch=b, steps=1, precision="bf16")
-    got = held_per_layer(composed, Plan(data=data, attention=attention), DeviceMesh(cp=P))
+    got = held_per_layer(composed, Parallelism(data=data, attention=attention), DeviceMesh(cp=P))
     assert got == s * b * h * (34 / P + 5 * a * s / (h * P))
 
 

@@ -18,12 +18,12 @@ from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_bit_exact, layouts
 
 from pairwise import covering_rows
-from plans import run_plan
+from composed_runs import run_composed
 
 OPTIONS = {
     "dp": [1, 2, 3], "pp": [1, 2, 3], "cp": [1, 2, 3], "tp": [1, 2, 3],
@@ -92,12 +92,12 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                     zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"],
                     offload_optimizer=row["offload"], delayed_update=row["delayed_update"],
                     offload_params=(row["offload"] if row["offload"] != "none" else "cpu") if row["offload_params"] else "none")
-    layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Plan(
+    layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Parallelism(
         data=data, sp=row["sp"], attention=row["attention"], schedule=row["schedule"], virtual=virtual,
         zero_over=row["zero_over"], scatter_gather=row["scatter_gather"]))
     want = reference(data)
     assert len(want) == 2 + 5 * len(model.parameter_shapes())  # losses; weights, gradients (last, first), moments
-    assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble, reference=want)
+    assert_bit_exact(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble, reference=want)
 
 
 SMALL = ModelConfig(layers=4, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=8, tied_head=False, dropout=0.1)
@@ -107,8 +107,8 @@ SMALL = ModelConfig(layers=4, hidden=8, heads=4, ffn_hidden=4, seq=8, vocab=8, t
 def test_any_drawn_layout_is_bit_exact(layout):
     """The public strategy (simcluster.testing.layouts) draws the layouts; the one-device run is the
     same program on a mesh of one."""
-    assert_bit_exact(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
-                     reference_config=layout.one_device_plan)
+    assert_bit_exact(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
+                     reference_config=layout.one_device)
 
 
 def small_4d(zero):
@@ -118,7 +118,7 @@ def small_4d(zero):
 
 def test_the_layout_of_the_broken_variants_passes_unbroken():
     data = small_4d(2)
-    got, _ = run_plan(data, dp=2, pp=2, cp=2, sp=True, attention="ring")
+    got, _ = run_composed(data, dp=2, pp=2, cp=2, sp=True, attention="ring")
     assert report.verification("exact", reference(data), got)["bit_exact"]
 
 
@@ -140,7 +140,7 @@ def test_gradients_summed_over_dp_alone_are_caught(monkeypatch, zero, zero_over)
 
     monkeypatch.setattr(DPWrap, "__init__", over_dp)
     data = small_4d(zero)
-    got, _ = run_plan(data, dp=2, pp=2, cp=2, sp=True, attention="ring", zero_over=zero_over)
+    got, _ = run_composed(data, dp=2, pp=2, cp=2, sp=True, attention="ring", zero_over=zero_over)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
@@ -158,7 +158,7 @@ def test_a_zero_rank_updating_its_neighbours_chunk_is_caught(monkeypatch):
 
     monkeypatch.setattr(DPWrap, "__init__", shifted)
     data = small_4d(1)
-    got, _ = run_plan(data, dp=2, pp=2, cp=2, attention="ulysses")
+    got, _ = run_composed(data, dp=2, pp=2, cp=2, attention="ulysses")
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
@@ -169,7 +169,7 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
 
     monkeypatch.setattr(DPWrap, "_owned", lambda self, elsewhere: None)
     data = TrainingConfig(model=small_4d(0).model, global_batch=4, micro_batches=2, steps=2, clip_grad=0.05)
-    got, _ = run_plan(data, dp=2, tp=2, cp=2, sp=True)
+    got, _ = run_composed(data, dp=2, tp=2, cp=2, sp=True)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
@@ -196,7 +196,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them(tp, kv_heads, heads, cp, atten
     model = ModelConfig(arch="llama", layers=2, hidden=2 * heads, heads=heads, kv_heads=kv_heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=False, dropout=0.1)
     data = TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16", zero=1, clip_grad=0.05)
-    got, _ = run_plan(data, dp=2, cp=cp, tp=tp, sp=True, attention=attention)
+    got, _ = run_composed(data, dp=2, cp=cp, tp=tp, sp=True, attention=attention)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
 
@@ -209,7 +209,7 @@ def test_a_replicated_kv_head_counted_twice_is_caught(monkeypatch):
                       tied_head=False)
     data = TrainingConfig(model=model, global_batch=2, steps=1)
     monkeypatch.setattr(LlamaShard, "adds_kv_input_gradient", lambda self: True)
-    bad, _ = run_plan(data, tp=4)
+    bad, _ = run_composed(data, tp=4)
     assert not report.verification("exact", reference(data), bad)["bit_exact"]
 
 
@@ -221,6 +221,6 @@ def test_fast_mode_runs_every_layout(layout):
     model = ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=8, seq=8, vocab=8, tied_head=False, dropout=0.1)
     data = TrainingConfig(model=model, global_batch=2 * layout.get("dp", 1), micro_batches=2, steps=2, zero=1,
                     clip_grad=1.0)
-    got, _ = run_plan(data, mode="fast", **layout)
+    got, _ = run_composed(data, mode="fast", **layout)
     want = reference(data, "fast")
     assert abs(float(got["loss[0]"]) - float(want["loss[0]"])) <= 1e-5 * abs(float(want["loss[0]"]))

@@ -8,7 +8,7 @@ import pytest
 from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.data_parallel import TrainingConfig, padded
 
-from plans import run_plan
+from composed_runs import run_composed
 
 dp, pp, cp, tp = 2, 2, 2, 2
 m, layers = 2, 4  # micro-batches per step; two blocks per stage
@@ -20,7 +20,7 @@ ACT = b * (s // cp) * h * ITEM  # a micro-batch's activation on a cp rank, (b, s
 
 def run(zero=0, sp=False, attention="ulysses", scatter_gather=False):
     data = TrainingConfig(model=MODEL, global_batch=dp * m * b, micro_batches=m, steps=1, precision="bf16", zero=zero)
-    return run_plan(data, dp=dp, pp=pp, cp=cp, tp=tp, mode="meta", sp=sp, attention=attention,
+    return run_composed(data, dp=dp, pp=pp, cp=cp, tp=tp, mode="meta", sp=sp, attention=attention,
                     schedule="1f1b", scatter_gather=scatter_gather)[1].trace
 
 

@@ -10,11 +10,11 @@ from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
-from plans import run_plan
+from composed_runs import run_composed
 
 
 def run_dp(cfg, dp, program=composed, mode="exact"):
-    return run_plan(cfg, dp=dp, program=program, mode=mode)
+    return run_composed(cfg, dp=dp, program=program, mode=mode)
 
 
 @settings(max_examples=8)  # the all-pairs test (test_composed.py) covers the combinations

@@ -15,7 +15,7 @@ from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
 from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
-from simcluster.parallel.plan import Plan  # noqa: E402
+from simcluster.parallel.parallelism import Parallelism  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 from simcluster.topology.presets import preset  # noqa: E402
 
@@ -59,14 +59,14 @@ def test_a_broken_rank_sends_what_differs_and_the_comparison_sees_it():
     from broken import swapped_tp
 
     model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
-    plan, mesh = Plan(data=TrainingConfig(model=model, global_batch=2, micro_batches=1, steps=1)), DeviceMesh(tp=2)
+    parallelism, mesh = Parallelism(data=TrainingConfig(model=model, global_batch=2, micro_batches=1, steps=1)), DeviceMesh(tp=2)
     cluster = preset("dgx-a100", gpus_per_node=2)
-    right = simulate(composed, plan, mesh=mesh, cluster=cluster).results
-    wrong = simulate(swapped_tp, plan, mesh=mesh, cluster=cluster).results
-    runs = launch(swapped_tp, plan, mesh=mesh, backend="gloo", digests=True,
+    right = simulate(composed, parallelism, mesh=mesh, cluster=cluster).results
+    wrong = simulate(swapped_tp, parallelism, mesh=mesh, cluster=cluster).results
+    runs = launch(swapped_tp, parallelism, mesh=mesh, backend="gloo", digests=True,
                   expected=[digests(right[0]), digests(wrong[1])])
     assert runs[0].sent >= runs[0].outputs - 1 > 0  # (its first loss the same: the heads' order does not change it)
     assert runs[1].sent == 0 < runs[1].outputs
     back = [restore(runs[0].result, right[0]), restore(runs[1].result, wrong[1])]
     coords = [mesh.coords(r) for r in range(2)]
-    assert_same_bytes(assemble(back, coords, plan), assemble(wrong, coords, plan))
+    assert_same_bytes(assemble(back, coords, parallelism), assemble(wrong, coords, parallelism))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from broken import swapped_tp, unnormalised_merge
-from plans import run_plan
+from composed_runs import run_composed
 from simcluster import report
 from simcluster.model.gpt import ModelConfig
 from simcluster.numerics import tolerance
@@ -16,7 +16,7 @@ from simcluster.numerics import kernels
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_close_fast
 
@@ -42,7 +42,7 @@ def bounds_of(cfg):
 
 
 def fast_verdict(cfg, **layout):
-    got, _ = run_plan(cfg, mode="fast", **layout)
+    got, _ = run_composed(cfg, mode="fast", **layout)
     return report.verification("fast", reference(cfg, "fast"), got, bounds_of(cfg))
 
 
@@ -52,10 +52,10 @@ def test_every_family_runs_in_fast_mode_within_the_derived_bound(name, dtype):
     options = dict(LAYOUTS[name])
     cfg = data(dtype, options.pop("zero", 0))
     mesh = DeviceMesh(**{a: options.pop(a) for a in ("dp", "pp", "cp", "tp") if a in options})
-    layout = Layout(mesh, Plan(data=cfg, **options))
+    layout = Layout(mesh, Parallelism(data=cfg, **options))
     compared = [k for k in reference(cfg, "fast") if layout.fast_bounds(k) is not None]
     assert len(compared) == 2 + len(cfg.model.parameter_shapes())  # losses, first gradients
-    assert_close_fast(composed, layout.plan, mesh=mesh, assemble=layout.assemble, reference=reference(cfg, "fast"),
+    assert_close_fast(composed, layout.parallelism, mesh=mesh, assemble=layout.assemble, reference=reference(cfg, "fast"),
                       bounds=layout.fast_bounds)  # (simcluster.testing)
 
 

@@ -11,7 +11,7 @@ from simcluster.model.config import ModelConfig
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all
 from simcluster.config.scenario import load
@@ -59,18 +59,18 @@ def test_folded_runs_give_the_unfolded_trace_and_report_byte_for_byte(name, over
 def _llama(tp, kv_heads):
     model = ModelConfig(arch="llama", layers=2, hidden=64, heads=8, kv_heads=kv_heads, ffn_hidden=160, seq=32,
                       vocab=128, tied_head=False)
-    return Plan(data=TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=1, zero=1), sp=True)
+    return Parallelism(data=TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=1, zero=1), sp=True)
 
 
 def test_the_comparison_catches_a_fold_over_ranks_that_differ():
     """With kv heads replicated over tp ranks, one rank of each copy adds the kv input gradient: its
-    tp peers are not alike (Plan.alike leaves tp out), and folding them anyway gives another trace."""
-    plan, mesh = _llama(tp=4, kv_heads=2), DeviceMesh(dp=2, tp=4)
+    tp peers are not alike (Parallelism.alike leaves tp out), and folding them anyway gives another trace."""
+    parallelism, mesh = _llama(tp=4, kv_heads=2), DeviceMesh(dp=2, tp=4)
     spec = preset("dgx-a100", nodes=2, gpus_per_node=4)
-    assert plan.alike(4) == ("dp",)
-    unfolded = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta")
-    honest = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta", fold=plan.alike(4))
-    forced = simulate(composed, plan, mesh=mesh, cluster=spec, mode="meta", fold=("dp", "tp"))
+    assert parallelism.alike(4) == ("dp",)
+    unfolded = simulate(composed, parallelism, mesh=mesh, cluster=spec, mode="meta")
+    honest = simulate(composed, parallelism, mesh=mesh, cluster=spec, mode="meta", fold=parallelism.alike(4))
+    forced = simulate(composed, parallelism, mesh=mesh, cluster=spec, mode="meta", fold=("dp", "tp"))
     assert honest.fold is not None and forced.fold is not None and forced.fold.tp
     assert honest.full_trace().to_jsonl() == unfolded.trace.to_jsonl()
     assert forced.full_trace().to_jsonl() != unfolded.trace.to_jsonl()

@@ -11,11 +11,11 @@ from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
 from broken import swapped_tp
-from plans import run_plan
+from composed_runs import run_composed
 
 
 def run_tp(data, tp, dp=1, program=composed, mode="exact", sp=False):
-    return run_plan(data, dp=dp, tp=tp, program=program, mode=mode, sp=sp)
+    return run_composed(data, dp=dp, tp=tp, program=program, mode=mode, sp=sp)
 
 
 @settings(max_examples=8)  # the all-pairs test (test_composed.py) covers the combinations

@@ -12,7 +12,7 @@ from simcluster.model.gpt import ModelConfig, train
 from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import TrainingConfig, padded, unit_size
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import ScenarioError, load
@@ -188,8 +188,8 @@ def test_a_copy_between_one_tier_and_itself_is_refused():
 def test_nvme_offload_folds_data_parallel_replicas_only():
     """A node's ranks share its drives: folding tp (or cp) peers would leave their transfers out."""
     cfg = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=8, seq=4, vocab=8)
-    assert Plan(data=TrainingConfig(model=cfg, zero=3, offload_params="nvme")).alike(2, 2) == ("dp",)
-    assert Plan(data=TrainingConfig(model=cfg, zero=3, offload_params="cpu")).alike(2, 2) == ("dp", "tp", "cp")
+    assert Parallelism(data=TrainingConfig(model=cfg, zero=3, offload_params="nvme")).alike(2, 2) == ("dp",)
+    assert Parallelism(data=TrainingConfig(model=cfg, zero=3, offload_params="cpu")).alike(2, 2) == ("dp", "tp", "cp")
 
 
 def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_layout(tmp_path):

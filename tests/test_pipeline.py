@@ -14,7 +14,7 @@ from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, desc
 from simcluster.program.mesh import DeviceMesh
 from simcluster.viz.pipeline_picture import picture
 
-from plans import run_plan
+from composed_runs import run_composed
 
 
 @settings(max_examples=8)  # the all-pairs test (test_composed.py) covers the combinations
@@ -30,7 +30,7 @@ def test_bit_exact_against_one_device(schedule, p, groups, v, extra_layers, dp, 
     model = ModelConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False,
                       dropout=dropout, recompute=recompute, seed=seed)
     data = TrainingConfig(model=model, global_batch=dp * m, micro_batches=m, steps=3, precision=precision)
-    got, _ = run_plan(data, dp=dp, pp=p, schedule=schedule, virtual=v)
+    got, _ = run_composed(data, dp=dp, pp=p, schedule=schedule, virtual=v)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
     assert verdict["outputs_compared"] == 3 + 5 * len(model.parameter_shapes())  # + first-step gradients
@@ -153,7 +153,7 @@ def test_schedules_are_printable_data():
 def activation_peaks(schedule, p, m):
     model = ModelConfig(layers=p, hidden=64, heads=4, ffn_hidden=128, seq=16, vocab=32, tied_head=False)
     data = TrainingConfig(model=model, global_batch=m, micro_batches=m, steps=1)
-    _, run = run_plan(data, pp=p, schedule=schedule, mode="meta")
+    _, run = run_composed(data, pp=p, schedule=schedule, mode="meta")
     per_micro_batch: dict[str, int] = {}
     for e in run.trace.memory:
         if e.rank == 0 and e.category == "activations" and e.bytes > 0:
@@ -201,14 +201,14 @@ def test_broken_schedules_are_caught():
 def test_invalid_configurations(schedule, p, m, v, layers, message):
     model = ModelConfig(layers=layers, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False)
     with pytest.raises(Exception, match=message):
-        run_plan(TrainingConfig(model=model, global_batch=m, micro_batches=m), pp=p, mode="meta", schedule=schedule,
+        run_composed(TrainingConfig(model=model, global_batch=m, micro_batches=m), pp=p, mode="meta", schedule=schedule,
                  virtual=v)
 
 
 def test_tied_head_with_pipeline_is_a_clear_error():
     model = ModelConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
     with pytest.raises(Exception, match="set model.tied_head = false for pipeline parallelism"):
-        run_plan(TrainingConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
+        run_composed(TrainingConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
 
 
 def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
@@ -222,8 +222,8 @@ def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
 
     model = ModelConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=False, seed=1)
     data = TrainingConfig(model=model, global_batch=4, micro_batches=4, steps=2, precision="bf16")
-    got, _ = run_plan(data, pp=2, schedule="dualpipe")
+    got, _ = run_composed(data, pp=2, schedule="dualpipe")
     assert report.verification("exact", reference(data), got)["bit_exact"]
     monkeypatch.setattr(DPWrap, "__init__", alone)
-    got, _ = run_plan(data, pp=2, schedule="dualpipe")
+    got, _ = run_composed(data, pp=2, schedule="dualpipe")
     assert not report.verification("exact", reference(data), got)["bit_exact"]

@@ -52,7 +52,7 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
     from simcluster.engine import simulate
     from simcluster.parallel.composed import composed
     from simcluster.parallel.data_parallel import TrainingConfig
-    from simcluster.parallel.plan import Plan
+    from simcluster.parallel.parallelism import Parallelism
     from simcluster.program.mesh import DeviceMesh
     from simcluster.topology.presets import preset
 
@@ -63,7 +63,7 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
     for kernel in ("flash", "unfused"):
         model = ModelConfig(layers=1, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
                           dtype="bf16", causal=causal, attention_kernel=kernel)
-        run = simulate(composed, Plan(data=TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")),
+        run = simulate(composed, Parallelism(data=TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")),
                        mesh=DeviceMesh(), cluster=spec, mode="meta")
         names[kernel] = {e.name.split("/")[-1]: e.duration for e in run.trace if e.name.startswith(("F0:block0",
                                                                                                      "B0:block0"))}

@@ -13,12 +13,12 @@ from simcluster.parallel import cp_blocks, ring_attention
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 from simcluster.parallel.gpt_shard import GPTShard
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
 from broken import unnormalised_merge
-from plans import run_plan
+from composed_runs import run_composed
 
 
 @settings(max_examples=12)
@@ -31,7 +31,7 @@ def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, c
     model = ModelConfig(layers=layers, hidden=2 * heads, heads=heads, ffn_hidden=5, seq=2 * cp * chunk, vocab=9,
                       causal=causal, dropout=dropout, recompute=recompute, seed=seed)
     data = TrainingConfig(model=model, global_batch=dp, steps=3, precision=precision)
-    got, _ = run_plan(data, dp=dp, cp=cp, attention=attention)
+    got, _ = run_composed(data, dp=dp, cp=cp, attention=attention)
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
 
@@ -49,7 +49,7 @@ def attention_only(ctx, cfg, seed):
 
 def ring_outputs(mode, P, seq, seed=0, causal=True):
     model = ModelConfig(layers=1, hidden=8, heads=2, ffn_hidden=4, seq=seq, vocab=5, causal=causal)
-    cfg = Plan(data=TrainingConfig(model=model, global_batch=1, steps=1), attention="ring")
+    cfg = Parallelism(data=TrainingConfig(model=model, global_batch=1, steps=1), attention="ring")
     run = simulate(attention_only, cfg, seed, mesh=DeviceMesh(cp=P), cluster=preset("dgx-a100", gpus_per_node=P),
                    mode=mode)
     out = np.zeros((1, 2, seq, 4))
@@ -83,7 +83,7 @@ def ring_gaps(seq, nodes):
     model = ModelConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=seq, vocab=64, causal=False)
     data = TrainingConfig(model=model, global_batch=1, steps=1, precision="bf16")
     cluster = preset("dgx-a100", nodes=nodes, gpus_per_node=P // nodes)
-    trace = run_plan(data, cp=P, cluster=cluster, mode="meta", attention="ring")[1].trace
+    trace = run_composed(data, cp=P, cluster=cluster, mode="meta", attention="ring")[1].trace
     compute = trace.lane(0, "compute")
     # each block's fused kernel (the model's default attention kernel, flash) while the keys and values go round
     scores = [e for e in compute if e.name.endswith("/flash_attention") and e.kind == "forward"]
@@ -113,14 +113,14 @@ def test_a_wrong_causal_mask_is_caught(monkeypatch, attention):
     wrong = lambda model, owner: model.positions  # noqa: E731
     monkeypatch.setattr(cp_blocks, "positions_of", wrong)  # (what the all-gather's columns are made of)
     monkeypatch.setattr(ring_attention, "positions_of", wrong)
-    got, _ = run_plan(data, cp=2, attention=attention)
+    got, _ = run_composed(data, cp=2, attention=attention)
     assert not report.verification("exact", reference(data), got)["bit_exact"]
 
 
 def test_zigzag_needs_twice_the_degree_to_divide_the_sequence():
     model = ModelConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=6, vocab=5, causal=True)
     with pytest.raises(Exception, match="seq=6 must be divisible by 2 x cp = 4; valid degrees: 1, 3"):
-        run_plan(TrainingConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")
+        run_composed(TrainingConfig(model=model, global_batch=1, steps=1), cp=2, mode="meta", attention="ring")
 
 
 def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
@@ -135,7 +135,7 @@ def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
     P, gap = 4, preset("dgx-a100").kernel_overhead_ns
     model = ModelConfig(layers=1, hidden=1024, heads=8, ffn_hidden=1024, seq=8192, vocab=64)
     data = TrainingConfig(model=model, global_batch=1, steps=1, precision="bf16")
-    runs = {a: run_plan(data, cp=P, mode="meta", attention=a)[1] for a in ("ring", "ulysses", "rsa")}
+    runs = {a: run_composed(data, cp=P, mode="meta", attention=a)[1] for a in ("ring", "ulysses", "rsa")}
 
     def kernels(attention, name):
         return [e for e in runs[attention].trace.lane(0, "compute") if e.name.endswith("/" + name)]

@@ -11,7 +11,7 @@ from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
-from plans import run_plan
+from composed_runs import run_composed
 
 
 @settings(max_examples=12)
@@ -26,7 +26,7 @@ def test_bit_exact_against_one_device(cp, dp, tp, chunk, causal, dropout, precis
                       causal=causal, dropout=dropout, recompute=recompute, seed=seed, tied_head=False, arch=arch,
                       kv_heads=tp if arch == "llama" else None)
     data = TrainingConfig(model=model, global_batch=dp, steps=2, precision=precision)
-    got, _ = run_plan(data, dp=dp, cp=cp, tp=tp, sp=tp > 1, attention="rsa")
+    got, _ = run_composed(data, dp=dp, cp=cp, tp=tp, sp=tp > 1, attention="rsa")
     verdict = report.verification("exact", reference(data), got)
     assert verdict["bit_exact"], verdict["mismatches"]
 
@@ -47,13 +47,13 @@ def test_communication_per_layer(P):
     model = ModelConfig(layers=layers, hidden=h, heads=8, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False)
     data = TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16")
     N, item = s * b, 2
-    _, rsa = run_plan(data, cp=P, attention="rsa", mode="meta")
+    _, rsa = run_composed(data, cp=P, attention="rsa", mode="meta")
     assert sent(rsa, ("send",), "F") == layers * 2 * (P - 1) * N * h // P * item
     assert sent(rsa, ("send", "all_reduce"), "B") == layers * 6 * (P - 1) * N * h // P * item
-    _, ring = run_plan(data, cp=P, attention="ring", mode="meta")
+    _, ring = run_composed(data, cp=P, attention="ring", mode="meta")
     assert sent(ring, ("send",), "F") == sent(rsa, ("send",), "F")
     assert sent(ring, ("send",), "B") == layers * (2 * (P - 1) * N * h // P + 2 * N * h) * item
-    _, uly = run_plan(data, cp=P, attention="ulysses", mode="meta")
+    _, uly = run_composed(data, cp=P, attention="ulysses", mode="meta")
     assert sum(e.bytes for e in uly.trace if e.rank == 0 and e.kind == "all_to_all") == (
         layers * 2 * 4 * N * h * (P - 1) // P // P * item)
 
@@ -66,7 +66,7 @@ def test_activations_split_p_ways_scores_included(P, recompute):
     s, b, h, a = 16 * P, 2, 32, 4
     model = ModelConfig(layers=1, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
                       recompute=recompute, dtype="bf16")  # (flash, the default kernel, is no matter: RSA keeps scores)
-    _, run = run_plan(TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16"), cp=P, attention="rsa",
+    _, run = run_composed(TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16"), cp=P, attention="rsa",
                       mode="meta")
     held = [e.bytes for e in run.trace.memory if e.rank == 0 and e.category == "activations"
             and e.name.endswith("block0") and e.bytes > 0]
@@ -82,5 +82,5 @@ def test_keeping_the_wrong_rows_is_caught(monkeypatch):
     monkeypatch.setattr(rsa, "_own_rows", lambda ops, full, P, r: own(ops, full, P, (r + 1) % P))
     model = ModelConfig(layers=1, hidden=4, heads=2, ffn_hidden=4, seq=4, vocab=5, tied_head=False)
     data = TrainingConfig(model=model, global_batch=1, steps=1)
-    got, _ = run_plan(data, cp=2, attention="rsa")
+    got, _ = run_composed(data, cp=2, attention="rsa")
     assert not report.verification("exact", reference(data), got)["bit_exact"]

@@ -12,7 +12,7 @@ from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import Schedule
-from simcluster.parallel.plan import ATTENTIONS, Plan
+from simcluster.parallel.parallelism import ATTENTIONS, Parallelism
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import (Layout, assert_bit_exact, assert_close_fast, assert_same, layouts, meshes, outputs,
@@ -45,16 +45,16 @@ def test_meshes_shrink_to_the_smallest_and_stay_within_bounds():
 def test_every_drawn_layout_passes_the_plans_check(layout):
     sizes = layout.mesh.sizes
     assert layout.mesh.world_size <= 16
-    layout.plan.check(sizes["dp"], sizes["pp"], sizes["cp"], sizes["tp"])  # raises on a broken rule
-    assert layout.plan.data.global_batch % (sizes["dp"] * layout.plan.data.micro_batches) == 0
+    layout.parallelism.check(sizes["dp"], sizes["pp"], sizes["cp"], sizes["tp"])  # raises on a broken rule
+    assert layout.parallelism.data.global_batch % (sizes["dp"] * layout.parallelism.data.micro_batches) == 0
 
 
 @pytest.mark.parametrize("schedule", list(Schedule))
 def test_every_schedule_and_attention_can_be_drawn(schedule):
-    got = first(layouts(MODEL), lambda lay: lay.plan.schedule is schedule and lay.mesh.sizes["pp"] > 1)
-    assert got.plan.schedule is schedule
+    got = first(layouts(MODEL), lambda lay: lay.parallelism.schedule is schedule and lay.mesh.sizes["pp"] > 1)
+    assert got.parallelism.schedule is schedule
     for attention in ATTENTIONS:
-        first(layouts(MODEL), lambda lay: lay.plan.attention == attention and lay.mesh.sizes["cp"] > 1)
+        first(layouts(MODEL), lambda lay: lay.parallelism.attention == attention and lay.mesh.sizes["cp"] > 1)
 
 
 def test_the_rules_of_a_model_bound_what_is_drawn():
@@ -62,15 +62,15 @@ def test_the_rules_of_a_model_bound_what_is_drawn():
     with pytest.raises(NoSuchExample):  # a tied head keeps the embedding and the head on one stage
         first(layouts(tied), lambda lay: lay.mesh.sizes["pp"] > 1)
     with pytest.raises(NoSuchExample):  # causal ring attention's zigzag: seq 6 is not divisible by 2 x 2
-        first(layouts(tied), lambda lay: lay.plan.attention == "ring" and lay.mesh.sizes["cp"] == 2)
-    assert first(layouts(tied), lambda lay: lay.plan.attention == "ring" and lay.mesh.sizes["cp"] == 3)  # 6 % 6
+        first(layouts(tied), lambda lay: lay.parallelism.attention == "ring" and lay.mesh.sizes["cp"] == 2)
+    assert first(layouts(tied), lambda lay: lay.parallelism.attention == "ring" and lay.mesh.sizes["cp"] == 3)  # 6 % 6
     with pytest.raises(NoSuchExample):  # tp must divide heads = 4
         first(layouts(tied), lambda lay: lay.mesh.sizes["tp"] == 3)
     with pytest.raises(NoSuchExample):  # ulysses splits a tp rank's heads over cp: 4 / 2 = 2 heads, not 4 cp ranks
-        first(layouts(tied), lambda lay: lay.plan.attention == "ulysses" and lay.mesh.sizes["tp"] == 2
+        first(layouts(tied), lambda lay: lay.parallelism.attention == "ulysses" and lay.mesh.sizes["tp"] == 2
               and lay.mesh.sizes["cp"] == 3)
     fixed = first(layouts(tied, global_batch=6, zero=2), lambda lay: lay.mesh.sizes["dp"] == 3)
-    assert fixed.plan.data.global_batch == 6 and fixed.plan.data.zero == 2
+    assert fixed.parallelism.data.global_batch == 6 and fixed.parallelism.data.zero == 2
     with pytest.raises(NoSuchExample):  # dp must divide the fixed batch of 6
         first(layouts(tied, global_batch=6), lambda lay: lay.mesh.sizes["dp"] == 4)
 
@@ -118,13 +118,13 @@ def test_assert_same_names_missing_outputs():
 
 def test_assert_close_fast_passes_a_layout_and_fails_a_swapped_shard():
     model = ModelConfig(layers=2, hidden=8, heads=4, ffn_hidden=8, seq=4, vocab=8, tied_head=False)
-    layout = Layout(DeviceMesh(dp=2, tp=2), Plan(data=TrainingConfig(model=model, global_batch=4, precision="bf16")))
-    run = assert_close_fast(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
-                            reference_config=layout.one_device_plan, bounds=layout.fast_bounds)
+    layout = Layout(DeviceMesh(dp=2, tp=2), Parallelism(data=TrainingConfig(model=model, global_batch=4, precision="bf16")))
+    run = assert_close_fast(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
+                            reference_config=layout.one_device, bounds=layout.fast_bounds)
     assert run.mesh.world_size == 4
     with pytest.raises(AssertionError, match=r"relative error .* > bound"):
-        assert_close_fast(swapped_tp, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
-                          reference_config=layout.one_device_plan, bounds=layout.fast_bounds)
+        assert_close_fast(swapped_tp, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
+                          reference_config=layout.one_device, bounds=layout.fast_bounds)
     with pytest.raises(AssertionError, match="no output was compared"):
-        assert_close_fast(composed, layout.plan, mesh=layout.mesh, assemble=layout.assemble,
-                          reference_config=layout.one_device_plan, bounds=lambda name: None)
+        assert_close_fast(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
+                          reference_config=layout.one_device, bounds=lambda name: None)

@@ -17,7 +17,7 @@ from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
 from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
 from simcluster.parallel.reference import reference  # noqa: E402
-from simcluster.parallel.plan import Plan  # noqa: E402
+from simcluster.parallel.parallelism import Parallelism  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 from simcluster.topology.presets import preset  # noqa: E402
 
@@ -25,11 +25,11 @@ pytestmark = pytest.mark.torch
 
 
 def same_on_gloo(data, mesh, **options):
-    plan = Plan(data=data, **options)
-    real = spawn(composed, plan, mesh=mesh, backend="gloo")
-    emulated = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=mesh.world_size)).results
+    parallelism = Parallelism(data=data, **options)
+    real = spawn(composed, parallelism, mesh=mesh, backend="gloo")
+    emulated = simulate(composed, parallelism, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=mesh.world_size)).results
     coords = [mesh.coords(r) for r in range(mesh.world_size)]
-    a, b = assemble(emulated, coords, plan), assemble(real, coords, plan)
+    a, b = assemble(emulated, coords, parallelism), assemble(real, coords, parallelism)
     assert_same_bytes(b, a)  # torch.distributed gives the emulator's bytes
     assert_same_bytes(b, reference(data), only_wanted=True)  # and both equal one device
 
@@ -206,9 +206,9 @@ def test_the_fast_bound_catches_a_swapped_shard_on_gloo(broken):
 
     model = ModelConfig(layers=2, hidden=16, heads=4, ffn_hidden=32, seq=8, vocab=16, tied_head=False, dropout=0.1)
     data = TrainingConfig(model=model, global_batch=4, micro_batches=2, steps=2, precision="bf16")
-    plan, mesh = Plan(data=data), DeviceMesh(tp=2)
-    got = spawn(swapped_tp if broken else composed, plan, mesh=mesh, mode="fast", backend="gloo")
-    outputs = assemble(got, [mesh.coords(r) for r in range(mesh.world_size)], plan)
+    parallelism, mesh = Parallelism(data=data), DeviceMesh(tp=2)
+    got = spawn(swapped_tp if broken else composed, parallelism, mesh=mesh, mode="fast", backend="gloo")
+    outputs = assemble(got, [mesh.coords(r) for r in range(mesh.world_size)], parallelism)
     bounds = tolerance.training_bounds("bf16", model.layers, data.global_batch * model.seq)
     verdict = report.verification("fast", reference(data, "fast"), outputs, bounds)
     assert verdict["passed"] is (not broken), verdict

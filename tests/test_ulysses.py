@@ -9,11 +9,11 @@ from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.reference import reference
 
-from plans import run_plan
+from composed_runs import run_composed
 
 
 def run_cp(data, cp, dp=1, mode="exact"):
-    return run_plan(data, dp=dp, cp=cp, mode=mode, attention="ulysses")
+    return run_composed(data, dp=dp, cp=cp, mode=mode, attention="ulysses")
 
 
 @settings(max_examples=12)
@@ -47,7 +47,7 @@ def test_ulysses_moves_1_over_p_of_megatron_sp_per_layer(P):
     sent = sum(e.bytes for e in forward) / layers  # per layer, forward
     assert sent == 4 * N * h * 2 / P * (P - 1) / P  # 4Nh/P elements, of which (P-1)/P leave the rank
 
-    _, tp_run = run_plan(data, tp=P, mode="meta", sp=True)
+    _, tp_run = run_composed(data, tp=P, mode="meta", sp=True)
     sp_forward = [e for e in tp_run.trace if e.rank == 0 and e.name.startswith("F") and e.group.startswith("tp")
                   and e.kind in ("all_gather", "reduce_scatter") and e.bytes == N * h * 2 * (P - 1) // P]
     sp_sent = sum(e.bytes for e in sp_forward) / layers

@@ -6,7 +6,7 @@ from simcluster.model.gpt import ModelConfig, units
 from simcluster.parallel.data_parallel import TrainingConfig, padded, unit_size
 from simcluster.topology.presets import preset
 
-from plans import run_plan
+from composed_runs import run_composed
 
 # Psi = 7.5e9 exactly, as in Table 1 of the ZeRO paper (Rajbhandari et al. 2020), in one layer
 BIG = ModelConfig(layers=1, hidden=17280, heads=135, ffn_hidden=134400, seq=2048, vocab=94041)
@@ -21,7 +21,7 @@ def cluster(n):
 
 def meta_run(model, n, stage, **kw):
     cfg = TrainingConfig(model=model, global_batch=n, steps=1, precision="bf16", zero=stage, **kw)
-    return run_plan(cfg, dp=n, cluster=cluster(n), mode="meta")[1]
+    return run_composed(cfg, dp=n, cluster=cluster(n), mode="meta")[1]
 
 
 def paper_rounding(gb):
@@ -86,7 +86,7 @@ def test_zero3_prefetch_overlap_against_the_closed_form(batch_per_rank, comm_bou
     def run(prefetch):
         cfg = TrainingConfig(model=model, global_batch=n * batch_per_rank, steps=1, precision="bf16", zero=3,
                        prefetch=prefetch)
-        return run_plan(cfg, dp=n, cluster=cluster(n), mode="meta")[1].trace
+        return run_composed(cfg, dp=n, cluster=cluster(n), mode="meta")[1].trace
 
     with_prefetch, without = run(True), run(False)
     ag, c, end = forward_timeline(with_prefetch, model)

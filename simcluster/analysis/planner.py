@@ -47,7 +47,7 @@ from simcluster.parallel.pipeline_schedules import deferred, passes as stage_pas
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run import budget
-from simcluster.run.job import plan_of
+from simcluster.run.job import parallelism_of
 from simcluster.run.runner import run_scenario
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
@@ -174,14 +174,14 @@ def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Itera
 
 
 def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
-    """The closed-form memory and time of a layout (module docstring); None if the plan refuses it."""
+    """The closed-form memory and time of a layout (module docstring); None if the parallelism refuses it."""
     lsc = layout.scenario(sc)
     try:
-        plan = plan_of(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
+        parallelism = parallelism_of(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
     except ScenarioError:
         return None
     spec = lsc.cluster_spec()
-    model, data = plan.model, plan.data
+    model, data = parallelism.model, parallelism.data
     t, p, c, v = layout.tp, layout.pp, layout.cp, layout.virtual
     m = data.micro_batches
     shapes = model.parameter_shapes()
@@ -198,12 +198,12 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
                       sp=t > 1 and bool(layout.sp),
                       recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
     if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
-        place = placement(plan.schedule, plan.shape(p))
+        place = placement(parallelism.schedule, parallelism.shape(p))
         sizes = [len(r) for r in partition(model.layers, place.pieces)]
         # the LM head's cache: its logits' exponentials (b, s/c, V/t) and its input before and after the norm
         head = layout.micro_batch * model.seq / c * (model.vocab / t + 2 * model.hidden) * ITEMSIZE[model.dtype]
         held = max(sum(count * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0))
-                       for piece, count in stage) for stage in _held(plan.schedule, plan.shape(p)))
+                       for piece, count in stage) for stage in _held(parallelism.schedule, parallelism.shape(p)))
     else:
         in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
         held = act * math.ceil(model.layers / p) * in_flight
@@ -214,7 +214,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
-    compute = hardware * p * _busiest(model, plan.schedule, plan.shape(p)) / (spec.world_size * rate) \
+    compute = hardware * p * _busiest(model, parallelism.schedule, parallelism.shape(p)) / (spec.world_size * rate) \
         * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
     if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (phases.py)

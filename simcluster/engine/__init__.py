@@ -88,13 +88,13 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
         attempts = [fold] + ([tuple(a for a in fold if a != "cp")] if "cp" in fold else []) \
             + ([("dp",)] if "tp" in fold and "dp" in fold else [])
         for axes in attempts:
-            plan = fold_for(mesh, spec, axes)
-            if plan is None:
+            folding = fold_for(mesh, spec, axes)
+            if folding is None:
                 why = why or ("nothing to fold: no block of whole replicas and whole nodes smaller than the world, "
                               "no tp group inside a node")
                 continue
             try:
-                return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, plan, events=events),
+                return replace(_simulate(program, args, mesh, topo, mode, cost_dtype, folding, events=events),
                                unfolded_because=why)
             except FoldError as exc:
                 why = str(exc)

@@ -33,7 +33,7 @@ class Channel:
         self.open: dict[int, Call] = {}  # by sequence number
         self.where = where
         self.streams = streams  # default stream, per member
-        self.routes: dict[tuple, Any] = {}  # the timed replay's plans, by call shape
+        self.routes: dict[tuple, Any] = {}  # the timed replay's routes, by call shape
         self.stream_of: list[Stream | None] = [None] * len(members)  # the stream each member issues on
         self.mixed = False  # whether a member issued calls on more than one stream (they may overlap)
 
@@ -61,7 +61,7 @@ class Call:
         self.end = 0
         self.done: Any = None  # the streams waiting for its end
         self.sent: list[int] = []  # bytes each member sends
-        self.steps: list[tuple[int, list]] = []  # its plan: (latency, flows) per phase
+        self.steps: list[tuple[int, list]] = []  # its phases: (latency, flows) each
         self.phase = 0  # the next phase
 
     @property

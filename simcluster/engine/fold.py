@@ -13,8 +13,8 @@ and each is a symmetry of the whole run:
   that spans dp (tp, cp) onto itself;
 - of the cluster: every link is one rank's port (cluster.py) and nodes are mapped onto nodes, so
   NVLink onto NVLink and NIC onto NIC;
-- of each collective's plan over a group it maps onto itself: its rings onto themselves (checked
-  for every plan, `FoldError` otherwise: a chain from a root is not).
+- of each collective's phases over a group it maps onto itself: its rings onto themselves (checked
+  for every collective, `FoldError` otherwise: a chain from a root is not).
 So the unfolded run is symmetric at every instant, and only the representatives (dp index below
 `block`, tp index 0, cp index 0) run:
 - their programs run; a call completes when its simulated members have issued it (a folded member's
@@ -160,7 +160,7 @@ class Fold:
         return out
 
     # -- checks --------------------------------------------------------------------------------
-    def check_plan(self, members: tuple[int, ...], phases: Iterable[Any], where: str, kind: str) -> None:
+    def check_phases(self, members: tuple[int, ...], phases: Iterable[Any], where: str, kind: str) -> None:
         """Each phase's flows must be their own image under every symmetry that maps the group onto
         itself (so that the flows leaving the simulated ranks stand for the others)."""
         group = set(members)

@@ -63,7 +63,7 @@ class Network:
 
     def prepare(self, flows: Sequence[tuple[tuple[int, ...], float]]) -> Prepared:
         """Flows (links, bytes) as `transfer` takes them: with each one's rate and time when alone,
-        and without the empty ones. Worth keeping: a plan's flows are prepared once."""
+        and without the empty ones. Worth keeping: a call's flows are prepared once."""
         out = []
         for links, b in flows:
             if b > 0:

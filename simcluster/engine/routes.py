@@ -1,4 +1,4 @@
-"""What a call moves over which links: its plan's phases (topology/phases.py) as flows on the
+"""What a call moves over which links: its phases (topology/phases.py) as flows on the
 network's links, the bytes each member sends, and how long it takes where it has its links to
 itself. Computed once per channel and call shape, then shared (the timed replay asks per call)."""
 
@@ -22,7 +22,7 @@ Route = tuple[list[tuple[int, Any]], list[int], "int | None", frozenset[int]]
 
 
 def _timed(steps: list[tuple[int, Any]], sent: list[int]) -> Route:
-    """A plan's route: its steps, the bytes each member sends, how long it takes on idle links
+    """A call's route: its steps, the bytes each member sends, how long it takes on idle links
     where no two of a phase's flows share a link (each then runs alone at its slowest link's rate,
     and the phase ends with the last; None otherwise), and every link it crosses."""
     alone: int | None = 0
@@ -86,7 +86,7 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
         nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
         phases = phases_of(call.kind, call.members, nbytes, cluster, peer=op.peer)
         if fold is not None and call.live < len(call.members):
-            fold.check_plan(call.members, phases, call.where, call.kind.value)
+            fold.check_phases(call.members, phases, call.where, call.kind.value)
         raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)
         alpha: list[int] = []  # each phase's latency in the textbook model
         sent: dict[int, float] = {}

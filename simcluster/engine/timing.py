@@ -5,9 +5,9 @@ the bottleneck): kernels advance the clock without SimPy events (a stream is in 
 starts when the previous item ended); a wait takes the later of its clock and the awaited item's
 end; a communication item joins its call at the stream's clock, once the work issued before it
 has ended (the stream it waits on joins for it, so that the stream itself sleeps until the call
-ends). When every member has joined, the call's plan (topology/phases.py) runs on the shared
-network, phase after phase, and every member's item ends when the plan ends. SimPy keeps the clock
-and the queue of timed callbacks; ties are broken by insertion order, and streams start in (rank,
+ends). When every member has joined, the call's phases (topology/phases.py) run on the shared
+network, one after another, and every member's item ends when the last one ends. SimPy keeps the
+clock and the queue of timed callbacks; ties are broken by insertion order, and streams start in (rank,
 stream) order, so a scenario gives the same trace every run. A replay consumes its input.
 """
 
@@ -296,8 +296,8 @@ class Replay:
             self._launch(call)
 
     def _launch(self, call: Call) -> None:
-        """Run the call's plan from call.start: phase after phase, each after its latency. A call that
-        finds its links idle (`_claim`) ends at once, at the time its plan takes there: its members go
+        """Run the call's phases from call.start: phase after phase, each after its latency. A call that
+        finds its links idle (`_claim`) ends at once, at the time its phases take there: its members go
         on from then without waiting for SimPy's clock (as they do after a kernel)."""
         assert call.start >= self.env.now  # every member's clock is at or ahead of SimPy's
         call.steps, call.sent, alone, links = routes(call, self.cluster, self.network, self.fold)

@@ -1,8 +1,8 @@
-"""Every parallelism at once: the GPT trained under any (dp, pp, cp, tp) plan, bit-exact.
+"""Every parallelism at once: the GPT trained under any (dp, pp, cp, tp) layout, bit-exact.
 
 The axes compose in the order real stacks apply them (torchtitan's parallelize, Megatron-LM's model
 provider): the model is cut into pipeline chunks (pipeline.py's `partition`); each chunk's blocks are
-GPTShard blocks, split over tp (and sp) and cp as the plan says (gpt_shard.py); data parallelism,
+GPTShard blocks, split over tp (and sp) and cp as the parallelism says (gpt_shard.py); data parallelism,
 DDP or ZeRO-1/2/3, wraps the parameters the rank then holds (dp_wrap.py). With pp = 1 the pipeline is
 one stage whose passes are F(j), B(j) for each micro-batch: plain gradient accumulation.
 
@@ -35,7 +35,7 @@ from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.pipeline import execute, partition
 from simcluster.parallel.pipeline_schedules import Pass, deferred, passes as stage_passes, placement
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.program.context import Context
@@ -59,9 +59,9 @@ def chunk_units(layers: int, pieces: int) -> tuple[tuple[str, ...], ...]:
 class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
-    def __init__(self, ctx: Context, plan: Plan, model: GPTShard, dp: DPWrap, units: list[list[str]],
+    def __init__(self, ctx: Context, parallelism: Parallelism, model: GPTShard, dp: DPWrap, units: list[list[str]],
                  step: int, passes: list[Pass], tapes: Tapes | None = None) -> None:
-        self.ctx, self.ops, self.plan, self.model, self.dp = ctx, ctx.ops, plan, model, dp
+        self.ctx, self.ops, self.parallelism, self.model, self.dp = ctx, ctx.ops, parallelism, model, dp
         self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
         self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
         self.split = deferred(passes)  # (micro-batch, chunk) whose weight gradients wait for a W pass
@@ -70,14 +70,14 @@ class Stage:
         for kind, _, g in passes:
             for u in units[g] if kind == "B" else ():
                 self.through[u] = self.through.get(u, 0) + 1
-        data = plan.data
+        data = parallelism.data
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
         b = data.global_batch // (self.n * data.micro_batches)
         self.shape = (b, len(model.tokens), data.model.hidden)
         # Megatron-LM's scatter/gather of pipeline messages: without sp every tp rank holds the whole
         # activation, so each sends only its 1/tp of it (over its own NIC) and the receiving stage
         # all-gathers the parts over tp (NVLink): a message crosses the network once, not tp times
-        self.scatter = plan.scatter_gather and model.t > 1 and not model.sp
+        self.scatter = parallelism.scatter_gather and model.t > 1 and not model.sp
         self.scale = LOSS_SCALE[data.precision]
         self.caches: dict[tuple[int, int], dict[str, Any]] = {}
         self.deferred: dict[tuple[int, int], list] = {}
@@ -92,14 +92,14 @@ class Stage:
             return None
         weights = self.weights.get(u)
         if weights is None:  # (the same shapes for the whole step, whether held or gathered)
-            weights = self.weights[u] = shape_key([p[k] for k in unit_names(self.plan.model, u)])
+            weights = self.weights[u] = shape_key([p[k] for k in unit_names(self.parallelism.model, u)])
         if weights is None:
             return None
         return (kind, weights, shape_key(inputs))
 
     def message(self) -> Any:
         b, s, h = self.shape
-        return MetaTensor((b, s, h // self.model.t if self.scatter else h), self.plan.data.precision)
+        return MetaTensor((b, s, h // self.model.t if self.scatter else h), self.parallelism.data.precision)
 
     def pack(self, value: Any) -> Any:
         return self.ctx.ops.split(value, self.model.t, 2)[self.model.tr] if self.scatter else value
@@ -113,14 +113,14 @@ class Stage:
         model, dp, step = self.model, self.dp, self.step
         units = self.units[g]
         if (units[0] == "embed" or units[-1] == "head") and self.ctx.ops.mode is Mode.META:  # shapes, no tokens
-            where, data = self.plan.data.where(self.d, self.n, j), self.plan.data
+            where, data = self.parallelism.data.where(self.d, self.n, j), self.parallelism.data
             ids = targets = MetaTensor((data.global_batch // (self.n * data.micro_batches), len(model.positions)),
                                        "int64")
         elif units[0] == "embed" or units[-1] == "head":  # (the other stages need no token ids)
-            where, ids, targets = self.plan.data.micro_batch(step, self.d, self.n, j)
+            where, ids, targets = self.parallelism.data.micro_batch(step, self.d, self.n, j)
             ids, targets = (self.ctx.ops.from_host(x[:, model.positions]) for x in (ids, targets))  # my cp share
         else:
-            where = self.plan.data.where(self.d, self.n, j)
+            where = self.parallelism.data.where(self.d, self.n, j)
         cache: dict[str, Any] = {"where": where}
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
@@ -152,7 +152,7 @@ class Stage:
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
             with self.ctx.annotate("backward", f"B{j}:{u}"):
                 if u == "head":
-                    tokens = where.total * self.plan.model.seq
+                    tokens = where.total * self.parallelism.model.seq
                     dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
                 elif u == "embed":
                     yield from model.embed_backward(cache["embed"], dy, grads)
@@ -191,7 +191,7 @@ class Stage:
     def hand_over(self, unit: str, j: int) -> Generator[Any, Any, None]:
         """Micro-batch j's gradients of `unit` are complete: to the data-parallel wrapper."""
         mine = self.grads[j]
-        grads = {k: mine.pop(k) for k in unit_names(self.plan.model, unit)}
+        grads = {k: mine.pop(k) for k in unit_names(self.parallelism.model, unit)}
         names = [k for k in grads if shard_kind(k) == "replicated"] if self.model.sp else []
         if names:  # replicated over tp, but each tp rank saw only its tokens (SP)
             with self.ctx.annotate("backward", f"SP{j}"):
@@ -200,16 +200,16 @@ class Stage:
         yield from self.dp.gradients(unit, grads, self.through[unit])
 
 
-def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
+def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict[str, Any]]:
     mesh, ops = ctx.mesh, ctx.ops
     p, s = mesh.pp.size, mesh.coord("pp")
     t, r = mesh.tp.size, mesh.coord("tp")
-    plan.check(mesh.dp.size, p, mesh.cp.size, t)
-    data, m = plan.data, plan.model
-    shape = plan.shape(p)
-    place = placement(plan.schedule, shape)
-    passes = stage_passes(plan.schedule, shape, s)
-    neighbours = functools.lru_cache(lambda q: stage_passes(plan.schedule, shape, q))  # what they send here
+    parallelism.check(mesh.dp.size, p, mesh.cp.size, t)
+    data, m = parallelism.data, parallelism.model
+    shape = parallelism.shape(p)
+    place = placement(parallelism.schedule, shape)
+    passes = stage_passes(parallelism.schedule, shape, s)
+    neighbours = functools.lru_cache(lambda q: stage_passes(parallelism.schedule, shape, q))  # what they send here
     pieces = chunk_units(m.layers, place.pieces)
     units = _units_by_chunk(pieces, place)
     mine = [u for c in sorted(place.piece[g] for g in place.on(s)) for u in pieces[c]]  # model order
@@ -217,7 +217,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     twin = mesh.mesh.mirror(ctx.rank) if dual else None
     copies = {u for g in place.on(s) if g >= place.pieces for u in units[g]} if dual else set()
     names = {u: unit_names(m, u) for u in mine}
-    ck = plan.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
+    ck = parallelism.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
     kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
     start, loaded = checkpoint.read(ck.resume, list(kinds)) if ck and ck.resume else (0, {})
     full = loaded.pop("master") if loaded else init_params(ops, m, list(kinds))  # (this rank's tensors only)
@@ -226,11 +226,11 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
     elsewhere |= {k for u in copies for k in names[u]}
     dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
-                zero_over=plan.zero_over, counted_elsewhere=elsewhere, twin=twin)
+                zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=twin)
     if loaded:
         dp.restore({state: {k: shard(ops.constant(v[k], v[k].dtype), kinds[k], t, r) for k in kinds}
                     for state, v in loaded.items()}, start)
-    model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, plan)
+    model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, parallelism)
     tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []
     grads: dict[str, Any] = {}
@@ -249,7 +249,7 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
         if ck and ck.save and ck.at == step:
             written = save(step)
         dp.begin_step()
-        work = Stage(ctx, plan, model, dp, units, step, passes, tapes)
+        work = Stage(ctx, parallelism, model, dp, units, step, passes, tapes)
         yield from execute(ctx, passes, work, place, mesh.pp, neighbours)
         grads = yield from dp.step(step)
         first = first or grads
@@ -265,11 +265,11 @@ def composed(ctx: Context, plan: Plan) -> Generator[Any, Any, dict[str, Any]]:
     return {"loss": losses, "first_step": start, "checkpoint": written, **dp.results(grads, first)}
 
 
-def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], plan: Plan) -> dict[str, Any]:
+def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parallelism: Parallelism) -> dict[str, Any]:
     """The single-device view of any layout: each unit's chunks joined over its shard group, the
     tensor-parallel pieces joined by name. Replicas (the same chunk on several ranks, a replicated
     tensor on every tp rank) must agree: one that differs is reported as its own output."""
-    m = plan.model
+    m = parallelism.model
     t = max(c["tp"] for c in coords) + 1
     out: dict[str, Any] = {}
     for rank, (res, c) in enumerate(zip(results, coords)):

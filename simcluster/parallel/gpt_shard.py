@@ -1,6 +1,6 @@
 """The GPT on one rank of a (pp, cp, tp) layout: one block definition that knows its mesh axes.
 
-The same pieces as the single-device model (model/gpt.py), split the way the plan (plan.py) says:
+The same pieces as the single-device model (model/gpt.py), split the way the parallelism (parallelism.py) says:
   tp  attention by heads and the MLP by its inner dimension: QKV and the first MLP layer column
       parallel, the output projections row parallel, with the paper's operators
         f: identity forward, all-reduce of the input gradient backward (before a column-parallel layer),
@@ -30,7 +30,7 @@ from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
 from simcluster.parallel import allgather_attention, ring_attention, rsa, tensor_parallel, ulysses
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.positions import layout, runs
 from simcluster.program.context import Context
 
@@ -60,20 +60,20 @@ class GPTShard:
 
     learned_positions = True  # a position table (wpe) added to the token embedding
 
-    def __init__(self, ctx: Context, plan: Plan) -> None:
-        m = plan.model
+    def __init__(self, ctx: Context, parallelism: Parallelism) -> None:
+        m = parallelism.model
         self.ctx, self.ops, self.m = ctx, ctx.ops, m
         self.tp, self.cp = ctx.mesh.tp, ctx.mesh.cp
         self.t, self.tr = self.tp.size, ctx.mesh.coord("tp")
         self.P, self.r = self.cp.size, ctx.mesh.coord("cp")
-        self.sp = plan.sp and self.t > 1
+        self.sp = parallelism.sp and self.t > 1
         self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
-        self.zigzag = plan.zigzag(self.P)
+        self.zigzag = parallelism.zigzag(self.P)
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
         n = len(self.positions) // self.t if self.sp else len(self.positions)
         self.tokens = self.positions[self.tr * n:(self.tr + 1) * n] if self.sp else self.positions
-        self.attention = ATTENTION[plan.attention]
-        self.keeps_scores = plan.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
+        self.attention = ATTENTION[parallelism.attention]
+        self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
 

@@ -25,7 +25,7 @@ from simcluster.model.gpt import Slice
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.gpt_shard import GPTShard, weight_gradients
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.context import Context
 
 
@@ -38,8 +38,8 @@ def rope_table(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.nd
 
 class LlamaShard(GPTShard):
     learned_positions = False  # positions enter by rotating q and k
-    def __init__(self, ctx: Context, plan: Plan) -> None:
-        super().__init__(ctx, plan)
+    def __init__(self, ctx: Context, parallelism: Parallelism) -> None:
+        super().__init__(ctx, parallelism)
         m = self.m
         self.copies = max(1, self.t // m.kv_heads)  # tp ranks holding each kv head (Megatron replicates them)
         self.kv = max(1, m.kv_heads // self.t)  # this tp rank's key/value heads

@@ -14,7 +14,7 @@ placement says (stage g mod p, but for ZB-V and DualPipe). Each stage runs its p
 Sends are asynchronous and the receive that the next pass needs is posted one pass ahead, so
 transfers run on the point-to-point streams while the stage computes. Every message has its own tag
 (micro-batch, chunk, direction). What a pass computes is the stage's work (`StageWork`): the GPT's
-chunks under any plan (composed.py), or identical timed kernels (`UniformPipeline`, for the
+chunks under any layout (composed.py), or identical timed kernels (`UniformPipeline`, for the
 schedules' closed forms); the work also says what of a message goes on the wire (`pack`; with
 Megatron's scatter/gather, a tp rank's 1/tp of it) and makes it whole on arrival (`unpack`).
 """

@@ -14,7 +14,7 @@ from simcluster.model.gpt import train
 from simcluster.numerics.modes import make_ops
 from simcluster.parallel.composed import assemble, composed
 from simcluster.parallel.data_parallel import KINDS, TrainingConfig
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
@@ -44,9 +44,9 @@ def _reference(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
 
 
 def _one_rank(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
-    plan, mesh = Plan(data=cfg), DeviceMesh()
-    run = simulate(composed, plan, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
-    return assemble(run.results, [mesh.coords(0)], plan)
+    parallelism, mesh = Parallelism(data=cfg), DeviceMesh()
+    run = simulate(composed, parallelism, mesh=mesh, cluster=preset("dgx-a100", gpus_per_node=1), mode=mode)
+    return assemble(run.results, [mesh.coords(0)], parallelism)
 
 
 reference.cache_clear = _reference.cache_clear  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from simcluster.parallel.collectives_demo import collectives_demo
 from simcluster.parallel.composed import assemble as assemble_composed
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.plan import Plan
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.reference import reference
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
@@ -55,7 +55,7 @@ def _as_scenario_error() -> Iterator[None]:
         raise ScenarioError(str(exc)) from None
 
 
-def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
+def parallelism_of(sc: Scenario, mesh: DeviceMesh) -> Parallelism:
     """The scenario's GPT/Llama layout on `mesh`, checked (a ScenarioError says what is impossible)."""
     m, p, r = sc.model, sc.parallel, sc.run
     dp = mesh.sizes["dp"]
@@ -85,11 +85,11 @@ def plan_of(sc: Scenario, mesh: DeviceMesh) -> Plan:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
                              f"to be a multiple of pp={p['pp']}: set model.micro_batch so that global_batch / dp / "
                              f"micro_batch is a multiple of {p['pp']}")
-        plan = Plan(data=cfg, sp=p["sp"], attention=p["attention"], schedule=p["schedule"],
+        parallelism = Parallelism(data=cfg, sp=p["sp"], attention=p["attention"], schedule=p["schedule"],
                     virtual=p["virtual_stages"], zero_over=p["zero_over"],
                     scatter_gather=p["scatter_gather"], checkpoint=checkpoint.of(sc))
-        plan.check(**{a: mesh.sizes[a] for a in ("dp", "pp", "cp", "tp")})
-    return plan
+        parallelism.check(**{a: mesh.sizes[a] for a in ("dp", "pp", "cp", "tp")})
+    return parallelism
 
 
 @dataclass(frozen=True)
@@ -132,18 +132,18 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
     mode, program = sc.run["numerics"], sc.run["program"]
     coords = [mesh.coords(r) for r in range(mesh.world_size)]
     if program == "gpt":
-        plan = plan_of(sc, mesh)
-        cfg = plan.data
+        parallelism = parallelism_of(sc, mesh)
+        cfg = parallelism.data
         tokens = cfg.global_batch * cfg.model.seq
         start = checkpoint.start_step(sc)
-        outputs = lambda results: _from(start, assemble_composed(results, coords, plan))  # noqa: E731
+        outputs = lambda results: _from(start, assemble_composed(results, coords, parallelism))  # noqa: E731
         m = cfg.model
         bounds = training_bounds(cfg.precision, m.layers, max(m.hidden, m.ffn_hidden, m.seq, m.vocab, tokens))
-        return Job(composed, (plan,), mesh, mode, cfg.model.parameters,
+        return Job(composed, (parallelism,), mesh, mode, cfg.model.parameters,
                    tuple(f * (cfg.steps - start) for f in step_flops(cfg.model, tokens)), tokens, outputs,
                    _verdict(sc, lambda results: _report.verification(mode, _from(start, reference(cfg, mode)),
                                                                      outputs(results), bounds)),
-                   plan.alike(mesh.sizes["tp"], mesh.sizes["cp"]) if fold and mode == "meta" else (), bounds,
+                   parallelism.alike(mesh.sizes["tp"], mesh.sizes["cp"]) if fold and mode == "meta" else (), bounds,
                    cfg.steps - start)
     if program == "mlp":
         cfg, parameters, model_flops = _mlp(sc, mesh)

@@ -1,6 +1,6 @@
-"""The parallel plan: how one model is laid out on a (dp, pp, cp, tp) mesh, as data.
+"""The parallelism: how one model is laid out on a (dp, pp, cp, tp) mesh, as data.
 
-A plan names, for every mesh axis, what it splits (the torchtitan and Megatron-LM shape):
+A parallelism names, for every mesh axis, what it splits (the torchtitan and Megatron-LM shape):
   tp  the block's linear layers: QKV and the first MLP layer by columns, the output projections by
       rows (Shoeybi et al. 2019), the embedding and LM head by vocabulary rows; with `sp`, the
       activations between those regions by sequence (Korthikanti et al. 2022): the shard table and the
@@ -31,7 +31,7 @@ ZERO_OVER = ("dp_cp", "dp")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Parallelism:
     data: TrainingConfig = field(default_factory=TrainingConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
     sp: bool = False
     attention: str = "ulysses"
@@ -82,7 +82,7 @@ class Plan:
         return PipelineShape(pp, self.data.micro_batches, self.virtual)
 
     def check(self, dp: int, pp: int, cp: int, tp: int) -> None:
-        """Clear errors for what this plan cannot run on the mesh."""
+        """Clear errors for what this parallelism cannot run on the mesh."""
         m = self.model
         self.data.check(dp)
         for what, size in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
