@@ -31,8 +31,8 @@ from torch import nn
 
 from gpu_backend.backend import launch
 from gpu_backend.processes import in_processes
-from simcluster.run.job import job_of
 from simcluster.config.scenario import load
+from simcluster.run.job import job_of
 
 SHAPES = {  # hidden: (layers, heads, sequence, vocab), one sequence per rank a step
     256: (4, 4, 256, 2048),

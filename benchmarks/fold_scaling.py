@@ -26,9 +26,9 @@ import sys
 
 CHILD = """
 import json, resource, sys, time
+from simcluster.config.scenario import load
 from simcluster.run import runner
 from simcluster.run.runner import run_all
-from simcluster.config.scenario import load
 name, fold, rounds, overrides = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
 if not rounds:
     runner._rounds = lambda sc, faults: None  # (every micro-batch simulated)

@@ -12,8 +12,8 @@ import argparse
 import math
 import time
 
-from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import build
+from simcluster.run.runner import run_scenario
 
 
 def seconds(P: int, schedule: str) -> float:

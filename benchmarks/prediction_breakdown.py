@@ -24,11 +24,11 @@ from typing import Any
 
 from calibrated_prediction import scenario_sets  # (the row taken apart; this script's folder is on the path)
 from gpu_backend import backend
-from gpu_backend.step_profile import TimedKernels
 from gpu_backend.processes import in_processes
+from gpu_backend.step_profile import TimedKernels
+from simcluster.config.scenario import load
 from simcluster.run.job import job_of
 from simcluster.run.runner import run_scenario
-from simcluster.config.scenario import load
 
 
 def rank(device: Any, program: Any, args: Any, mesh: Any) -> tuple[float, dict[str, float]]:

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_backend.digests import digests, restore
 from gpu_backend.backend import preflight
+from gpu_backend.digests import digests, restore
 from simcluster import checkpoint
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.report import relative_error

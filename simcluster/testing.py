@@ -31,8 +31,8 @@ from simcluster.model.config import ModelConfig
 from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.parallel.parallelism import ATTENTIONS, ZERO_OVER, Parallelism
+from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.program.mesh import AXES, DeviceMesh
 from simcluster.topology.presets import preset
 from simcluster.valid import divisors

@@ -5,8 +5,8 @@ import pytest
 
 from simcluster import batch
 from simcluster.cli import main
-from simcluster.run.runner import run_all, run_scenario
 from simcluster.config.scenario import ScenarioError, build, load
+from simcluster.run.runner import run_all, run_scenario
 
 
 @pytest.mark.parametrize("b", [1e3, 2.5e6, 7e7])

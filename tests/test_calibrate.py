@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import ScenarioError, load
+from simcluster.run.runner import run_scenario
 from simcluster.topology import profile
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset

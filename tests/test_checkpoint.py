@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
 from simcluster.cli import main
+from simcluster.config.scenario import build
 from simcluster.run.job import job_of
 from simcluster.run.runner import run_scenario
-from simcluster.config.scenario import build
 
 MODEL = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.ffn_hidden=64", "model.seq=16",
          "model.global_batch=8", "model.tied_head=false"]

@@ -14,8 +14,8 @@ import pytest
 from simcluster import checkpoint, checkpoint_folder
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
 from simcluster.cli import main
-from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import build
+from simcluster.run.runner import run_scenario
 
 SMALL = ["model.layers=2", "model.hidden=16", "model.heads=2", "model.ffn_hidden=32", "model.seq=8",
          "model.vocab=16", "model.global_batch=4", "model.tied_head=false", "run.steps=3"]

@@ -17,8 +17,8 @@ from simcluster import report
 from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.reference import reference
 from simcluster.parallel.parallelism import Parallelism
+from simcluster.parallel.reference import reference
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_bit_exact, layouts
 

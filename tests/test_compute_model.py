@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import load
+from simcluster.run.runner import run_scenario
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 

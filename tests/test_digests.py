@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
 from byte_compare import assert_same_bytes  # noqa: E402
-from gpu_backend.digests import Same, Unsent, digest, digests, restore, summarize  # noqa: E402
 from gpu_backend.backend import launch, on_host  # noqa: E402
+from gpu_backend.digests import Same, Unsent, digest, digests, restore, summarize  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
 from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402

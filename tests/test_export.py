@@ -8,9 +8,9 @@ import re
 import pytest
 
 from simcluster.cli import main
-from simcluster.run.runner import run_all
 from simcluster.config.scenario import load
 from simcluster.engine.totals import covered
+from simcluster.run.runner import run_all
 from simcluster.viz import hta
 from simcluster.viz.chrome import chrome_trace
 

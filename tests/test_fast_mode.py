@@ -9,14 +9,14 @@ from composed_runs import run_composed
 from simcluster import report
 from simcluster.model.gpt import ModelConfig
 from simcluster.numerics import tolerance
+from simcluster.numerics import kernels
 from simcluster.numerics.limbs import BF16
 from simcluster.numerics.modes import make_ops
 from simcluster.numerics.tensor import Partial
-from simcluster.numerics import kernels
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.reference import reference
 from simcluster.parallel.parallelism import Parallelism
+from simcluster.parallel.reference import reference
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import Layout, assert_close_fast
 

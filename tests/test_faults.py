@@ -7,8 +7,8 @@ import pytest
 
 from simcluster import goodput
 from simcluster.cli import main
-from simcluster.run.runner import run_scenario
 from simcluster.config.scenario import ScenarioError, build
+from simcluster.run.runner import run_scenario
 
 META = ["run.numerics=meta", "run.steps=2"]
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from simcluster.cli import main
+from simcluster.config.scenario import load
 from simcluster.engine import simulate
 from simcluster.engine.fold import fold_for
 from simcluster.model.config import ModelConfig
@@ -14,7 +15,6 @@ from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all
-from simcluster.config.scenario import load
 from simcluster.topology.presets import preset
 
 # Every family in the library, made to fold: more data-parallel replicas than one block of whole nodes.

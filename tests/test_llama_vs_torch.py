@@ -15,8 +15,8 @@ import torch.nn.functional as F  # noqa: E402
 from simcluster.model.gpt import ModelConfig, batch, init_params  # noqa: E402
 from simcluster.numerics.modes import make_ops  # noqa: E402
 from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
-from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.llama_shard import rope_table  # noqa: E402
+from simcluster.parallel.reference import reference  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from simcluster.config.scenario import ScenarioError, load
 from simcluster.engine import simulate
 from simcluster.model.gpt import ModelConfig, train
 from simcluster.numerics.modes import make_ops
@@ -15,7 +16,6 @@ from simcluster.parallel.data_parallel import TrainingConfig, padded, unit_size
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_scenario
-from simcluster.config.scenario import ScenarioError, load
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 

@@ -8,9 +8,9 @@ from simcluster import report
 from simcluster.engine import DeadlockError, simulate
 from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.reference import reference
 from simcluster.parallel.pipeline import UniformPipeline, pipeline_uniform, uniform_cluster
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule, describe
+from simcluster.parallel.reference import reference
 from simcluster.program.mesh import DeviceMesh
 from simcluster.viz.pipeline_picture import picture
 

@@ -7,9 +7,9 @@ from unittest import mock
 
 import pytest
 
-from simcluster.run import pipeline_steady, runner, steady
-from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.config.scenario import build
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
+from simcluster.run import pipeline_steady, runner, steady
 
 M = 48  # micro-batches a step, each rank: enough for every schedule's two short runs to cost half
 BASE = ["run.numerics=meta", "run.steps=1", "model.micro_batch=1", "model.tied_head=false", "model.layers=4",

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from simcluster.cli import main
 from simcluster.analysis.planner import Layout, estimate, layouts, search
-from simcluster.run.runner import run_scenario
+from simcluster.cli import main
 from simcluster.config.scenario import load
+from simcluster.run.runner import run_scenario
 
 # a 4-layer GPT on two nodes of 4 GPUs: small enough to simulate many layouts in meta mode
 SMALL = ["run.numerics=meta", "run.steps=1", "model.layers=4", "model.hidden=512", "model.heads=8", "model.ffn_hidden=2048",

@@ -4,11 +4,11 @@ carry nodes x NIC / oversubscription per rail."""
 
 import pytest
 
+from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all
-from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.topology.presets import preset
 
 ELEMENTS = 1 << 24  # bf16: 32 MiB, bandwidth-bound

@@ -11,9 +11,9 @@ from simcluster.model.gpt import ModelConfig, Slice
 from simcluster.numerics import kernels
 from simcluster.parallel import cp_blocks, ring_attention
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.reference import reference
-from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.parallelism import Parallelism
+from simcluster.parallel.reference import reference
+from simcluster.parallel.transformer_shard import TransformerShard
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
@@ -38,7 +38,7 @@ def test_bit_exact_against_one_device(attention, cp, dp, chunk, heads, layers, c
 
 def attention_only(ctx, cfg, seed):
     """Ring attention's forward alone on random q, k, v: this rank's output rows."""
-    model = GPTShard(ctx, cfg)
+    model = TransformerShard(ctx, cfg)
     m = cfg.data.model
     rng = np.random.default_rng(seed)
     full = [rng.standard_normal((1, m.heads, m.seq, m.head_dim)).astype(np.float32) for _ in range(3)]

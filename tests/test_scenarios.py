@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from simcluster.cli import main
-from simcluster.viz.outcome_view import render
-from simcluster.run.runner import run_all
 from simcluster.config.scenario import library, load
+from simcluster.run.runner import run_all
+from simcluster.viz.outcome_view import render
 
 SCENARIOS = [f.stem for f in library()]
 # The two lessons whose exact runs take ~50 s each (64 TPU chips three times; six pipeline schedules):

@@ -6,9 +6,9 @@ from unittest import mock
 
 import pytest
 
-from simcluster.run import runner, steady
-from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.config.scenario import ScenarioError, build
+from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
+from simcluster.run import runner, steady
 
 PIPE = ["model.tied_head=false", "model.micro_batch=1", "model.layers=4"]
 LAYOUTS = [

@@ -3,9 +3,9 @@
 import json
 import xml.etree.ElementTree as ET
 
+from simcluster.analysis.sweep import overrides_for
 from simcluster.cli import main
 from simcluster.config.scenario import load
-from simcluster.analysis.sweep import overrides_for
 
 META = ["--set", "run.numerics=meta"]
 

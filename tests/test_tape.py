@@ -5,11 +5,11 @@ import json
 import pytest
 
 import simcluster.parallel.tape as tape
+from simcluster.config.scenario import load
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all
-from simcluster.config.scenario import load
 
 from tests.test_fold import FOLDING
 

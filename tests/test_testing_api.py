@@ -11,8 +11,8 @@ from broken import swapped_tp, wrong_coord
 from simcluster.model.gpt import ModelConfig
 from simcluster.parallel.composed import composed
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.parallel.parallelism import ATTENTIONS, Parallelism
+from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.parallel.tp_dp_mlp import MLPConfig, assemble, train_mlp
 from simcluster.program.mesh import DeviceMesh
 from simcluster.testing import (Layout, assert_bit_exact, assert_close_fast, assert_same, layouts, meshes, outputs,

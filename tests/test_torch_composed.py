@@ -16,8 +16,8 @@ from simcluster.engine import simulate  # noqa: E402
 from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
 from simcluster.parallel.data_parallel import TrainingConfig  # noqa: E402
-from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.parallel.parallelism import Parallelism  # noqa: E402
+from simcluster.parallel.reference import reference  # noqa: E402
 from simcluster.program.mesh import DeviceMesh  # noqa: E402
 from simcluster.topology.presets import preset  # noqa: E402
 

@@ -4,12 +4,12 @@ ring at once where the dimension wraps around, and twice the time on an open lin
 
 import pytest
 
+from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.engine import simulate
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.comm import CommKind
 from simcluster.program.mesh import DeviceMesh
 from simcluster.run.runner import run_all, run_scenario
-from simcluster.config.scenario import ScenarioError, build, load
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.phases import phases
 from simcluster.topology.presets import preset

@@ -2,7 +2,7 @@
 
 The axes compose in the order real stacks apply them (torchtitan's parallelize, Megatron-LM's model
 provider): the model is cut into pipeline chunks (pipeline.py's `partition`); each chunk's blocks are
-GPTShard blocks, split over tp (and sp) and cp as the parallelism says (gpt_shard.py); data parallelism,
+TransformerShard blocks, split over tp (and sp) and cp as the parallelism says (transformer_shard.py); data parallelism,
 DDP or ZeRO-1/2/3, wraps the parameters the rank then holds (dp_wrap.py). With pp = 1 the pipeline is
 one stage whose passes are F(j), B(j) for each micro-batch: plain gradient accumulation.
 
@@ -31,13 +31,13 @@ from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.data_parallel import KINDS
 from simcluster.parallel.dp_wrap import DPWrap
-from simcluster.parallel.gpt_shard import GPTShard
 from simcluster.parallel.llama_shard import LlamaShard
+from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.pipeline import execute, partition
 from simcluster.parallel.pipeline_schedules import Pass, deferred, passes as stage_passes, placement
-from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
+from simcluster.parallel.transformer_shard import TransformerShard
 from simcluster.program.context import Context
 
 
@@ -59,7 +59,7 @@ def chunk_units(layers: int, pieces: int) -> tuple[tuple[str, ...], ...]:
 class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
-    def __init__(self, ctx: Context, parallelism: Parallelism, model: GPTShard, dp: DPWrap, units: list[list[str]],
+    def __init__(self, ctx: Context, parallelism: Parallelism, model: TransformerShard, dp: DPWrap, units: list[list[str]],
                  step: int, passes: list[Pass], tapes: Tapes | None = None) -> None:
         self.ctx, self.ops, self.parallelism, self.model, self.dp = ctx, ctx.ops, parallelism, model, dp
         self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
@@ -230,7 +230,7 @@ def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict
     if loaded:
         dp.restore({state: {k: shard(ops.constant(v[k], v[k].dtype), kinds[k], t, r) for k in kinds}
                     for state, v in loaded.items()}, start)
-    model = (LlamaShard if m.arch == "llama" else GPTShard)(ctx, parallelism)
+    model = (LlamaShard if m.arch == "llama" else TransformerShard)(ctx, parallelism)
     tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []
     grads: dict[str, Any] = {}

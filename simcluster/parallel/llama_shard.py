@@ -1,6 +1,6 @@
 """The Llama-style model on one rank of a (pp, cp, tp) layout (Touvron et al. 2023; Llama 3, 2024).
 
-What differs from the GPT (gpt_shard.py), piece by piece; the tp / sp / cp splits and the attention
+What differs from the GPT (transformer_shard.py), piece by piece; the tp / sp / cp splits and the attention
 over cp are the GPT's:
   - no position table and no biases; RMSNorm (Zhang & Sennrich 2019) instead of layer norm;
   - rotary position embedding (Su et al. 2021) on q and k at each token's global position (a cp rank
@@ -24,8 +24,8 @@ import numpy as np
 from simcluster.model.gpt import Slice
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.gpt_shard import GPTShard, weight_gradients
 from simcluster.parallel.parallelism import Parallelism
+from simcluster.parallel.transformer_shard import TransformerShard, weight_gradients
 from simcluster.program.context import Context
 
 
@@ -36,7 +36,7 @@ def rope_table(seq: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.nd
     return np.tile(np.cos(angle), 2), np.tile(np.sin(angle), 2)
 
 
-class LlamaShard(GPTShard):
+class LlamaShard(TransformerShard):
     learned_positions = False  # positions enter by rotating q and k
     def __init__(self, ctx: Context, parallelism: Parallelism) -> None:
         super().__init__(ctx, parallelism)

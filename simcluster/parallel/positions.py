@@ -1,6 +1,6 @@
 """Which positions of a sequence a context-parallel rank holds: its share as runs of positions (contiguous,
 or zigzag for causal attention), kept as a few integers whatever the sequence's length. The shards
-(gpt_shard.py) and the attentions that exchange the shares (cp_blocks.py) both read them."""
+(transformer_shard.py) and the attentions that exchange the shares (cp_blocks.py) both read them."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ around its parallel regions, as free functions with the papers' names:
   g   all-reduce of the partial output forward, identity backward: after a row-parallel layer;
 with sequence parallelism, g is a reduce-scatter to this rank's tokens and f an all-gather of the
 sequence (`gather`). Every sum is of exact partials, rounded once after it (`ops.finalize`), so any tp
-degree gives the single device's bytes. The blocks that use them: gpt_shard.py, llama_shard.py."""
+degree gives the single device's bytes. The blocks that use them: transformer_shard.py, llama_shard.py."""
 
 from __future__ import annotations
 

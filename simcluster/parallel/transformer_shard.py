@@ -1,4 +1,5 @@
-"""The GPT on one rank of a (pp, cp, tp) layout: one block definition that knows its mesh axes.
+"""A transformer on one rank of a (pp, cp, tp) layout: one block definition that knows its mesh axes (the
+GPT's; llama_shard.py changes what the Llama changes).
 
 The same pieces as the single-device model (model/gpt.py), split the way the parallelism (parallelism.py) says:
   tp  attention by heads and the MLP by its inner dimension: QKV and the first MLP layer column
@@ -53,7 +54,7 @@ def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
     return put
 
 
-class GPTShard:
+class TransformerShard:
     """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
     modules (ulysses.py, ring_attention.py, allgather_attention.py, rsa.py) use."""
