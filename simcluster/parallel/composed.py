@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Generator
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
 
 import numpy as np
 
@@ -201,68 +202,126 @@ class Stage:
 
 
 def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict[str, Any]]:
-    mesh, ops = ctx.mesh, ctx.ops
+    """One rank's training under `parallelism`, in the steps torchtitan's `parallelize_llama` takes: where
+    its pipeline stage sits, which shards it holds, its weights (fresh or resumed), the data-parallel
+    wrapper around them, then the training steps."""
+    mesh = ctx.mesh
+    parallelism.check(mesh.dp.size, mesh.pp.size, mesh.cp.size, mesh.tp.size)
+    stage = _placed(ctx, parallelism)
+    shards = _Shards.of(ctx, parallelism, stage)
+    ck = parallelism.checkpoint if ctx.ops.mode is not Mode.META else None  # (a preflight of a run that saves)
+    start, init, loaded = _weights(ctx, parallelism, shards, ck)
+    dp = _wrapped(ctx, parallelism, stage, shards, init, loaded, start)
+    return (yield from _train(ctx, parallelism, stage, shards, dp, start, ck))
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where this rank's pipeline stage sits in the schedule."""
+    place: Any  # pipeline_schedules.placement: the chunks and the stages that run them
+    passes: Any  # this stage's passes, in order
+    neighbours: Callable[[int], Any]  # another stage's passes (what it sends here)
+    units: tuple[tuple[str, ...], ...]  # the units of each chunk
+    mine: list[str]  # this stage's units, in model order
+    twin: Any  # DualPipe: the group of this rank and its mirror; else None
+    copies: set[str]  # DualPipe: the units of the reverse chain's copies this stage holds
+
+
+def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
+    mesh, m = ctx.mesh, parallelism.model
     p, s = mesh.pp.size, mesh.coord("pp")
-    t, r = mesh.tp.size, mesh.coord("tp")
-    parallelism.check(mesh.dp.size, p, mesh.cp.size, t)
-    data, m = parallelism.data, parallelism.model
     shape = parallelism.shape(p)
     place = placement(parallelism.schedule, shape)
-    passes = stage_passes(parallelism.schedule, shape, s)
-    neighbours = functools.lru_cache(lambda q: stage_passes(parallelism.schedule, shape, q))  # what they send here
+    neighbours = functools.lru_cache(lambda q: stage_passes(parallelism.schedule, shape, q))
     pieces = chunk_units(m.layers, place.pieces)
     units = _units_by_chunk(pieces, place)
     mine = [u for c in sorted(place.piece[g] for g in place.on(s)) for u in pieces[c]]  # model order
     dual = place.pieces < place.chunks  # DualPipe: each piece twice, the reverse chain's copy not counted twice
     twin = mesh.mesh.mirror(ctx.rank) if dual else None
     copies = {u for g in place.on(s) if g >= place.pieces for u in units[g]} if dual else set()
-    names = {u: unit_names(m, u) for u in mine}
-    ck = parallelism.checkpoint if ops.mode is not Mode.META else None  # (a preflight of a run that saves)
-    kinds = {k: shard_kind(k, m, t) for u in mine for k in names[u]}
-    start, loaded = checkpoint.read(ck.resume, list(kinds)) if ck and ck.resume else (0, {})
-    full = loaded.pop("master") if loaded else init_params(ops, m, list(kinds))  # (this rank's tensors only)
-    init = {k: shard(ops.constant(full[k], full[k].dtype) if loaded else full[k], kinds[k], t, r) for k in kinds}
+    return _Placed(place, stage_passes(parallelism.schedule, shape, s), neighbours, units, mine, twin, copies)
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """The parameters this rank holds: their names by unit, and how each is split over tp."""
+    names: dict[str, list[str]]
+    kinds: dict[str, str]  # tensor_parallel.shard_kind
+    t: int
+    r: int
+
+    @staticmethod
+    def of(ctx: Context, parallelism: Parallelism, stage: _Placed) -> _Shards:
+        m, t = parallelism.model, ctx.mesh.tp.size
+        names = {u: unit_names(m, u) for u in stage.mine}
+        return _Shards(names, {k: shard_kind(k, m, t) for u in stage.mine for k in names[u]}, t, ctx.mesh.coord("tp"))
+
+    def split(self, ops: Any, full: dict[str, Any], host: bool) -> dict[str, Any]:
+        """This rank's share of each whole tensor (`host`: read from a file, made the kernel set's first)."""
+        return {k: shard(ops.constant(full[k], full[k].dtype) if host else full[k], self.kinds[k], self.t, self.r)
+                for k in self.kinds}
+
+
+def _weights(ctx: Context, parallelism: Parallelism, shards: _Shards,
+             ck: Any) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """The first step, this rank's initial weights, and what a resumed checkpoint holds beside them."""
+    start, loaded = checkpoint.read(ck.resume, list(shards.kinds)) if ck and ck.resume else (0, {})
+    full = loaded.pop("master") if loaded else init_params(ctx.ops, parallelism.model, list(shards.kinds))
+    return start, shards.split(ctx.ops, full, bool(loaded)), loaded
+
+
+def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shards, init: dict[str, Any],
+             loaded: dict[str, Any], start: int) -> DPWrap:
+    """DDP or ZeRO around the parameters this rank holds (with a resumed optimizer state)."""
+    t, r, kinds, names = shards.t, shards.r, shards.kinds, shards.names
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
-    elsewhere |= {k for u in copies for k in names[u]}
-    dp = DPWrap(ctx, data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in mine}, init,
-                zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=twin)
+    elsewhere |= {k for u in stage.copies for k in names[u]}
+    dp = DPWrap(ctx, parallelism.data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in stage.mine},
+                init, zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=stage.twin)
     if loaded:
-        dp.restore({state: {k: shard(ops.constant(v[k], v[k].dtype), kinds[k], t, r) for k in kinds}
-                    for state, v in loaded.items()}, start)
+        dp.restore({state: shards.split(ctx.ops, v, True) for state, v in loaded.items()}, start)
+    return dp
+
+
+def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shards, dp: DPWrap, start: int,
+           ck: Any) -> Generator[Any, Any, dict[str, Any]]:
+    """The steps from `start`: the stage's passes, the optimizer step, the loss; a save where asked."""
+    ops, data, m = ctx.ops, parallelism.data, parallelism.model
     model = (LlamaShard if m.arch == "llama" else TransformerShard)(ctx, parallelism)
     tapes = Tapes.of(ctx)  # meta mode on the emulator: each kind of block's Python runs once
     losses: list[Any] = []
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
     written = None
-
-    def save(step: int) -> Any:
-        shapes = m.parameter_shapes()  # the states copied to the host, which writes the file
-        snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
-        return checkpoint.write_rank(ck.staging, ctx.rank, step, [
-            dict(zip(("index", "which"), checkpoint.element_index(
-                [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.n, dp.k)),
-                 names=names[u], mask=dp.owned[u], states=snap[u]) for u in mine])
-
     for step in range(start, data.steps):
         if ck and ck.save and ck.at == step:
-            written = save(step)
+            written = _save(ctx, ck, m, stage, shards, dp, step)
         dp.begin_step()
-        work = Stage(ctx, parallelism, model, dp, units, step, passes, tapes)
-        yield from execute(ctx, passes, work, place, mesh.pp, neighbours)
+        work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes)
+        yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         grads = yield from dp.step(step)
         first = first or grads
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):
                 total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)
-                if twin is not None:  # DualPipe: the other end's micro-batches
-                    total = yield ctx.comm.all_reduce(total, group=twin)
+                if stage.twin is not None:  # DualPipe: the other end's micro-batches
+                    total = yield ctx.comm.all_reduce(total, group=stage.twin)
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
     yield from dp.finish()
     if ck and ck.save and ck.at == data.steps:
-        written = save(data.steps)
+        written = _save(ctx, ck, m, stage, shards, dp, data.steps)
     return {"loss": losses, "first_step": start, "checkpoint": written, **dp.results(grads, first)}
+
+
+def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DPWrap, step: int) -> Any:
+    """This rank's file of the checkpoint: the states it owns, copied to the host, which writes the file."""
+    shapes, ops, names, kinds, t, r = m.parameter_shapes(), ctx.ops, shards.names, shards.kinds, shards.t, shards.r
+    snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
+    return checkpoint.write_rank(ck.staging, ctx.rank, step, [
+        dict(zip(("index", "which"), checkpoint.element_index(
+            [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.n, dp.k)),
+             names=names[u], mask=dp.owned[u], states=snap[u]) for u in stage.mine])
 
 
 def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parallelism: Parallelism) -> dict[str, Any]:
