@@ -1,11 +1,11 @@
-"""Time to a target loss against batch size (simcluster/batch.py, McCandlish et al. 2018), and the
+"""Time to a target loss against batch size (simcluster/report/critical_batch.py, McCandlish et al. 2018), and the
 critical_batch scenario's curve of wall time against GPUs."""
 
 import pytest
 
-from simcluster import batch
 from simcluster.cli import main
 from simcluster.config.scenario import ScenarioError, build, load
+from simcluster.report import critical_batch as batch
 from simcluster.run.runner import run_all, run_scenario
 
 

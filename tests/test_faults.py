@@ -1,13 +1,13 @@
-"""Fault injection ([faults], engine/faults.py) and goodput ([goodput], simcluster/goodput.py)."""
+"""Fault injection ([faults], engine/faults.py) and goodput ([goodput], simcluster/report/goodput.py)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from simcluster import goodput
 from simcluster.cli import main
 from simcluster.config.scenario import ScenarioError, build
+from simcluster.report import goodput
 from simcluster.run.runner import run_scenario
 
 META = ["run.numerics=meta", "run.steps=2"]

@@ -136,7 +136,7 @@ LAYERS = [
     ("config",),  # the input: a scenario's keys, values and checks; the command line's options
     ("checkpoint_folder", "checkpoint"),  # the checkpoint's format and folder
     ("parallel",),  # the per-rank programs, and the single-device reference they are checked against
-    ("report", "batch", "goodput"),  # a run's report, and the sections it adds (critical batch, goodput)
+    ("report",),  # a run's report, and the sections it adds (critical batch, goodput)
     ("run",),  # the job a scenario runs, its budget, the runner, simulating less
     ("analysis", "testing"),  # analyses over many runs (plan, sweep); the public testing API
     ("viz",),  # renderers and exports

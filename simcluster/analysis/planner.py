@@ -439,7 +439,7 @@ def _simulated(scenarios: list[Scenario], fold: bool, jobs: int,
 
 
 def _capacity(sc: Scenario) -> float:
-    """The device's memory in bytes (as report.py counts it), whatever the scenario's degrees."""
+    """The device's memory in bytes (as report/ counts it), whatever the scenario's degrees."""
     c = sc.cluster
     figure = c.get("memory_gbyte")
     return (figure if figure is not None else PRESETS[c["preset"]].memory_gbyte) * 2**30

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from simcluster import batch, checkpoint, goodput
+from simcluster import checkpoint
 from simcluster import report as _report
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.totals import Totals
+from simcluster.report import critical_batch, goodput
 from simcluster.run import budget, pipeline_steady, steady
 from simcluster.run.job import Job, faults_of, job_of
 
@@ -75,13 +76,13 @@ def _run_scenario(sc: Scenario, fold: bool, trace: bool) -> Outcome:
         rep["goodput"] = goodput.account(sc.goodput, step_s=rep["step_time_ns"] * 1e-9, gpus=sc.world_size,
                                          parameters=job.parameters, dtype=sc.model["dtype"])
     if aims:
-        rep["target"] = batch.account(sc.target, step_s=rep["step_time_ns"] * 1e-9, tokens_per_step=job.tokens,
+        rep["target"] = critical_batch.account(sc.target, step_s=rep["step_time_ns"] * 1e-9, tokens_per_step=job.tokens,
                                       gpus=sc.world_size)
     return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
 
 
 def _aims(sc: Scenario) -> bool:
-    """Whether the scenario has a [target] (batch.py), checked."""
+    """Whether the scenario has a [target] (report/critical_batch.py), checked."""
     t = sc.target
     if t["b_noise_tokens"] is None and t["e_min_tokens"] is None:
         return False

@@ -13,7 +13,7 @@ restart dumps", eq. 6 with failures during restart):
 
 and the goodput is τ / E[T]. Its maximum over τ is found numerically (the function is unimodal in
 τ); Young's first-order optimum √(2 C M) (1974) and Daly's higher-order one
-√(2 C M) · (1 + √(C/2M)/3 + (C/2M)/9) − C are reported beside it (tests/test_goodput.py checks that the
+√(2 C M) · (1 + √(C/2M)/3 + (C/2M)/9) − C are reported beside it (tests/test_faults.py checks that the
 numerical optimum approaches them as C/M shrinks). A checkpoint holds what docs/checkpoint.md
 describes: fp32 master weights and two Adam moments, and the 16-bit working copy in mixed precision.
 """
