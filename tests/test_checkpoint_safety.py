@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from simcluster import checkpoint, checkpoint_folder
+from simcluster import checkpoint
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
+from simcluster.checkpoint import folder as checkpoint_folder
 from simcluster.cli import main
 from simcluster.config.scenario import build
 from simcluster.run.runner import run_scenario
@@ -41,7 +42,7 @@ def files_of(checkpoint_folder):
 
 KILL = """
 import os, sys
-from simcluster import checkpoint_folder
+from simcluster.checkpoint import folder as checkpoint_folder
 seen = []
 def phase(name):
     seen.append(name)

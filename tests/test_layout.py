@@ -134,7 +134,7 @@ LAYERS = [
     ("topology",),  # presets, the cluster's links, each collective's phases, measured profiles
     ("engine",),  # interpretation and timing of the programs, folding, the trace
     ("config",),  # the input: a scenario's keys, values and checks; the command line's options
-    ("checkpoint_folder", "checkpoint"),  # the checkpoint's format and folder
+    ("checkpoint",),  # the checkpoint's format (its __init__) and folder
     ("parallel",),  # the per-rank programs, and the single-device reference they are checked against
     ("report",),  # a run's report, and the sections it adds (critical batch, goodput)
     ("run",),  # the job a scenario runs, its budget, the runner, simulating less

@@ -319,7 +319,7 @@ class DPWrap:
             yield self.writes + self.state_writes
             self.writes, self.state_writes = [], []
 
-    # -- checkpoints (simcluster/checkpoint.py) --------------------------------------------------------
+    # -- checkpoints (simcluster/checkpoint/) --------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Each unit's chunk of every state a checkpoint keeps: fp32 master, Adam's moments, and in mixed
         precision the 16-bit working copy."""

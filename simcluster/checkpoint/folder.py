@@ -1,5 +1,5 @@
 """Where a checkpoint folder keeps its saves, as torch.distributed.checkpoint's and Orbax's managers
-keep them (the format of one checkpoint is checkpoint.py's):
+keep them (the format of one checkpoint is the package's, __init__.py):
 
   step-00000003/                one checkpoint: its manifest and the rank files (a second save of the same
                                 step beside it: step-00000003-2)

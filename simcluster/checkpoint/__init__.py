@@ -3,7 +3,7 @@ elements of which global tensor each file holds, and a resume re-slices on load
 (torch.distributed.checkpoint's idea; the format is ours, documented in docs/checkpoint.md).
 
 A checkpoint folder (--save-checkpoint DIR) holds one folder per complete checkpoint, written aside,
-renamed into place and named by DIR/latest (checkpoint_folder.py: killed at any point, DIR still
+renamed into place and named by DIR/latest (folder.py: killed at any point, DIR still
 holds the previous checkpoint whole).
 
 In a checkpoint:
@@ -43,8 +43,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from simcluster import checkpoint_folder as folders
-from simcluster.checkpoint_folder import LATEST, MANIFEST, PARTIAL, CheckpointError, resolve  # noqa: F401
+from simcluster.checkpoint import folder as folders
+from simcluster.checkpoint.folder import LATEST, MANIFEST, PARTIAL, CheckpointError, resolve  # noqa: F401
 from simcluster.config.scenario import Scenario
 from simcluster.model.optimizer import WEIGHT_DECAY
 from simcluster.numerics.tensor import dtype_name, numpy_dtype
@@ -81,7 +81,7 @@ def of(sc: Scenario) -> Checkpointing | None:
 @contextmanager
 def saving(sc: Scenario) -> Iterator[None]:
     """Around a run of `sc` (a no-op for one that does not save): its checkpoint folder locked
-    (checkpoint_folder.locked)."""
+    (folder.locked)."""
     ck = of(sc)
     if ck is None or not ck.save:
         yield
@@ -221,7 +221,7 @@ def checksum(manifest: dict[str, Any]) -> str:
 def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, int],
            shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """After every rank has written its file: the manifest, and the checkpoint published in its folder
-    (checkpoint_folder.publish). Returns what the report says of it."""
+    (folder.publish). Returns what the report says of it."""
     ck = of(sc)
     assert ck is not None and ck.save
     precision = dtype_name(sc.model["dtype"])
