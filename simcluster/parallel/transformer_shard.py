@@ -30,7 +30,7 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_bytes
 from simcluster.model.gpt import GPT, Slice
-from simcluster.parallel import allgather_attention, ring_attention, rsa, tensor_parallel, ulysses
+from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.positions import layout, runs
 from simcluster.program.context import Context
@@ -57,7 +57,7 @@ def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
 class TransformerShard:
     """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
-    modules (ulysses.py, ring_attention.py, allgather_attention.py, rsa.py) use."""
+    modules (local_attention.py, ulysses.py, ring_attention.py, allgather_attention.py, rsa.py) use."""
 
     learned_positions = True  # a position table (wpe) added to the token embedding
 
@@ -73,7 +73,7 @@ class TransformerShard:
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
         n = len(self.positions) // self.t if self.sp else len(self.positions)
         self.tokens = self.positions[self.tr * n:(self.tr + 1) * n] if self.sp else self.positions
-        self.attention = ATTENTION[parallelism.attention]
+        self.attention = ATTENTION[parallelism.attention] if self.P > 1 else local_attention
         self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
@@ -157,14 +157,9 @@ class TransformerShard:
 
     def attend(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         """(b, a/tp, s/cp, d) in and out; and what the backward pass needs."""
-        if self.P == 1:
-            core = self.core(q, k, v, i, step, where)
-            return core["out"], core | {"q": q, "k": k, "v": v}
         return (yield from self.attention.forward(self, q, k, v, i, step, where))
 
     def attend_backward(self, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-        if self.P == 1:
-            return self.gpt.attention_backward(dout, core)
         return (yield from self.attention.backward(self, dout, core))
 
     # -- forward ------------------------------------------------------------------------------------
