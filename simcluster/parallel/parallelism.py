@@ -27,6 +27,7 @@ from simcluster.parallel.pipeline_schedules import check as check_schedule
 from simcluster.valid import divisors, listed
 
 ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
+CP_ALIKE = ("ulysses", "allgather")  # attentions whose cp ranks run the same shapes (`alike`; Ulysses: given own kv heads)
 ZERO_OVER = ("dp_cp", "dp")
 
 
@@ -75,7 +76,7 @@ class Parallelism:
         if self.model.arch == "llama" and kv is not None and tp > kv:
             return ("dp",)
         own = self.model.arch != "llama" or kv is None or (kv // tp) % cp == 0
-        folds_cp = (self.attention == "ulysses" and own) or self.attention == "allgather"
+        folds_cp = self.attention in CP_ALIKE and (own or self.attention != "ulysses")
         return ("dp", "tp", "cp") if folds_cp else ("dp", "tp")
 
     def shape(self, pp: int) -> PipelineShape:

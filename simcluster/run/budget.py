@@ -18,6 +18,7 @@ import os
 from dataclasses import replace
 
 from simcluster.config.scenario import Scenario, ScenarioError
+from simcluster.parallel.parallelism import CP_ALIKE
 from simcluster.parallel.pipeline_schedules import PipelineShape, placement
 from simcluster.run import pipeline_steady
 from simcluster.run.job import COUNTABLE, faults_of, job_of
@@ -128,7 +129,7 @@ def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, b
     faulty = faults_of(sc) is not None
     cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
     folds = fold and not faulty and not cluster
-    copies = (1 if folds and p["attention"] in ("ulysses", "allgather") else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
+    copies = (1 if folds and p["attention"] in CP_ALIKE else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
     steps, micro = _meta_counts(sc, repeat)
     why = "" if folds else (f" x {copies:,} copies: every dp and tp rank runs, " + (
         "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster else "--no-fold"))
