@@ -31,11 +31,11 @@ MEGATRON_2021 = {"cp": (1,), "zero": (0,), "sp": (0,), "recompute": ("full",), "
 def megatron_2021(v, simulate: int, **only: tuple):
     """The best of the layouts Megatron-LM had in 2021 (the module's docstring), with their DDP; `only`:
     fields fixed further (tp=(8,), pp=(2,))."""
-    fixed = MEGATRON_2021 | {"micro_batch": (v.model["micro_batch"],)} | only
+    fixed = MEGATRON_2021 | {"micro_batch": (v.model.micro_batch,)} | only
     found = []
     for pipelined in (False, True):
-        w = replace(v, parallel=dict(v.parallel, overlap_grad_reduce=not pipelined))
-        pp = tuple(p for p in only.get("pp", range(1, v.model["layers"] + 1)) if (p > 1) == pipelined)
+        w = replace(v, parallel=replace(v.parallel, overlap_grad_reduce=not pipelined))
+        pp = tuple(p for p in only.get("pp", range(1, v.model.layers + 1)) if (p > 1) == pipelined)
         if pp:
             found += search(w, simulate=simulate, fixed=fixed | {"pp": pp}).rows
     return min(found, key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))

@@ -63,7 +63,7 @@ def main() -> None:
     sc = load(None, scenario_sets(a.profile, a.arch, a.hidden, a.dtype, a.layout, a.steps))
     job = job_of(sc, fold=False)
     runs = in_processes(rank, (job.program, job.args, job.mesh), 2, "gloo", timeout_s=1800)
-    emulated = run_scenario(replace(sc, run=dict(sc.run, numerics="meta")), fold=False)
+    emulated = run_scenario(replace(sc, run=replace(sc.run, numerics="meta")), fold=False)
     charged: dict[str, float] = {}
     for e in emulated.result.trace.events:
         if e.rank == 0:  # a kernel by its name past its label; a collective by its kind

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             else:
                 if err.is_terminal:
                     err.print("the emulator's run (the prediction" + (", and the numbers to compare)" if
-                              sc.run["verify"] else ")") + " ...", highlight=False)
+                              sc.run.verify else ")") + " ...", highlight=False)
                 emulated = scenario_run.emulate(sc, job)
                 if err.is_terminal:
                     err.print(f"running {job.mesh.world_size} processes on {kind} ...", highlight=False)

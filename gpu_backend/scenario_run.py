@@ -39,7 +39,7 @@ def prepare(sc: Scenario, nproc: int | None = None) -> Job:
         labels = ", ".join(label for label, _ in sc.variants)
         raise ScenarioError(f"scenario {sc.name!r} compares {len(sc.variants)} variants ({labels}); the torch backend "
                             f"runs one scenario: use a copy without its [compare] table")
-    if sc.run["numerics"] == "meta":
+    if sc.run.numerics == "meta":
         raise ScenarioError("the torch backend computes numbers: set run.numerics to exact or fast (meta mode "
                             "carries shapes only)")
     if faults_of(sc) is not None:
@@ -57,7 +57,7 @@ def prepare(sc: Scenario, nproc: int | None = None) -> Job:
 
 def check(sc: Scenario, job: Job) -> None:
     """The preflight: the job on the emulator in meta mode, on the scenario's cluster."""
-    preflight(job.program, job.args, job.mesh, sc.cluster_spec(), sc.model["dtype"])
+    preflight(job.program, job.args, job.mesh, sc.cluster_spec(), sc.model.dtype)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -88,20 +88,20 @@ def against(expected: dict[str, Any], got: dict[str, Any], bounds: Any = None) -
 def emulate(sc: Scenario, job: Job) -> Outcome:
     """The emulator's run of the scenario: the prediction, and with run.verify the numbers to compare."""
     # (the real ranks write the checkpoint: the emulator's run only reads one, and the manifest is theirs)
-    verify = sc.run["verify"]
-    return run_scenario(replace(sc, run=dict(sc.run, save_checkpoint=None, save_at_step=None,
+    verify = sc.run.verify
+    return run_scenario(replace(sc, run=replace(sc.run, save_checkpoint=None, save_at_step=None,
                                              numerics=job.mode if verify else "meta")), fold=not verify)
 
 
 def expected(sc: Scenario, emulated: Outcome) -> list[Any] | None:
     """The digests of the emulator's outputs, by rank (None without run.verify: nothing is compared)."""
-    return [digests(r) for r in emulated.result.results] if sc.run["verify"] else None
+    return [digests(r) for r in emulated.result.results] if sc.run.verify else None
 
 
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
     """The emulator's run of the scenario beside the real one (`runs`: backend.RankRun by rank, their
     results against `expected(sc, emulated)`)."""
-    verify = sc.run["verify"]  # (without it the ranks sent digests alone: nothing to restore)
+    verify = sc.run.verify  # (without it the ranks sent digests alone: nothing to restore)
     real = [restore(run.result, mine) for run, mine in zip(runs, emulated.result.results)] if verify \
         else [run.result for run in runs]
     steps = emulated.report["steps"]
@@ -109,7 +109,7 @@ def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outc
     # program's), whose order is the backend's; fast mode leaves every sum's order to it, and is held
     # to the derived bound (numerics/tolerance.py) where the program has one.
     if job.mode == "exact":
-        bounds = (lambda name: FLOAT_REDUCTION) if sc.run["program"] == "collectives" else None
+        bounds = (lambda name: FLOAT_REDUCTION) if sc.run.program == "collectives" else None
     else:
         bounds = job.bounds or (lambda name: FLOAT_REDUCTION)
     section = {

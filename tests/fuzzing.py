@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from simcluster.cli import main
-from simcluster.config.scenario import SCHEMA, library
+from simcluster.config.scenario import library
+from simcluster.config.schema import SCHEMA
 
 class RAW(str):
     """A value written into TOML as it is (a date, a time)."""

@@ -202,12 +202,12 @@ def test_a_setting_that_does_nothing_is_warned_about(setting, layout, message, c
 def test_a_set_of_a_compared_key_narrows_the_comparison_to_that_value(capsys):
     """pipeline_schedules compares six schedules, five of them with virtual_stages = 1."""
     sc = load("pipeline_schedules", ["parallel.virtual_stages=1"])
-    assert [v.parallel["schedule"] for _, v in sc.variants] == ["gpipe", "1f1b", "zb-h1", "zb-v", "dualpipe"]
+    assert [v.parallel.schedule for _, v in sc.variants] == ["gpipe", "1f1b", "zb-h1", "zb-v", "dualpipe"]
     assert "5 of its 6 variants" in sc.notes[0]
     one = load("zero_memory", ["parallel.zero=2"])  # one run left: the scenario is that run
-    assert not one.variants and one.parallel["zero"] == 2 and "one variant" in one.notes[0]
+    assert not one.variants and one.parallel.zero == 2 and "one variant" in one.notes[0]
     none = load("pipeline_schedules", ["parallel.virtual_stages=3"])  # no run has it: once, without [compare]
-    assert not none.variants and none.parallel["virtual_stages"] == 3 and "runs none" in none.notes[0]
+    assert not none.variants and none.parallel.virtual_stages == 3 and "runs none" in none.notes[0]
     assert main(["verify", "pipeline_schedules", "--set", "parallel.schedule=1f1b"]) == 0  # (was an unrelated error)
     captured = capsys.readouterr()
     assert "bit-exact" in captured.out and "note: --set parallel.schedule=\"1f1b\"" in captured.err

@@ -3,11 +3,13 @@ simulated twice give the report of simulating every micro-batch, byte for byte; 
 grow with its micro-batches."""
 
 import json
+from dataclasses import replace
 from unittest import mock
 
 import pytest
 
 from simcluster.config.scenario import build
+from simcluster.config.schema import ModelSection, ParallelSection
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.run import pipeline_steady, runner, steady
 
@@ -30,7 +32,7 @@ LAYOUTS = [
 
 def scenario(sets, m=M):
     sc = build({}, [*BASE, *sets])
-    return build({}, [*BASE, *sets, f"model.global_batch={sc.parallel['dp'] * m}"])
+    return build({}, [*BASE, *sets, f"model.global_batch={sc.parallel.dp * m}"])
 
 
 def every_micro_batch(sc):
@@ -80,7 +82,7 @@ def test_rounds_that_never_repeat_are_all_simulated(monkeypatch):
     sc = scenario(["parallel.dp=4", "parallel.zero=3"])
     assert pipeline_steady.micro_counts(sc.model, sc.parallel) is None
     every = every_micro_batch(sc)
-    tried = pipeline_steady.micro_counts(sc.model, dict(sc.parallel, zero=1))
+    tried = pipeline_steady.micro_counts(sc.model, replace(sc.parallel, zero=1))
     monkeypatch.setattr(pipeline_steady, "micro_counts", lambda model, parallel: tried)
     once = runner.run_scenario(sc)
     assert once.result.micro is None
@@ -90,14 +92,14 @@ def test_rounds_that_never_repeat_are_all_simulated(monkeypatch):
 def test_only_what_gains_is_planned():
     """No plan where the two short runs would cost more than half the step, for GPipe (which holds
     every micro-batch), without a pipeline, or with a count the unit does not divide."""
-    model = {"global_batch": 64, "micro_batch": 1}
-    one_f_one_b = {"pp": 4, "dp": 1, "schedule": "1f1b", "zero": 1}
+    model = ModelSection(global_batch=64, micro_batch=1)
+    one_f_one_b = ParallelSection(pp=4, dp=1, schedule="1f1b", zero=1)
     assert pipeline_steady.micro_counts(model, one_f_one_b).counts == (7, 8)
-    assert pipeline_steady.micro_counts(dict(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
-    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, schedule="gpipe")) is None
-    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, pp=1)) is None
-    assert pipeline_steady.micro_counts(model, dict(one_f_one_b, schedule="interleaved")) is None  # 16 + 20 > 32
-    assert pipeline_steady.micro_counts(dict(model, global_batch=80), dict(one_f_one_b, schedule="interleaved")).counts \
+    assert pipeline_steady.micro_counts(replace(model, global_batch=29), one_f_one_b) is None  # 7 + 8 > 29 / 2
+    assert pipeline_steady.micro_counts(model, replace(one_f_one_b, schedule="gpipe")) is None
+    assert pipeline_steady.micro_counts(model, replace(one_f_one_b, pp=1)) is None
+    assert pipeline_steady.micro_counts(model, replace(one_f_one_b, schedule="interleaved")) is None  # 16 + 20 > 32
+    assert pipeline_steady.micro_counts(replace(model, global_batch=80), replace(one_f_one_b, schedule="interleaved")).counts \
         == (16, 20)
 
 

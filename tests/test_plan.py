@@ -154,7 +154,7 @@ def test_the_plan_picks_megatrons_own_tp_and_pp_for_table1_row_6():
     `plan`'s best simulated layout has the same TP and PP. (The other rows: benchmarks/plan_megatron.py.)"""
     sc = load(str(Path(__file__).parents[1] / "benchmarks" / "megatron_table1.toml"))
     _, row = sc.variants[5]
-    assert (row.parallel["tp"], row.parallel["pp"], row.parallel["dp"]) == (8, 4, 32)
+    assert (row.parallel.tp, row.parallel.pp, row.parallel.dp) == (8, 4, 32)
     found = search(row, simulate=3, fixed={"cp": (1,), "zero": (0,), "recompute": ("full",),
                                            "schedule": ("1f1b", "interleaved"), "micro_batch": (2,)})
     best = found.rows[0].layout
@@ -192,8 +192,8 @@ def test_sequence_parallelism_is_searched_on_unless_fixed():
     off = [lay for lay in layouts(sc, {"sp": (0,)}) if lay.tp > 1]
     both = [lay for lay in layouts(sc, {"sp": (0, 1)}) if lay.tp > 1]
     assert len(off) == len(default) and len(both) == 2 * len(default)
-    assert all("no-SP" in lay.label() and lay.scenario(sc).parallel["sp"] is False for lay in off)
-    assert all(lay.scenario(sc).parallel["sp"] is True for lay in default)
+    assert all("no-SP" in lay.label() and lay.scenario(sc).parallel.sp is False for lay in off)
+    assert all(lay.scenario(sc).parallel.sp is True for lay in default)
     big = max((lay for lay in off if lay.recompute == "none" and estimate(sc, lay)), key=lambda lay: lay.micro_batch)
     assert estimate(sc, big).memory_bytes > estimate(sc, replace(big, sp=1)).memory_bytes  # (whole activations)
 
@@ -205,11 +205,11 @@ def test_the_plan_recovers_megatrons_tp_and_pp_for_table1_row_4():
     run_table_1.sh), TP 8 x PP 1 is within 3 % of the best simulated layout."""
     sc = load(str(Path(__file__).parents[1] / "benchmarks" / "megatron_table1.toml"))
     _, row = sc.variants[3]
-    assert (row.parallel["tp"], row.parallel["pp"]) == (8, 1) and row.parallel["overlap_grad_reduce"]
+    assert (row.parallel.tp, row.parallel.pp) == (8, 1) and row.parallel.overlap_grad_reduce
     fixed = {"cp": (1,), "zero": (0,), "sp": (0,), "recompute": ("full",), "schedule": ("1f1b", "interleaved"),
              "micro_batch": (8,)}
     rows = search(row, simulate=3, fixed=fixed | {"pp": (1,)}).rows + search(
-        replace(row, parallel=dict(row.parallel, overlap_grad_reduce=False)), simulate=3,
+        replace(row, parallel=replace(row.parallel, overlap_grad_reduce=False)), simulate=3,
         fixed=fixed | {"pp": (2, 4, 8)}).rows
     fits = [r for r in rows if r.report["memory"]["fits"]]
     best = min(r.report["step_time_ns"] for r in fits)

@@ -50,7 +50,7 @@ def _runs(sc, fold):
 def test_taped_runs_give_the_untaped_trace_and_report_byte_for_byte(name, overrides, replays, monkeypatch):
     sc = load(name, ["run.numerics=meta"] + overrides)
     taped = _runs(sc, fold=False)
-    if sc.parallel["attention"] == "ring" and sc.parallel["cp"] > 1:  # its messages' tags name the layer
+    if sc.parallel.attention == "ring" and sc.parallel.cp > 1:  # its messages' tags name the layer
         assert replays["replayed"] == 0 and replays["recorded"] > 0
     else:
         assert replays["replayed"] > 0, "the scenario must replay blocks from tapes"

@@ -81,10 +81,10 @@ class Layout:
         return f"TP{self.tp}{sp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
-        return replace(sc, variants=(), model={**sc.model, "micro_batch": self.micro_batch},
-                       parallel={**sc.parallel, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
-                                 "zero": self.zero, "recompute": self.recompute, "schedule": self.schedule,
-                                 "virtual_stages": self.virtual, "sp": self.tp > 1 and bool(self.sp)})
+        return replace(sc, variants=(), model=replace(sc.model, micro_batch=self.micro_batch),
+                       parallel=replace(sc.parallel, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, zero=self.zero,
+                                        recompute=self.recompute, schedule=self.schedule,
+                                        virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp)))
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,11 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
 
 
 def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:
-    gpn = sc.cluster["gpus_per_node"]
-    world = sc.cluster["nodes"] * gpn
+    gpn = sc.cluster.gpus_per_node
+    world = sc.cluster.nodes * gpn
     for tp in _divisors(gpn):
         for pp in _divisors(world // tp):
-            if pp > sc.model["layers"]:
+            if pp > sc.model.layers:
                 continue
             for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
                 dp = world // (tp * pp * cp)
@@ -231,7 +231,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         gathers = 2 * m * 2 * psi * (n - 1) / n / across
     # the context-parallel group (stride tp): inside a node while tp x cp fits one, else over k nodes
     nodes = 1 if spec.torus or t * c <= spec.gpus_per_node else t * c // spec.gpus_per_node
-    exchange = _context_exchange(lsc.parallel["attention"], layout, model, spec, nvlink, nodes) * model.layers / p * m
+    exchange = _context_exchange(lsc.parallel.attention, layout, model, spec, nvlink, nodes) * model.layers / p * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers
                     + _reduction(sc, layout, psi, n, m, across, compute))
 
@@ -343,7 +343,7 @@ def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across:
     backward = compute / m * (2 / 4 if layout.recompute == "full" else 2 / 3)  # one micro-batch's
     if layout.zero >= 2:
         return m * max(0.0, ring - backward) + (ring if layout.zero == 2 else 0.0)
-    if not sc.parallel["overlap_grad_reduce"]:
+    if not sc.parallel.overlap_grad_reduce:
         return 2 * ring
     return max(0.0, 2 * ring - backward)
 
@@ -369,9 +369,9 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     """Estimate every layout (those with the `fixed` values), simulate the `simulate` best that fit,
     best first; `jobs` simulations at a time, each in a process of its own (the same rows, in the same
     order, however many)."""
-    if sc.run["program"] != "gpt":
-        raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run['program']!r}")
-    base = replace(sc, run={**sc.run, "numerics": "meta", "verify": False, "steps": 1})
+    if sc.run.program != "gpt":
+        raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run.program!r}")
+    base = replace(sc, run=replace(sc.run, numerics="meta", verify=False, steps=1))
     start = time.perf_counter()
     examined, estimates = 0, []
     for layout in layouts(base, fixed):
@@ -441,5 +441,5 @@ def _simulated(scenarios: list[Scenario], fold: bool, jobs: int,
 def _capacity(sc: Scenario) -> float:
     """The device's memory in bytes (as report/ counts it), whatever the scenario's degrees."""
     c = sc.cluster
-    figure = c.get("memory_gbyte")
-    return (figure if figure is not None else PRESETS[c["preset"]].memory_gbyte) * 2**30
+    figure = c.memory_gbyte
+    return (figure if figure is not None else PRESETS[c.preset].memory_gbyte) * 2**30

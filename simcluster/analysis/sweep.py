@@ -36,7 +36,7 @@ def overrides_for(base: Scenario, key: str, value: str, given: Sequence[str]) ->
     if key in DEGREES and "parallel.dp" not in {parse_override(o)[0] for o in given}:
         degree = parse_override(out[-1])[1]
         if isinstance(degree, int) and degree > 0:  # (anything else: the point's own load refuses it)
-            p = dict(base.parallel, **{key.removeprefix("parallel."): degree})
+            p = dict(base.parallel.degrees, **{key.removeprefix("parallel."): degree})
             rest = p["pp"] * p["cp"] * p["tp"]
             if base.world_size % rest == 0:
                 out.append(f"parallel.dp={base.world_size // rest}")

@@ -70,12 +70,12 @@ class Checkpointing:
 
 def of(sc: Scenario) -> Checkpointing | None:
     r = sc.run
-    if not (r["save_checkpoint"] or r["resume"]):
-        if r["save_at_step"] is not None:
+    if not (r.save_checkpoint or r.resume):
+        if r.save_at_step is not None:
             raise CheckpointError("run.save_at_step (--at-step) needs run.save_checkpoint (--save-checkpoint DIR)")
         return None
-    return Checkpointing(r["save_checkpoint"], r["steps"] if r["save_at_step"] is None else r["save_at_step"],
-                         folders.resolve(r["resume"]) if r["resume"] else None, r["keep_checkpoints"])
+    return Checkpointing(r.save_checkpoint, r.steps if r.save_at_step is None else r.save_at_step,
+                         folders.resolve(r.resume) if r.resume else None, r.keep_checkpoints)
 
 
 @contextmanager
@@ -92,11 +92,11 @@ def saving(sc: Scenario) -> Iterator[None]:
 
 def training(sc: Scenario) -> dict[str, Any]:
     """What a resumed run must share with the run that saved (the layout is free)."""
-    model = {f"model.{k}": v for k, v in sc.model.items() if k != "micro_batch"}
+    model = {f"model.{k}": v for k, v in sc.model.as_dict().items() if k != "micro_batch"}
     r = sc.run
-    decay = WEIGHT_DECAY[sc.model["arch"]] if r["weight_decay"] is None else r["weight_decay"]
-    return model | {"run.seed": r["seed"], "run.lr": r["lr"], "run.weight_decay": decay,
-                    "run.clip_grad": r["clip_grad"], "run.numerics": r["numerics"]}
+    decay = WEIGHT_DECAY[sc.model.arch] if r.weight_decay is None else r.weight_decay
+    return model | {"run.seed": r.seed, "run.lr": r.lr, "run.weight_decay": decay,
+                    "run.clip_grad": r.clip_grad, "run.numerics": r.numerics}
 
 
 def check_scenario(sc: Scenario) -> None:
@@ -106,9 +106,9 @@ def check_scenario(sc: Scenario) -> None:
     if ck is None:
         return
     r = sc.run
-    if r["program"] != "gpt":
-        raise CheckpointError(f"checkpoints are for run.program = 'gpt' (a training run); this is {r['program']!r}")
-    if r["numerics"] == "meta":
+    if r.program != "gpt":
+        raise CheckpointError(f"checkpoints are for run.program = 'gpt' (a training run); this is {r.program!r}")
+    if r.numerics == "meta":
         raise CheckpointError("run.numerics = 'meta' carries no numbers to save or resume; use exact or fast")
     if sc.variants and ck.save:
         raise CheckpointError("--save-checkpoint with a [compare] scenario: each variant would overwrite the "
@@ -125,13 +125,13 @@ def check_scenario(sc: Scenario) -> None:
                                   f"{want.get(k)!r} there, {have.get(k)!r} here ({len(differ)} keys differ); "
                                   f"a resume may change the layout (parallel.*, model.micro_batch), not the model")
         verify_files(ck.resume)
-        if start >= r["steps"]:
-            raise CheckpointError(f"checkpoint {ck.resume!r} is after step {start}; run.steps = {r['steps']} "
+        if start >= r.steps:
+            raise CheckpointError(f"checkpoint {ck.resume!r} is after step {start}; run.steps = {r.steps} "
                                   f"leaves nothing to run (set run.steps above {start})")
     if ck.save:
-        if not start <= ck.at <= r["steps"]:
+        if not start <= ck.at <= r.steps:
             raise CheckpointError(f"--at-step {ck.at} must be between {start} (where the run starts) and "
-                                  f"run.steps = {r['steps']}")
+                                  f"run.steps = {r.steps}")
         folder = Path(ck.save)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -224,13 +224,13 @@ def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, i
     (folder.publish). Returns what the report says of it."""
     ck = of(sc)
     assert ck is not None and ck.save
-    precision = dtype_name(sc.model["dtype"])
+    precision = dtype_name(sc.model.dtype)
     states = {"master": "fp32", "adam_m": "fp32", "adam_v": "fp32"} | (
         {"working": precision} if precision != "fp32" else {})
     files = {w["file"]: {"bytes": w["bytes"], "sha256": w["sha256"]} for w in written if w}
     sequence = folders.next_sequence(Path(ck.save))
     manifest = {"format": FORMAT, "version": VERSION, "step": ck.at, "training": training(sc),
-                "saved_by": {"mesh": mesh, "zero": sc.parallel["zero"], "scenario": sc.name}, "sequence": sequence,
+                "saved_by": {"mesh": mesh, "zero": sc.parallel.zero, "scenario": sc.name}, "sequence": sequence,
                 "states": states, "tensors": {k: list(v) for k, v in shapes.items()}, "files": files,
                 "pieces": [p for w in written if w for p in w["pieces"]]}
     manifest["checksum"] = checksum(manifest)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from simcluster.config.keys import ScenarioError
+from simcluster.config.schema import ScenarioError
 
 MANIFEST, LATEST, LOCK, PARTIAL = "manifest.json", "latest", ".lock", ".partial-step-"
 STEP_FOLDER = re.compile(r"step-(\d{8})(?:-(\d+))?")  # what publish names a checkpoint

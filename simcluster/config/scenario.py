@@ -1,7 +1,8 @@
 """Scenarios: a TOML document of [model], [cluster], [parallel] and [run], plus `--set` overrides.
 
-Every key is declared once in SCHEMA (keys.py) with its type, default and valid choices;
-loading checks each value where it enters and names the key, the value and what would be valid.
+A Scenario holds one typed section per table (schema.py declares every key once, with its type,
+default and valid values); loading checks each value where it enters and names the key, the value
+and what would be valid.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-# (the keys, re-exported: what a scenario is and the keys it may set are read together)
-from simcluster.config.keys import (_CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError,  # noqa: F401
-                                      _check, _suggest, all_keys)
+from simcluster.config.schema import (SCHEMA, SECTIONS, TOP_LEVEL, ClusterSection, FaultsSection, GoodputSection,
+                                      ModelSection, ParallelSection, RunSection, ScenarioError, TargetSection,
+                                      all_keys, check_value, suggest)
 from simcluster.topology import profile
 from simcluster.topology.presets import PRESETS, ClusterSpec
 
@@ -24,15 +25,15 @@ LIBRARY = Path(__file__).resolve().parents[2] / "scenarios"  # the scenarios/ fo
 
 @dataclass(frozen=True)
 class Scenario:
-    name: str
-    description: str
-    model: dict[str, Any]
-    cluster: dict[str, Any]
-    parallel: dict[str, Any]
-    run: dict[str, Any]
-    faults: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["faults"].items()})
-    goodput: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["goodput"].items()})
-    target: dict[str, Any] = field(default_factory=lambda: {k: key.default for k, key in SCHEMA["target"].items()})
+    name: str = "default"
+    description: str = ""
+    model: ModelSection = field(default_factory=ModelSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    run: RunSection = field(default_factory=RunSection)
+    faults: FaultsSection = field(default_factory=FaultsSection)
+    goodput: GoodputSection = field(default_factory=GoodputSection)
+    target: TargetSection = field(default_factory=TargetSection)
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
     variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
@@ -40,8 +41,7 @@ class Scenario:
 
     @property
     def world_size(self) -> int:
-        p = self.parallel
-        return p["dp"] * p["pp"] * p["cp"] * p["tp"]
+        return self.parallel.world_size
 
     def warnings(self) -> list[str]:
         """Settings that do nothing in this layout (each variant's, once each): a line per setting."""
@@ -53,44 +53,44 @@ class Scenario:
         return out
 
     def _inert(self) -> list[str]:
-        p, d = self.parallel, {k: key.default for k, key in SCHEMA["parallel"].items()}
+        p, d = self.parallel, ParallelSection()
         out = []
         f, c = self.faults, self.cluster
-        if f["degraded_rank"] is not None and f["degraded_link"] == "nic" and self.world_size <= c["gpus_per_node"]:
+        if f.degraded_rank is not None and f.degraded_link == "nic" and self.world_size <= c.gpus_per_node:
             out.append("faults.degraded_link = 'nic' does nothing here: every rank is on one node, so no traffic "
                        "crosses a NIC (degrade 'nvlink', or spread the ranks over cluster.nodes)")
-        if f["degraded_rank"] is not None and f["degraded_link"] == "nvlink" and c["gpus_per_node"] == 1:
+        if f.degraded_rank is not None and f.degraded_link == "nvlink" and c.gpus_per_node == 1:
             out.append("faults.degraded_link = 'nvlink' does nothing with cluster.gpus_per_node = 1 (no NVLink peer)")
-        if self.run["program"] != "gpt":
+        if self.run.program != "gpt":
             return out
-        if p["sp"] and p["tp"] == 1:
+        if p.sp and p.tp == 1:
             out.append("parallel.sp = true does nothing with parallel.tp = 1 (sequence parallelism splits what "
                        "tensor parallelism replicates)")
-        if p["attention"] != d["attention"] and p["cp"] == 1:
-            out.append(f"parallel.attention = {p['attention']!r} does nothing with parallel.cp = 1 (it is how "
+        if p.attention != d.attention and p.cp == 1:
+            out.append(f"parallel.attention = {p.attention!r} does nothing with parallel.cp = 1 (it is how "
                        f"context parallelism attends across ranks)")
-        if p["zero_over"] != d["zero_over"] and (p["cp"] == 1 or p["zero"] == 0):
-            out.append(f"parallel.zero_over = {p['zero_over']!r} does nothing with "
-                       + ("parallel.cp = 1" if p["cp"] == 1 else "parallel.zero = 0"))
-        if not p["prefetch"] and p["zero"] != 3:
-            out.append(f"parallel.prefetch = false does nothing with parallel.zero = {p['zero']} (only ZeRO-3 "
+        if p.zero_over != d.zero_over and (p.cp == 1 or p.zero == 0):
+            out.append(f"parallel.zero_over = {p.zero_over!r} does nothing with "
+                       + ("parallel.cp = 1" if p.cp == 1 else "parallel.zero = 0"))
+        if not p.prefetch and p.zero != 3:
+            out.append(f"parallel.prefetch = false does nothing with parallel.zero = {p.zero} (only ZeRO-3 "
                        f"gathers weights)")
-        if p["schedule"] != d["schedule"] and p["pp"] == 1:
-            out.append(f"parallel.schedule = {p['schedule']!r} does nothing with parallel.pp = 1")
-        if p["virtual_stages"] > 1 and (p["schedule"] != "interleaved" or p["pp"] == 1):
-            out.append(f"parallel.virtual_stages = {p['virtual_stages']} does nothing without the interleaved "
+        if p.schedule != d.schedule and p.pp == 1:
+            out.append(f"parallel.schedule = {p.schedule!r} does nothing with parallel.pp = 1")
+        if p.virtual_stages > 1 and (p.schedule != "interleaved" or p.pp == 1):
+            out.append(f"parallel.virtual_stages = {p.virtual_stages} does nothing without the interleaved "
                        f"schedule and parallel.pp > 1")
         return out
 
     def cluster_spec(self) -> ClusterSpec:
         c = self.cluster
-        figures = {k: v for k, v in c.items() if (k in _CLUSTER_FIGURES or k == "collectives") and v is not None}
+        figures = c.figures
         try:
-            shape = {} if c.get("torus") is None else {"torus": c["torus"]}
-            spec = PRESETS[c["preset"]].with_overrides(nodes=c["nodes"], gpus_per_node=c["gpus_per_node"], **shape)
-            if c.get("profile"):
-                measured = profile.load(self._find(c["profile"]))
-                measured.gemm_rate(1, 1, 1, 1, self.model["dtype"])  # (a ProfileError now, if it lacks the dtype)
+            shape = {} if c.torus is None else {"torus": c.torus}
+            spec = PRESETS[c.preset].with_overrides(nodes=c.nodes, gpus_per_node=c.gpus_per_node, **shape)
+            if c.profile:
+                measured = profile.load(self._find(c.profile))
+                measured.gemm_rate(1, 1, 1, 1, self.model.dtype)  # (a ProfileError now, if it lacks the dtype)
                 spec = profile.apply(spec, measured)
             spec = spec.with_overrides(**figures) if figures else spec
         except (TypeError, ValueError) as exc:
@@ -98,7 +98,7 @@ class Scenario:
         if spec.world_size != self.world_size:
             p = self.parallel
             raise ScenarioError(
-                f"parallel degrees dp={p['dp']} x pp={p['pp']} x cp={p['cp']} x tp={p['tp']} = {self.world_size} "
+                f"parallel degrees dp={p.dp} x pp={p.pp} x cp={p.cp} x tp={p.tp} = {self.world_size} "
                 f"ranks, but the cluster has cluster.nodes={spec.nodes} x cluster.gpus_per_node={spec.gpus_per_node}"
                 f" = {spec.world_size} GPUs; they must be equal")
         return spec
@@ -113,13 +113,13 @@ class Scenario:
         return p
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "description": self.description, "model": dict(self.model),
-               "cluster": {k: v for k, v in self.cluster.items() if v is not None},
-               "parallel": dict(self.parallel), "run": dict(self.run)}
+        out = {"name": self.name, "description": self.description, "model": self.model.as_dict(),
+               "cluster": {k: v for k, v in self.cluster.as_dict().items() if v is not None},
+               "parallel": self.parallel.as_dict(), "run": self.run.as_dict()}
         for section in ("faults", "goodput", "target"):  # (only when used: they are off by default)
             values = getattr(self, section)
-            if any(v != SCHEMA[section][k].default for k, v in values.items()):
-                out[section] = dict(values)
+            if values != type(values)():
+                out[section] = values.as_dict()
         return out
 
 
@@ -160,31 +160,31 @@ def _shallow(doc: Any, where: str) -> Any:
 
 def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "built-in default") -> Scenario:
     """A checked Scenario from a parsed document and `--set` overrides."""
-    values: dict[str, dict[str, Any]] = {s: {k: key.default for k, key in keys.items()} for s, keys in SCHEMA.items()}
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     top = {k: key.default for k, key in TOP_LEVEL.items()}
 
     def put(path: str, value: Any) -> None:
         if path in TOP_LEVEL:
-            top[path] = _check(path, TOP_LEVEL[path], value)
+            top[path] = check_value(path, TOP_LEVEL[path], value)
             return
         section, _, name = path.partition(".")
         if section not in SCHEMA or name not in SCHEMA[section]:
-            raise ScenarioError(f"unknown key {path!r}{_suggest(path)}")
-        values[section][name] = _check(path, SCHEMA[section][name], value)
+            raise ScenarioError(f"unknown key {path!r}{suggest(path)}")
+        values[section][name] = check_value(path, SCHEMA[section][name], value)
 
     compare = doc.pop("compare", None)
     for k, v in doc.items():
         if isinstance(v, dict):
             if k not in SCHEMA:
-                raise ScenarioError(f"unknown section [{k}]{_suggest(k)}; sections: {', '.join(SCHEMA)}")
+                raise ScenarioError(f"unknown section [{k}]{suggest(k)}; sections: {', '.join(SCHEMA)}")
             for name, value in v.items():
                 put(f"{k}.{name}", value)
         else:
             put(k, v)
     for text in overrides:
         put(*parse_override(text))
-    base = Scenario(top["name"], top["description"], values["model"], values["cluster"], values["parallel"],
-                    values["run"], values["faults"], values["goodput"], values["target"], source, tuple(overrides))
+    sections = {name: SECTIONS[name](**given) for name, given in values.items()}
+    base = Scenario(top["name"], top["description"], **sections, source=source, overrides=tuple(overrides))
     if compare is None:
         return base
     return _with_variants(base, doc, compare, overrides, source)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from simcluster.config.schema import TargetSection
+
 
 def steps(batch: float, b_noise: float, s_min: float) -> float:
     """Optimizer steps to the target with batch `batch`."""
@@ -28,9 +30,9 @@ def examples(batch: float, b_noise: float, e_min: float) -> float:
     return e_min * (1.0 + batch / b_noise)
 
 
-def account(target: dict[str, Any], *, step_s: float, tokens_per_step: int, gpus: int) -> dict[str, Any]:
+def account(target: TargetSection, *, step_s: float, tokens_per_step: int, gpus: int) -> dict[str, Any]:
     """The report's `target` section from the scenario's [target] values and the simulated step."""
-    b_noise, e_min = target["b_noise_tokens"], target["e_min_tokens"]
+    b_noise, e_min = target.b_noise_tokens, target.e_min_tokens
     s_min = e_min / b_noise
     s = steps(tokens_per_step, b_noise, s_min)
     wall = s * step_s

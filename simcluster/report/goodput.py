@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from simcluster.config.schema import GoodputSection
+
 BYTES_PER_PARAMETER = {"fp32": 12, "bf16": 14, "fp16": 14}  # master + adam_m + adam_v (+ working copy)
 
 
@@ -65,14 +67,14 @@ def daly(checkpoint_s: float, mtbf_s: float) -> float:
     return young(checkpoint_s, mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s if x < 1 else mtbf_s
 
 
-def account(g: dict[str, Any], *, step_s: float, gpus: int, parameters: int, dtype: str) -> dict[str, Any]:
+def account(g: GoodputSection, *, step_s: float, gpus: int, parameters: int, dtype: str) -> dict[str, Any]:
     """The report's `goodput` section from the scenario's [goodput] values."""
-    rate = g["interruptions_per_gpu_hour"]
-    step_s = g["step_time_s"] or step_s
+    rate = g.interruptions_per_gpu_hour
+    step_s = g.step_time_s or step_s
     mtbf = 3600.0 / (rate * gpus) if rate else math.inf
     size = parameters * BYTES_PER_PARAMETER[dtype]
-    c = size / (g["storage_gbyte_per_s"] * 1e9) if g["storage_gbyte_per_s"] else math.inf
-    r = g["restart_s"]
+    c = size / (g.storage_gbyte_per_s * 1e9) if g.storage_gbyte_per_s else math.inf
+    r = g.restart_s
     out: dict[str, Any] = {"gpus": gpus, "interruptions_per_gpu_hour": rate, "mtbf_s": mtbf, "step_s": step_s,
                            "checkpoint_bytes": size, "checkpoint_s": c, "restart_s": r}
     if not math.isfinite(mtbf) or not math.isfinite(c) or step_s <= 0:
@@ -80,7 +82,7 @@ def account(g: dict[str, Any], *, step_s: float, gpus: int, parameters: int, dty
     tau = best_tau(c, r, mtbf)
     k_best = max(1, min((max(1, math.floor(tau / step_s)), math.ceil(tau / step_s)),
                         key=lambda k: -segment_goodput(k * step_s, c, r, mtbf)))
-    k = g["checkpoint_every_steps"] or k_best
+    k = g.checkpoint_every_steps or k_best
     return out | {
         "checkpoint_every_steps": k, "goodput": segment_goodput(k * step_s, c, r, mtbf),
         "best_every_steps": k_best, "best_goodput": segment_goodput(k_best * step_s, c, r, mtbf),

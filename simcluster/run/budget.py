@@ -67,15 +67,15 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     two small copies of it). `repeat`: a meta-mode run may simulate its identical steps once (steady.py)."""
     if sc.world_size > MAX_RANKS:
         p = sc.parallel
-        raise ScenarioError(f"the mesh dp={p['dp']:,} x pp={p['pp']:,} x cp={p['cp']:,} x tp={p['tp']:,} has "
+        raise ScenarioError(f"the mesh dp={p.dp:,} x pp={p.pp:,} x cp={p.cp:,} x tp={p.tp:,} has "
                             f"{sc.world_size:,} ranks; simcluster simulates at most {MAX_RANKS:,} (the largest "
                             f"clusters have about 10^5 GPUs)")
     memory = physical_memory()
     m = sc.model
-    if sc.run["program"] != "gpt":
+    if sc.run.program != "gpt":
         _transfers(sc, memory)
-    if sc.run["numerics"] == "meta":
-        if sc.run["program"] != "gpt":
+    if sc.run.numerics == "meta":
+        if sc.run.program != "gpt":
             return
         _countable(sc)
         kernels, _, folds, why = _meta_kernels(sc, fold, repeat)
@@ -85,7 +85,7 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
             raise ScenarioError(
                 f"meta mode would replay at least {kernels:.1e} kernels ({steps:,} step{'s' if steps != 1 else ''} x "
                 f"{micro} micro-batches x "
-                f"{m['layers']:,} layers{why}): at least {duration(seconds)} and {_bytes(nbytes)} here (this machine "
+                f"{m.layers:,} layers{why}): at least {duration(seconds)} and {_bytes(nbytes)} here (this machine "
                 f"has {_bytes(memory)}); lower run.steps, model.layers or the micro-batch count" +
                 ("" if folds else ", or the mesh"))
         return
@@ -93,11 +93,11 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
     if size is None:
         return
     parameters, flops = size
-    seconds = flops / RATE.get(sc.run["numerics"], RATE["fast"])
+    seconds = flops / RATE.get(sc.run.numerics, RATE["fast"])
     nbytes = float(parameters) * BYTES_PER_PARAMETER
     if seconds > LIMIT_S or nbytes > memory:
         raise ScenarioError(
-            f"{sc.run['numerics']} mode would need at least {_bytes(nbytes)} of memory (this machine has "
+            f"{sc.run.numerics} mode would need at least {_bytes(nbytes)} of memory (this machine has "
             f"{_bytes(memory)}) and at least {duration(seconds)} here for {parameters:,} parameters over "
             f"{run_steps(sc)}; use run.numerics = meta (timing and memory, without the numbers), or a smaller "
             f"model or fewer steps")
@@ -111,10 +111,10 @@ def meta_seconds(sc: Scenario, fold: bool = True) -> float:
 def _meta_counts(sc: Scenario, repeat: bool) -> tuple[int, int]:
     """The steps and micro-batches a step a meta-mode run simulates (steady.py, pipeline_steady.py)."""
     m, p = sc.model, sc.parallel
-    share = max(1, m["global_batch"] // p["dp"])  # sequences a step, a data-parallel rank
-    micro = max(1, share // m["micro_batch"]) if m["micro_batch"] else 1
+    share = max(1, m.global_batch // p.dp)  # sequences a step, a data-parallel rank
+    micro = max(1, share // m.micro_batch) if m.micro_batch else 1
     faulty = faults_of(sc) is not None
-    steps = min(sc.run["steps"], SIMULATED + 2) if repeat and not faulty else sc.run["steps"]
+    steps = min(sc.run.steps, SIMULATED + 2) if repeat and not faulty else sc.run.steps
     rounds = pipeline_steady.micro_counts(m, p) if repeat and not faulty else None
     if rounds is not None:  # (three short runs: pipeline_steady.py)
         micro = sum(rounds.counts)
@@ -129,25 +129,25 @@ def _meta_kernels(sc: Scenario, fold: bool, repeat: bool) -> tuple[float, int, b
     faulty = faults_of(sc) is not None
     cluster = sc.cluster_spec().unfoldable  # (no folding: engine/__init__.py)
     folds = fold and not faulty and not cluster
-    copies = (1 if folds and p["attention"] in CP_ALIKE else p["cp"]) * (1 if folds else p["dp"] * p["tp"])
+    copies = (1 if folds and p.attention in CP_ALIKE else p.cp) * (1 if folds else p.dp * p.tp)
     steps, micro = _meta_counts(sc, repeat)
     why = "" if folds else (f" x {copies:,} copies: every dp and tp rank runs, " + (
         "[faults] turn folding off" if faulty else f"no folding: {cluster}" if cluster else "--no-fold"))
-    return float(steps) * micro * sc.model["layers"] * KERNELS_PER_BLOCK * copies, copies, folds, why
+    return float(steps) * micro * sc.model.layers * KERNELS_PER_BLOCK * copies, copies, folds, why
 
 
 def _size(sc: Scenario) -> tuple[int, float] | None:
     """A program's parameters and model FLOPs, a GPT's from two small copies of it (None: the run
     itself will say what is wrong with it)."""
     m, p = sc.model, sc.parallel
-    v = p["virtual_stages"] if p["schedule"] == "interleaved" else 1
-    unit = placement(p["schedule"], PipelineShape(p["pp"], 1, v)).pieces  # runs of layers the pipeline cuts
-    layers = m["layers"]
+    v = p.virtual_stages if p.schedule == "interleaved" else 1
+    unit = placement(p.schedule, PipelineShape(p.pp, 1, v)).pieces  # runs of layers the pipeline cuts
+    layers = m.layers
     try:
-        if sc.run["program"] != "gpt" or layers <= 2 * unit:
+        if sc.run.program != "gpt" or layers <= 2 * unit:
             job = job_of(sc, fold=False)
             return job.parameters, job.flops[0]
-        one, two = (job_of(replace(sc, model={**m, "layers": n * unit}, variants=()), fold=False) for n in (1, 2))
+        one, two = (job_of(replace(sc, model=replace(m, layers=n * unit), variants=()), fold=False) for n in (1, 2))
     except ScenarioError:
         return None
     per = (two.parameters - one.parameters, (two.flops[0] - one.flops[0]))
@@ -164,17 +164,17 @@ PEAK_FLOPS = 1e16
 def _countable(sc: Scenario) -> None:
     """Meta mode, where any size is allowed: refuse one the emulator cannot count."""
     m = sc.model
-    scores = float(m["global_batch"]) * m["heads"] * float(m["seq"]) ** 2  # the attention's s x s, every head
+    scores = float(m.global_batch) * m.heads * float(m.seq) ** 2  # the attention's s x s, every head
     if scores > COUNTABLE:
         raise ScenarioError(
-            f"model.seq = {m['seq']:,}: attention's scores (sequence x sequence for each of {m['heads']} heads of "
-            f"{m['global_batch']} sequences, {scores:.1e} elements) are more than the emulator's int64 counts hold; "
+            f"model.seq = {m.seq:,}: attention's scores (sequence x sequence for each of {m.heads} heads of "
+            f"{m.global_batch} sequences, {scores:.1e} elements) are more than the emulator's int64 counts hold; "
             f"the longest contexts trained are about 10^6 tokens")
     size = _size(sc)
     if size is None:
         return
     parameters, flops = size
-    step_ns = flops / sc.run["steps"] / (PEAK_FLOPS * sc.world_size) * 1e9  # (meta mode: no resume)
+    step_ns = flops / sc.run.steps / (PEAK_FLOPS * sc.world_size) * 1e9  # (meta mode: no resume)
     if step_ns > COUNTABLE or parameters * 16 > COUNTABLE:
         raise ScenarioError(
             f"a model of {float(parameters):.2e} parameters ({float(flops):.2e} FLOPs) is beyond what the emulator "
@@ -189,18 +189,18 @@ def _transfers(sc: Scenario, memory: int) -> None:
     that alone is too much. Per program, its calls' groups (collectives_demo.py, allreduce_decomposed.py,
     tp_dp_mlp.py)."""
     p, w = sc.parallel, sc.world_size
-    dp = p["dp"]
+    dp = p.dp
     calls = {"collectives": [(6, w), (3, dp)], "allreduce": [(3, w)],
-             "mlp": [(3 * sc.run["steps"] * p["tp"], dp)]}[sc.run["program"]]
+             "mlp": [(3 * sc.run.steps * p.tp, dp)]}[sc.run.program]
     flows = float(sum(n * g * (g - 1) for n, g in calls))
     seconds, nbytes = flows / FLOWS_PER_S, flows * BYTES_PER_FLOW
     if seconds > LIMIT_S or nbytes > memory:
-        raise ScenarioError(f"run.program = {sc.run['program']!r} on {w:,} ranks would route at least {flows:.1e} "
+        raise ScenarioError(f"run.program = {sc.run.program!r} on {w:,} ranks would route at least {flows:.1e} "
                             f"transfers (a collective over g ranks moves data between them in g - 1 phases): at "
                             f"least {duration(seconds)} and {_bytes(nbytes)} here (this machine has "
                             f"{_bytes(memory)}); use fewer ranks")
 
 
 def run_steps(sc: Scenario) -> str:
-    n = sc.run["steps"]
+    n = sc.run.steps
     return f"{n:,} step" + ("s" if n != 1 else "")

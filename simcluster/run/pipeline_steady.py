@@ -26,7 +26,8 @@ simulated. ZeRO-2/3 is not tried: its per-micro-batch reduce-scatters fall furth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from simcluster.config.schema import ModelSection, ParallelSection
 
 # Where each schedule's rounds first repeat exactly, as measured on GPT layouts of 2 to 8 stages and on
 # Megatron's 1T model (1F1B over 64 stages: from m = p + 3): m0 as (a multiple of p, rounds of u more).
@@ -55,13 +56,13 @@ class Micro:
         return 2 * sum(counts) <= self.m
 
 
-def micro_counts(model: dict[str, Any], parallel: dict[str, Any]) -> Micro | None:
+def micro_counts(model: ModelSection, parallel: ParallelSection) -> Micro | None:
     """The counts for a GPT step of this model and layout, or None where simulating all m micro-batches
     costs no more (or the schedule does not settle into rounds: GPipe holds every micro-batch)."""
-    p, schedule = parallel["pp"], parallel["schedule"]
-    if p < 2 or schedule not in START or not model["micro_batch"] or parallel["zero"] >= 2:
+    p, schedule = parallel.pp, parallel.schedule
+    if p < 2 or schedule not in START or not model.micro_batch or parallel.zero >= 2:
         return None  # (ZeRO-2/3 reduce-scatter every micro-batch: behind a pipeline their backlog grows)
-    m = model["global_batch"] // parallel["dp"] // model["micro_batch"]
+    m = model.global_batch // parallel.dp // model.micro_batch
     unit = p if schedule == "interleaved" else 2 if schedule == "dualpipe" else 1
     stages, rounds = START[schedule]
     micro = Micro(stages * p + rounds * unit, unit, m)

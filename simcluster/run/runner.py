@@ -65,16 +65,16 @@ def _run_scenario(sc: Scenario, fold: bool, trace: bool) -> Outcome:
     if result is None:
         budget.check(sc, fold, repeat=False)  # (every step is simulated after all)
         result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                          cost_dtype=sc.model["dtype"], fold=job.fold, faults=faults, events=trace)
+                          cost_dtype=sc.model.dtype, fold=job.fold, faults=faults, events=trace)
     verdict = job.check(result.results) if result.hang is None else {
         "mode": job.mode, "status": f"not applicable: the run hung (rank {result.hang.rank} failed)"}
     rep = _report.build(sc, result, parameters=job.parameters, flops=job.flops, tokens=job.tokens,
                         verdict=verdict, steps=job.steps, totals=totals)
     if faults is not None:
         rep["faults"] = {"injected": faults.describe(), "hang": None if result.hang is None else result.hang.as_dict()}
-    if sc.goodput["interruptions_per_gpu_hour"] is not None:
+    if sc.goodput.interruptions_per_gpu_hour is not None:
         rep["goodput"] = goodput.account(sc.goodput, step_s=rep["step_time_ns"] * 1e-9, gpus=sc.world_size,
-                                         parameters=job.parameters, dtype=sc.model["dtype"])
+                                         parameters=job.parameters, dtype=sc.model.dtype)
     if aims:
         rep["target"] = critical_batch.account(sc.target, step_s=rep["step_time_ns"] * 1e-9, tokens_per_step=job.tokens,
                                       gpus=sc.world_size)
@@ -84,9 +84,9 @@ def _run_scenario(sc: Scenario, fold: bool, trace: bool) -> Outcome:
 def _aims(sc: Scenario) -> bool:
     """Whether the scenario has a [target] (report/critical_batch.py), checked."""
     t = sc.target
-    if t["b_noise_tokens"] is None and t["e_min_tokens"] is None:
+    if t.b_noise_tokens is None and t.e_min_tokens is None:
         return False
-    if not (t["b_noise_tokens"] and t["e_min_tokens"]) or sc.run["program"] != "gpt":
+    if not (t.b_noise_tokens and t.e_min_tokens) or sc.run.program != "gpt":
         raise ScenarioError("[target] needs both target.b_noise_tokens and target.e_min_tokens above 0, and "
                             "run.program = 'gpt'")
     return True
@@ -95,20 +95,20 @@ def _aims(sc: Scenario) -> bool:
 def _repeats(sc: Scenario, faults: Faults | None) -> bool:
     """Whether a run may simulate its identical steps once (steady.py): meta mode, more steps than
     that costs, no fault (a fault from a time breaks the repetition)."""
-    return (sc.run["numerics"] == "meta" and sc.run["program"] == "gpt" and faults is None
-            and sc.run["steps"] > steady.SIMULATED + 2)
+    return (sc.run.numerics == "meta" and sc.run.program == "gpt" and faults is None
+            and sc.run.steps > steady.SIMULATED + 2)
 
 
 def _steady(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | None]:
     """Steps 1-2 and 1-3 simulated (each with its pipeline rounds simulated twice where they repeat:
     `_as_is`); when the third step repeats the second, the run's totals over all its steps, and the
     3-step result (whose trace is what views draw). (None, None) when it does not."""
-    runs = [_as_is(replace(sc, run=dict(sc.run, steps=steps)), fold)
+    runs = [_as_is(replace(sc, run=replace(sc.run, steps=steps)), fold)
             for steps in (steady.SIMULATED - 1, steady.SIMULATED)]
     (two, two_totals), (three, three_totals) = runs
     if steady.period(two.trace, three.trace) is None:
         return None, None
-    more = sc.run["steps"] - steady.SIMULATED
+    more = sc.run.steps - steady.SIMULATED
     return (replace(three, repeated=(more, three_totals.end - two_totals.end)),
             three_totals.extended(two_totals, more))
 
@@ -121,7 +121,7 @@ def _as_is(sc: Scenario, fold: bool) -> tuple[RunResult, Totals]:
         return result, totals
     job = job_of(sc, fold=fold)
     result = simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(), mode=job.mode,
-                      cost_dtype=sc.model["dtype"], fold=job.fold)
+                      cost_dtype=sc.model.dtype, fold=job.fold)
     return result, Totals.of(result.trace)
 
 
@@ -129,8 +129,8 @@ def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None
     """The micro-batch counts a meta-mode pipeline run may simulate instead of all of them
     (pipeline_steady.py); None where it may not (a fault, a checkpoint, or nothing to gain)."""
     r = sc.run
-    if r["numerics"] != "meta" or r["program"] != "gpt" or faults is not None or r["save_checkpoint"] \
-            or r["resume"]:
+    if r.numerics != "meta" or r.program != "gpt" or faults is not None or r.save_checkpoint \
+            or r.resume:
         return None
     return pipeline_steady.micro_counts(sc.model, sc.parallel)
 
@@ -141,15 +141,15 @@ def _steady_micro(sc: Scenario, fold: bool) -> tuple[RunResult | None, Totals | 
     run (what views draw). (None, None) when they do not."""
     micro = _rounds(sc, None)
     assert micro is not None
-    d, b = sc.parallel["dp"], sc.model["micro_batch"]
+    d, b = sc.parallel.dp, sc.model.micro_batch
     counts, runs = list(micro.counts), []
     with gc_paused():  # (one pause over the short runs and their comparison: engine/gcpause.py)
         while True:
             for m in counts[len(runs):]:
-                job = job_of(replace(sc, model=dict(sc.model, global_batch=d * b * m)), fold=fold)
+                job = job_of(replace(sc, model=replace(sc.model, global_batch=d * b * m)), fold=fold)
                 runs.append(simulate(job.program, *job.args, mesh=job.mesh, cluster=sc.cluster_spec(),
-                                     mode=job.mode, cost_dtype=sc.model["dtype"], fold=job.fold))
-            p = steady.grown(runs[-2].trace, runs[-1].trace, sc.run["steps"])
+                                     mode=job.mode, cost_dtype=sc.model.dtype, fold=job.fold))
+            p = steady.grown(runs[-2].trace, runs[-1].trace, sc.run.steps)
             if p is not None:
                 before, last = Totals.of(runs[-2].trace), Totals.of(runs[-1].trace)
                 return replace(runs[-1], micro=(counts[-1], micro.m, p)), last.extended(before, micro.more(counts[-1]))

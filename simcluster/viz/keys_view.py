@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from simcluster.config.scenario import _CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError, _suggest
+from simcluster.config.schema import CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError, suggest
 
 
 def valid(key: Key) -> str:
@@ -23,7 +23,7 @@ def valid(key: Key) -> str:
 def default(section: str, name: str, key: Key) -> str:
     if key.default is not None:
         return str(key.default).lower() if key.type is bool else repr(key.default) if key.type is str else str(key.default)
-    return "the preset's" if section == "cluster" and name in _CLUSTER_FIGURES else "unset"
+    return "the preset's" if section == "cluster" and name in CLUSTER_FIGURES else "unset"
 
 
 def describe(which: str | None = None, width: int = 100) -> str:
@@ -39,7 +39,7 @@ def describe(which: str | None = None, width: int = 100) -> str:
         elif section in SCHEMA and name in SCHEMA[section]:
             sections = {section: {name: SCHEMA[section][name]}}
         else:
-            raise ScenarioError(f"no section or key {which!r}{_suggest(which)}; sections: {', '.join(SCHEMA)}")
+            raise ScenarioError(f"no section or key {which!r}{suggest(which)}; sections: {', '.join(SCHEMA)}")
     lines = []
     for section, keys in sections.items():
         lines.append(f"[{section}]" if section else "top level (name = ..., description = ...)")

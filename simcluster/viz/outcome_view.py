@@ -48,12 +48,12 @@ def repeated(outcome: Outcome) -> str:
     out = ""
     if r:
         more, period = r
-        shown = outcome.scenario.run["steps"] - more
+        shown = outcome.scenario.run.steps - more
         out += (f"; steps {shown + 1}-{shown + more} repeat step {shown} every {format_ns(period)}: drawn are the "
                 f"first {shown}, the report counts all {shown + more}")
     if micro:
         shown, m, period = micro
-        one = outcome.scenario.run["steps"] == 1
+        one = outcome.scenario.run.steps == 1
         out += (f"; micro-batches {shown + 1}-{m} each add the pipeline's steady round of {format_ns(period)}"
                 f"{'' if one else ' a step'}: drawn {'is the step' if one else 'are the steps'} with {shown}, "
                 f"the report counts all {m}")

@@ -1,0 +1,340 @@
+"""The scenario's keys, declared once as typed sections (nested frozen dataclasses, as torchtitan's
+JobConfig): each key's type (a Literal for a closed set), default, help text and least value. A
+section checks its values where it is built and names the key, the value and what would be valid.
+From these classes come the loader's checks (scenario.py), `simcluster keys` (SCHEMA), the `--set`
+help, and the scenario's JSON Schema (json_schema.py)."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, ClassVar, Literal
+
+from simcluster.topology.presets import COLLECTIVES, PRESETS, ClusterSpec
+
+
+class ScenarioError(ValueError):
+    """A scenario document or override that cannot be used (one line, for the user)."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key as its section's annotation and field declare it."""
+
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+
+
+def key(default: Any, help: str, *, minimum: float | None = None) -> Any:
+    """A section's field: its default, what it means, and its least value (numbers)."""
+    return field(default=default, metadata={"help": help, "minimum": minimum})
+
+
+class Section:
+    """A table of a scenario. Building one checks every value (`_check`); a key whose default is None
+    may stay unset. `check_value` is the one check of a value, wherever it comes from."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for name, k in keys_of(type(self)).items():
+            value = getattr(self, name)
+            if value is None and k.default is None:
+                continue
+            object.__setattr__(self, name, check_value(f"{self.section}.{name}", k, value))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+PRESET_NAMES = tuple(sorted(PRESETS))
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    """[model]: the model and its batch."""
+
+    section: ClassVar[str] = "model"
+
+    layers: int = key(2, "transformer blocks", minimum=1)
+    hidden: int = key(64, "hidden size h", minimum=1)
+    heads: int = key(4, "attention heads (must divide hidden)", minimum=1)
+    ffn_hidden: int = key(256, "MLP inner size", minimum=1)
+    seq: int = key(32, "sequence length s", minimum=1)
+    vocab: int = key(128, "vocabulary size", minimum=2)
+    global_batch: int = key(8, "sequences per step, over all data-parallel ranks", minimum=1)
+    micro_batch: int | None = key(
+        None, "sequences per micro-batch on a rank (default: its whole share, no accumulation)", minimum=1)
+    dtype: Literal["bf16", "fp16", "fp32"] = key(
+        "bf16", "bf16 or fp16: mixed precision (16-bit weights and gradients, fp32 master and Adam; fp16 with a "
+        "static loss scale of 4096); fp32: everything fp32. Kernels and communication are timed in it")
+    causal: bool = key(True, "causal attention")
+    attention_kernel: Literal["flash", "unfused"] = key(
+        "flash", "what the attention core costs in time and memory: one fused FlashAttention kernel, or each step as "
+        "its own kernel with the s x s scores in memory")
+    fused_kernels: bool = key(
+        True, "cost a block's elementwise work as the fused kernels of Megatron-LM (bias in the GEMM; bias+GELU; "
+        "bias+dropout+residual; scale+mask+softmax), not one kernel an op as eager PyTorch")
+    tied_head: bool | None = key(None, "LM head tied to the token embedding (default: gpt yes, llama no)")
+    arch: Literal["gpt", "llama"] = key(
+        "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary positions, SwiGLU "
+        "MLP, grouped-query attention, no biases, untied head)")
+    kv_heads: int | None = key(
+        None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
+    dropout: float = key(0.0, "dropout probability", minimum=0)
+
+
+@dataclass(frozen=True)
+class _ClusterKeys(Section):
+    """[cluster]: the hardware (the figures a preset gives, each overridable, are added below)."""
+
+    section: ClassVar[str] = "cluster"
+
+    preset: Literal[PRESET_NAMES] = key("dgx-a100", "hardware preset")
+    nodes: int = key(1, "number of nodes", minimum=1)
+    gpus_per_node: int = key(8, "GPUs per node (NVLink/NVSwitch domain)", minimum=1)
+    torus: str | None = key(
+        None, "chips along each dimension of a TPU-style torus, like '4x4x4' (their product must be cluster.nodes x"
+        " cluster.gpus_per_node; wrap-around links where every dimension is at least 4): links between "
+        "neighbouring chips instead of NVLink and NICs (default: the preset's; '' for none)")
+    profile: str | None = key(
+        None, "a hardware profile measured by `simcluster calibrate` (a TOML file, relative to the scenario's "
+        "folder or the working directory): its figures replace the preset's, and each GEMM is timed at the "
+        "rate measured for the shape nearest it")
+    collectives: Literal[COLLECTIVES] | None = key(
+        None, "how collectives are timed: 'nccl', NCCL's protocols (LL, LL128, Simple) picked by message size with "
+        "its own latencies; 'alpha-beta', a fixed latency a ring step at the links' full rate (default: the "
+        "preset's, nccl; a profile's measured link: alpha-beta)")
+
+    @property
+    def figures(self) -> dict[str, Any]:
+        """The preset's figures this cluster overrides (and how collectives are timed, if set)."""
+        return {n: getattr(self, n) for n in (*CLUSTER_FIGURES, "collectives") if getattr(self, n) is not None}
+
+
+@dataclass(frozen=True)
+class ParallelSection(Section):
+    """[parallel]: the layout of the model on the cluster's ranks."""
+
+    section: ClassVar[str] = "parallel"
+
+    dp: int = key(8, "data-parallel degree", minimum=1)
+    pp: int = key(1, "pipeline-parallel degree", minimum=1)
+    cp: int = key(1, "context-parallel degree", minimum=1)
+    tp: int = key(1, "tensor-parallel degree", minimum=1)
+    sp: bool = key(False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)")
+    attention: Literal["ulysses", "ring", "allgather", "rsa"] = key(
+        "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring (keys and values "
+        "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys around the ring for"
+        " whole score rows, then values)")
+    zero: Literal[0, 1, 2, 3] = key(3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP), around whatever a rank holds")
+    zero_over: Literal["dp_cp", "dp"] = key(
+        "dp_cp", "what ZeRO shards over when cp > 1: dp_cp (the flattened dp x cp group, as Megatron's distributed "
+        "optimizer and torchtitan's FSDP do) or dp (after a sum over cp)")
+    prefetch: bool = key(True, "ZeRO-3: gather the next unit's weights while this one computes")
+    overlap_grad_reduce: bool = key(
+        True, "DDP and ZeRO-1: reduce each unit's gradients as soon as its last micro-batch is done, under the rest"
+        " of the backward pass (Megatron's --overlap-grad-reduce); false: all of them after the backward, as "
+        "Megatron-LM did in 2021")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = key(
+        "none", "ZeRO-Offload (zero >= 1): keep the fp32 master weights and Adam's moments in the host's memory (cpu)"
+        " or on its NVMe (nvme, ZeRO-Infinity); each rank's reduced gradients go down over PCIe and AdamW "
+        "runs on the host's cores")
+    offload_params: Literal["none", "cpu", "nvme"] = key(
+        "none", "ZeRO-Infinity (zero = 3): keep the 16-bit weight chunks in the host's memory (cpu) or on its NVMe "
+        "(nvme) between uses, fetched before each gather")
+    delayed_update: bool = key(
+        False, "ZeRO-Offload's one-step delayed parameter update: each step computes with the weights from before "
+        "the last step's update, so the host's optimizer step runs under the next forward and backward "
+        "(compared with its own single-device definition)")
+    recompute: Literal["none", "selective", "full"] = key("none", "activation recomputation")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"] = key(
+        "1f1b", "pipeline schedule (pp > 1)")
+    virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)
+    scatter_gather: bool = key(
+        False, "pp > 1 with tp > 1 and no sp: each tp rank sends only its 1/tp of a pipeline message and the "
+        "receiving stage all-gathers the parts over tp, so a message crosses the network once, not tp times "
+        "(Megatron-LM's --scatter-gather-tensors-in-pipeline, on by default in 2021)")
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The mesh's axes and their sizes, in the mesh's order."""
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+
+@dataclass(frozen=True)
+class RunSection(Section):
+    """[run]: what runs, how long, in which numerics, and the checkpoints."""
+
+    section: ClassVar[str] = "run"
+
+    program: Literal["gpt", "mlp", "collectives", "allreduce"] = key(
+        "gpt", "what to run: gpt (the GPT model under the [parallel] layout), mlp (a TP x DP two-layer MLP), "
+        "collectives (every primitive), allreduce (all-reduce against reduce-scatter + all-gather of "
+        "global_batch x seq x hidden values)")
+    steps: int = key(3, "training steps", minimum=1)
+    numerics: Literal["exact", "fast", "meta"] = key("exact", "exact (bit-exact), fast (BLAS) or meta (shapes only)")
+    verify: bool = key(True, "compare every output with a single-device run")
+    seed: int = key(0, "seed of weights and data", minimum=0)
+    lr: float = key(1e-3, "learning rate (AdamW for gpt, SGD for mlp)", minimum=0)
+    weight_decay: float | None = key(
+        None, "AdamW's decoupled weight decay, torch semantics (default: 0.01 for gpt as Megatron-LM, 0.1 for llama"
+        " as Llama 3)", minimum=0)
+    clip_grad: float = key(
+        1.0, "clip the gradients to this global norm before the optimizer step (torch's clip_grad_norm_; 0: no "
+        "clipping)", minimum=0)
+    save_checkpoint: str | None = key(
+        None, "gpt: write a checkpoint to this folder (--save-checkpoint; each rank its own shards and a manifest, "
+        "docs/checkpoint.md)")
+    save_at_step: int | None = key(
+        None, "save the checkpoint after this many steps (--at-step; default: run.steps)", minimum=0)
+    resume: str | None = key(
+        None, "gpt: start from this checkpoint folder, under any layout (--resume): its newest complete checkpoint,"
+        " or the one a step folder holds; the steps after it are byte-identical to the uninterrupted run's")
+    keep_checkpoints: int = key(
+        2, "how many complete checkpoints a save into run.save_checkpoint keeps (the oldest are deleted only "
+        "once the new one is complete)", minimum=1)
+
+
+@dataclass(frozen=True)
+class FaultsSection(Section):
+    """[faults]: injected faults: a straggler, a degraded link, a failed rank."""
+
+    section: ClassVar[str] = "faults"
+
+    straggler_rank: int | None = key(None, "a rank whose kernels run slow (a throttled GPU)", minimum=0)
+    straggler_factor: float = key(2.0, "how many times as long the straggler's kernels take", minimum=1)
+    straggler_from_us: float = key(0.0, "when the straggler slows down, in simulated microseconds", minimum=0)
+    degraded_rank: int | None = key(None, "a rank whose link runs at a fraction of its bandwidth", minimum=0)
+    degraded_link: Literal["nic", "nvlink"] = key(
+        "nic", "which of its links: nic (between nodes) or nvlink (inside the node)")
+    degraded_factor: float = key(0.25, "the fraction of its bandwidth the degraded link keeps (0 to 1]", minimum=0)
+    failed_rank: int | None = key(
+        None, "a rank that fails: its peers' collectives never finish, and their watchdogs report them", minimum=0)
+    failed_at_us: float = key(0.0, "when the rank fails, in simulated microseconds", minimum=0)
+    watchdog_s: float = key(
+        600.0, "how long a rank waits on a collective before its watchdog reports it (torch.distributed's default "
+        "NCCL timeout: 10 minutes)", minimum=0)
+
+
+@dataclass(frozen=True)
+class GoodputSection(Section):
+    """[goodput]: the goodput report: interruptions, checkpoint writes and restarts (off unless set)."""
+
+    section: ClassVar[str] = "goodput"
+
+    interruptions_per_gpu_hour: float | None = key(
+        None, "job interruptions per GPU-hour (Llama 3: 419 unexpected in 54 days on 16,384 H100s, 1.97e-5); set it"
+        " to get the goodput report", minimum=0)
+    storage_gbyte_per_s: float = key(
+        2000.0, "checkpoint write bandwidth of the whole job, GB/s (Llama 3's Tectonic: 2 TB/s sustained)", minimum=0)
+    restart_s: float = key(
+        600.0, "seconds from an interruption to training again: rescheduling, loading the checkpoint, warm-up (an "
+        "assumption; the Llama 3 paper gives none)", minimum=0)
+    checkpoint_every_steps: int | None = key(
+        None, "steps between checkpoints (default: the interval that maximises goodput)", minimum=1)
+    step_time_s: float | None = key(
+        None, "the step time to account with, e.g. a measured one (default: the simulated step)", minimum=0)
+
+
+@dataclass(frozen=True)
+class TargetSection(Section):
+    """[target]: the critical-batch report: steps and GPU-hours to a target loss (off unless set)."""
+
+    section: ClassVar[str] = "target"
+
+    b_noise_tokens: float | None = key(
+        None, "the gradient noise scale B_noise in tokens (McCandlish et al. 2018; Kaplan et al. 2020: about 2e8 / "
+        "L^4.8 at a loss of L nats); with e_min_tokens, the report adds the steps, wall time and GPU-hours to"
+        " that loss", minimum=0)
+    e_min_tokens: float | None = key(
+        None, "the fewest tokens that reach the target loss (with a tiny batch)", minimum=0)
+
+
+_FIGURE_NAMES = ("preset", "device", "nodes", "gpus_per_node", "profile", "torus", "collectives")
+CLUSTER_FIGURES = tuple(f.name for f in fields(ClusterSpec) if f.name not in _FIGURE_NAMES)
+
+
+def _figure(name: str) -> tuple[str, Any, Any]:
+    typ = {f.name: f.type for f in fields(ClusterSpec)}[name]
+    return name, (float if typ in ("float", float) else int) | None, key(None, f"override of the preset's {name}",
+                                                                          minimum=0)
+
+
+# [cluster]: the keys above and an override of each figure a preset gives (topology/presets.py)
+ClusterSection = make_dataclass("ClusterSection", [_figure(n) for n in CLUSTER_FIGURES], bases=(_ClusterKeys,),
+                                frozen=True)
+ClusterSection.__doc__ = _ClusterKeys.__doc__
+ClusterSection.__module__ = __name__
+
+SECTIONS: dict[str, type[Section]] = {c.section: c for c in (ModelSection, ClusterSection, ParallelSection,
+                                                              RunSection, FaultsSection, GoodputSection, TargetSection)}
+
+
+@functools.cache
+def keys_of(cls: type) -> dict[str, Key]:
+    """A section's keys, read from its annotations and fields."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        want, choices = hints[f.name], None
+        if isinstance(want, types.UnionType) or typing.get_origin(want) is typing.Union:  # X | None
+            want = next(a for a in typing.get_args(want) if a is not type(None))
+        if typing.get_origin(want) is Literal:
+            choices = typing.get_args(want)
+            want = type(choices[0])
+        out[f.name] = Key(want, f.default, f.metadata["help"], choices, f.metadata["minimum"])
+    return out
+
+
+SCHEMA: dict[str, dict[str, Key]] = {name: keys_of(cls) for name, cls in SECTIONS.items()}
+TOP_LEVEL = {"name": Key(str, "default", "scenario name"), "description": Key(str, "", "what the scenario shows")}
+
+
+def all_keys() -> list[str]:
+    return list(TOP_LEVEL) + [f"{s}.{k}" for s, keys in SCHEMA.items() for k in keys]
+
+
+def suggest(name: str) -> str:
+    """' (did you mean ...?)' for a misspelt key or section, or ''."""
+    close = difflib.get_close_matches(name, all_keys(), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+LARGEST_INT = 2**53  # the largest integer a scenario may give: floats (the cost model's) hold every integer to it
+
+
+def check_value(where: str, key: Key, value: Any) -> Any:
+    want = key.type
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ScenarioError(f"{where} = {str(value)[:12]}... ({len(str(value))} digits) is too large for a "
+                                f"float") from None
+    if want is int and isinstance(value, float) and value.is_integer() and where.startswith("cluster."):
+        value = int(value)
+    if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
+        raise ScenarioError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    if want is float and not math.isfinite(value):
+        raise ScenarioError(f"{where} must be a finite number, got {value!r}")
+    if want is int and abs(value) > LARGEST_INT:
+        text = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise ScenarioError(f"{where} = {text} is too large: integers here are at most 2^53 = {LARGEST_INT:,} (the "
+                            f"cost model computes in floats, exact to 2^53)")
+    if key.choices is not None and value not in key.choices:
+        raise ScenarioError(f"{where} = {value!r} is not valid; valid: {', '.join(map(str, key.choices))}")
+    if key.minimum is not None and value < key.minimum:
+        raise ScenarioError(f"{where} = {value!r} must be at least {key.minimum:g}")
+    return value
