@@ -35,7 +35,7 @@ from simcluster.parallel.parallelism import ATTENTIONS, ZERO_OVER, Parallelism
 from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.program.mesh import AXES, DeviceMesh
 from simcluster.topology.presets import preset
-from simcluster.valid import divisors
+from simcluster.numerics.divisors import divisors
 
 __all__ = ["Layout", "assert_bit_exact", "assert_close_fast", "assert_same", "fast_bound", "layouts", "meshes",
            "one_device", "outputs", "replicated", "unshard"]

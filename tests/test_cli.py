@@ -33,7 +33,7 @@ def test_json_report_has_the_contract_fields(capsys):
 def test_default_gpt_report_has_memory_and_zero3_traffic(capsys):
     assert main(["run", "--json", "--set", "run.steps=1"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["scenario"]["run"]["program"] == "gpt" and rep["scenario"]["parallel"]["zero"] == 3
+    assert rep["scenario"]["run"]["program"] == "transformer" and rep["scenario"]["parallel"]["zero"] == 3
     assert rep["verification"]["bit_exact"] is True
     collectives = {c["collective"] for c in rep["communication"]}
     assert {"all_gather", "reduce_scatter"} <= collectives
@@ -288,7 +288,7 @@ def test_inputs_that_gave_tracebacks_are_one_line(tmp_path, capsys, args, messag
 def test_the_divisors_an_error_lists_stop_at_2_20_for_a_number_past_2_40():
     """(A size past 2^53 is refused where it enters; the listing is bounded all the same: a loop to the
     square root of a 400-digit number never ends.)"""
-    from simcluster.valid import divisors
+    from simcluster.numerics.divisors import divisors
 
     assert divisors(2**40) == [2**i for i in range(41)]  # every divisor, to 2^40
     assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]

@@ -151,3 +151,12 @@ def test_check_value_names_the_key():
     with pytest.raises(ScenarioError, match=r"run.seed = 1e\+20 .* too large|run.seed must be int"):
         check_value("run.seed", keys_of(RunSection)["seed"], 1e20)
     assert "model.layers" in describe("model.layers")
+
+
+def test_an_earlier_name_of_a_value_is_still_read():
+    """run.program = 'gpt' (the name before the Llama joined) runs the transformer, from a file or --set."""
+    assert build({"run": {"program": "gpt"}}).run.program == "transformer"
+    assert build({}, ["run.program=gpt"]).run.program == "transformer"
+    assert "'gpt', its earlier name, is read as transformer" in describe("run.program").replace("\n      ", " ")
+    with pytest.raises(ScenarioError, match="run.program = 'gtp' is not valid; valid: transformer, mlp"):
+        build({}, ["run.program=gtp"])

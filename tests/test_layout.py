@@ -128,7 +128,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # The layers, lowest first: a module imports only from its own layer and those below it. Each entry names
 # packages (simcluster's sub-packages and the torch backend) and top-level modules.
 LAYERS = [
-    ("numerics", "valid"),  # the kernel set in its three modes; the valid values an error lists
+    ("numerics",),  # the kernel set in its three modes; the divisors an error lists
     ("model",),  # the single-device model: its blocks, AdamW, FLOPs and memory
     ("program",),  # what a per-rank program is given: mesh, groups, communication, context
     ("topology",),  # presets, the cluster's links, each collective's phases, measured profiles
@@ -156,3 +156,21 @@ def test_no_module_imports_from_a_layer_above_its_own():
     edges = import_graph()
     assert sum(_layer(t) < _layer(m) for m, targets in edges.items() for t in targets) > 100  # (it sees imports)
     assert sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets if _layer(t) > _layer(m)) == []
+
+
+def test_the_package_offers_a_notebook_its_names_without_importing_them_up_front():
+    """`import simcluster` loads none of its modules; `simcluster.load` and `simcluster.run_scenario`
+    run the default scenario as the command line does."""
+    code = ("import sys, simcluster; print(sorted(m for m in sys.modules if m.startswith('simcluster.'))); "
+            "out = simcluster.run_scenario(simcluster.load(None, ['run.steps=1'])); "
+            "print(out.report['verification']['bit_exact'], simcluster.testing.assert_bit_exact.__name__, "
+            "isinstance(out, simcluster.Outcome), sorted(simcluster.__all__) == simcluster.__all__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True assert_bit_exact True True"]
+    try:
+        import simcluster
+        simcluster.no_such_name
+    except AttributeError as exc:
+        assert "no attribute 'no_such_name'" in str(exc)
+    else:
+        raise AssertionError("an unknown name must be an AttributeError")

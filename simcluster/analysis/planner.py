@@ -51,7 +51,7 @@ from simcluster.run.job import parallelism_of
 from simcluster.run.runner import run_scenario
 from simcluster.topology import nccl
 from simcluster.topology.presets import PRESETS
-from simcluster.valid import divisors
+from simcluster.numerics.divisors import divisors
 
 MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -369,8 +369,8 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     """Estimate every layout (those with the `fixed` values), simulate the `simulate` best that fit,
     best first; `jobs` simulations at a time, each in a process of its own (the same rows, in the same
     order, however many)."""
-    if sc.run.program != "gpt":
-        raise ScenarioError(f"plan searches layouts of a model: run.program = 'gpt', not {sc.run.program!r}")
+    if sc.run.program != "transformer":
+        raise ScenarioError(f"plan searches layouts of a model: run.program = 'transformer', not {sc.run.program!r}")
     base = replace(sc, run=replace(sc.run, numerics="meta", verify=False, steps=1))
     start = time.perf_counter()
     examined, estimates = 0, []

@@ -106,8 +106,8 @@ def check_scenario(sc: Scenario) -> None:
     if ck is None:
         return
     r = sc.run
-    if r.program != "gpt":
-        raise CheckpointError(f"checkpoints are for run.program = 'gpt' (a training run); this is {r.program!r}")
+    if r.program != "transformer":
+        raise CheckpointError(f"checkpoints are for run.program = 'transformer' (a training run); this is {r.program!r}")
     if r.numerics == "meta":
         raise CheckpointError("run.numerics = 'meta' carries no numbers to save or resume; use exact or fast")
     if sc.variants and ck.save:

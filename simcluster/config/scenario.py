@@ -61,7 +61,7 @@ class Scenario:
                        "crosses a NIC (degrade 'nvlink', or spread the ranks over cluster.nodes)")
         if f.degraded_rank is not None and f.degraded_link == "nvlink" and c.gpus_per_node == 1:
             out.append("faults.degraded_link = 'nvlink' does nothing with cluster.gpus_per_node = 1 (no NVLink peer)")
-        if self.run.program != "gpt":
+        if self.run.program != "transformer":
             return out
         if p.sp and p.tp == 1:
             out.append("parallel.sp = true does nothing with parallel.tp = 1 (sequence parallelism splits what "

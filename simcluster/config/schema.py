@@ -30,11 +30,13 @@ class Key:
     help: str
     choices: tuple[Any, ...] | None = None
     minimum: float | None = None
+    renamed: tuple[tuple[Any, Any], ...] = ()  # earlier names of values, still read: (old, new)
 
 
-def key(default: Any, help: str, *, minimum: float | None = None) -> Any:
-    """A section's field: its default, what it means, and its least value (numbers)."""
-    return field(default=default, metadata={"help": help, "minimum": minimum})
+def key(default: Any, help: str, *, minimum: float | None = None, renamed: dict[Any, Any] | None = None) -> Any:
+    """A section's field: its default, what it means, its least value (numbers), and the earlier names
+    of its values that are still read (old name -> name)."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, "renamed": renamed or {}})
 
 
 class Section:
@@ -179,15 +181,16 @@ class RunSection(Section):
 
     section: ClassVar[str] = "run"
 
-    program: Literal["gpt", "mlp", "collectives", "allreduce"] = key(
-        "gpt", "what to run: gpt (the GPT model under the [parallel] layout), mlp (a TP x DP two-layer MLP), "
-        "collectives (every primitive), allreduce (all-reduce against reduce-scatter + all-gather of "
-        "global_batch x seq x hidden values)")
+    program: Literal["transformer", "mlp", "collectives", "allreduce"] = key(
+        "transformer", "what to run: transformer (the model.arch model, GPT or Llama, trained under the [parallel] "
+        "layout; 'gpt', its earlier name, is read as transformer), mlp (a TP x DP two-layer MLP), collectives "
+        "(every primitive), allreduce (all-reduce against reduce-scatter + all-gather of global_batch x seq x "
+        "hidden values)", renamed={"gpt": "transformer"})
     steps: int = key(3, "training steps", minimum=1)
     numerics: Literal["exact", "fast", "meta"] = key("exact", "exact (bit-exact), fast (BLAS) or meta (shapes only)")
     verify: bool = key(True, "compare every output with a single-device run")
     seed: int = key(0, "seed of weights and data", minimum=0)
-    lr: float = key(1e-3, "learning rate (AdamW for gpt, SGD for mlp)", minimum=0)
+    lr: float = key(1e-3, "learning rate (AdamW for transformer, SGD for mlp)", minimum=0)
     weight_decay: float | None = key(
         None, "AdamW's decoupled weight decay, torch semantics (default: 0.01 for gpt as Megatron-LM, 0.1 for llama"
         " as Llama 3)", minimum=0)
@@ -195,12 +198,12 @@ class RunSection(Section):
         1.0, "clip the gradients to this global norm before the optimizer step (torch's clip_grad_norm_; 0: no "
         "clipping)", minimum=0)
     save_checkpoint: str | None = key(
-        None, "gpt: write a checkpoint to this folder (--save-checkpoint; each rank its own shards and a manifest, "
+        None, "transformer: write a checkpoint to this folder (--save-checkpoint; each rank its own shards and a manifest, "
         "docs/checkpoint.md)")
     save_at_step: int | None = key(
         None, "save the checkpoint after this many steps (--at-step; default: run.steps)", minimum=0)
     resume: str | None = key(
-        None, "gpt: start from this checkpoint folder, under any layout (--resume): its newest complete checkpoint,"
+        None, "transformer: start from this checkpoint folder, under any layout (--resume): its newest complete checkpoint,"
         " or the one a step folder holds; the steps after it are byte-identical to the uninterrupted run's")
     keep_checkpoints: int = key(
         2, "how many complete checkpoints a save into run.save_checkpoint keeps (the oldest are deleted only "
@@ -294,7 +297,8 @@ def keys_of(cls: type) -> dict[str, Key]:
         if typing.get_origin(want) is Literal:
             choices = typing.get_args(want)
             want = type(choices[0])
-        out[f.name] = Key(want, f.default, f.metadata["help"], choices, f.metadata["minimum"])
+        out[f.name] = Key(want, f.default, f.metadata["help"], choices, f.metadata["minimum"],
+                          tuple(f.metadata["renamed"].items()))
     return out
 
 
@@ -316,7 +320,10 @@ LARGEST_INT = 2**53  # the largest integer a scenario may give: floats (the cost
 
 
 def check_value(where: str, key: Key, value: Any) -> Any:
+    """`value` as the key takes it (an int where a float is wanted as a float, an earlier name as the
+    name), or a ScenarioError that names the key, the value and what would be valid."""
     want = key.type
+    value = dict(key.renamed).get(value, value) if isinstance(value, str) else value
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)

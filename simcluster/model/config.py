@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.numerics.ops import Ops
-from simcluster.valid import divisors, listed
+from simcluster.numerics.divisors import divisors, listed
 
 ARCHS = ("gpt", "llama")
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.model.gpt import PRECISIONS, ModelConfig, Slice, batch, unit_names
-from simcluster.valid import divisors, listed
+from simcluster.numerics.divisors import divisors, listed
 
 
 OFFLOAD = ("none", "cpu", "nvme")  # where ZeRO-Offload/Infinity keep what they offload

@@ -24,7 +24,7 @@ from typing import Any
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
-from simcluster.valid import divisors, listed
+from simcluster.numerics.divisors import divisors, listed
 
 ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
 CP_ALIKE = ("ulysses", "allgather")  # attentions whose cp ranks run the same shapes (`alike`; Ulysses: given own kv heads)

@@ -24,7 +24,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.program.context import Context
-from simcluster.valid import divisors, listed
+from simcluster.numerics.divisors import divisors, listed
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
     the trace's own (a run whose identical steps were simulated once: steady.py)."""
     spec = result.cluster.spec
     if steps is None:
-        steps = scenario.run.steps if scenario.run.program in ("mlp", "gpt") else 1
+        steps = scenario.run.steps if scenario.run.program in ("mlp", "transformer") else 1
     totals = totals or Totals.of(result.trace)
     makespan, fold, world = totals.end, result.fold, result.mesh.world_size
     peak = (spec.peak_tflops if scenario.model.dtype in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12

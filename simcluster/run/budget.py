@@ -72,10 +72,10 @@ def check(sc: Scenario, fold: bool = True, repeat: bool = True) -> None:
                             f"clusters have about 10^5 GPUs)")
     memory = physical_memory()
     m = sc.model
-    if sc.run.program != "gpt":
+    if sc.run.program != "transformer":
         _transfers(sc, memory)
     if sc.run.numerics == "meta":
-        if sc.run.program != "gpt":
+        if sc.run.program != "transformer":
             return
         _countable(sc)
         kernels, _, folds, why = _meta_kernels(sc, fold, repeat)
@@ -144,7 +144,7 @@ def _size(sc: Scenario) -> tuple[int, float] | None:
     unit = placement(p.schedule, PipelineShape(p.pp, 1, v)).pieces  # runs of layers the pipeline cuts
     layers = m.layers
     try:
-        if sc.run.program != "gpt" or layers <= 2 * unit:
+        if sc.run.program != "transformer" or layers <= 2 * unit:
             job = job_of(sc, fold=False)
             return job.parameters, job.flops[0]
         one, two = (job_of(replace(sc, model=replace(m, layers=n * unit), variants=()), fold=False) for n in (1, 2))

@@ -137,7 +137,7 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
     mesh = DeviceMesh(**sc.parallel.degrees)
     mode, program = sc.run.numerics, sc.run.program
     coords = [mesh.coords(r) for r in range(mesh.world_size)]
-    if program == "gpt":
+    if program == "transformer":
         parallelism = parallelism_of(sc, mesh)
         cfg = parallelism.data
         tokens = cfg.global_batch * cfg.model.seq

@@ -86,16 +86,16 @@ def _aims(sc: Scenario) -> bool:
     t = sc.target
     if t.b_noise_tokens is None and t.e_min_tokens is None:
         return False
-    if not (t.b_noise_tokens and t.e_min_tokens) or sc.run.program != "gpt":
+    if not (t.b_noise_tokens and t.e_min_tokens) or sc.run.program != "transformer":
         raise ScenarioError("[target] needs both target.b_noise_tokens and target.e_min_tokens above 0, and "
-                            "run.program = 'gpt'")
+                            "run.program = 'transformer'")
     return True
 
 
 def _repeats(sc: Scenario, faults: Faults | None) -> bool:
     """Whether a run may simulate its identical steps once (steady.py): meta mode, more steps than
     that costs, no fault (a fault from a time breaks the repetition)."""
-    return (sc.run.numerics == "meta" and sc.run.program == "gpt" and faults is None
+    return (sc.run.numerics == "meta" and sc.run.program == "transformer" and faults is None
             and sc.run.steps > steady.SIMULATED + 2)
 
 
@@ -129,7 +129,7 @@ def _rounds(sc: Scenario, faults: Faults | None) -> pipeline_steady.Micro | None
     """The micro-batch counts a meta-mode pipeline run may simulate instead of all of them
     (pipeline_steady.py); None where it may not (a fault, a checkpoint, or nothing to gain)."""
     r = sc.run
-    if r.numerics != "meta" or r.program != "gpt" or faults is not None or r.save_checkpoint \
+    if r.numerics != "meta" or r.program != "transformer" or faults is not None or r.save_checkpoint \
             or r.resume:
         return None
     return pipeline_steady.micro_counts(sc.model, sc.parallel)

@@ -43,7 +43,7 @@ class ReportView:
     def _summary(self) -> Table:
         r = self.report
         sc, c = r["scenario"], r["cluster"]
-        program = sc["model"].get("arch", "gpt") if sc["run"]["program"] == "gpt" else sc["run"]["program"]
+        program = sc["model"].get("arch", "gpt") if sc["run"]["program"] == "transformer" else sc["run"]["program"]
         t = Table(title=f"scenario {escape(repr(sc['name']))}: {program}, {sc['run']['numerics']} numerics",
                   show_header=False, title_justify="left")
         t.add_column("what", style="bold")
