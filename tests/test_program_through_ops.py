@@ -74,11 +74,11 @@ def test_every_exemption_is_still_needed():
 
 def test_the_walk_finds_a_numpy_call_on_data():
     """The walk can fail: the head split as it was written before the kernel set had it."""
-    source = ("class GPT:\n    def _heads(self, x):\n"
+    source = ("class GPT:\n    def split_heads(self, x):\n"
               "        return np.ascontiguousarray(x.reshape(2, 3, 4, 5).transpose(0, 2, 1, 3))\n"
               "    def cast(self, x):\n        return x.astype(np.float32)\n")
     assert offences(source, "model/gpt.py") == {
-        "model/gpt.py:GPT._heads": ["np.ascontiguousarray at line 3"],
+        "model/gpt.py:GPT.split_heads": ["np.ascontiguousarray at line 3"],
         "model/gpt.py:GPT.cast": [".astype() at line 5"]}
 
 

@@ -41,6 +41,11 @@ def replays(monkeypatch):
     return counts
 
 
+def untape(monkeypatch):
+    """Taping off: every rank runs each of its blocks (what a taped run must equal)."""
+    monkeypatch.setattr(tape.Tapes, "of", classmethod(lambda cls, ctx: None))
+
+
 def _runs(sc, fold):
     out = run_all(sc, fold=fold)
     return [out] if not sc.variants else [o for _, o in out.variants]
@@ -54,7 +59,7 @@ def test_taped_runs_give_the_untaped_trace_and_report_byte_for_byte(name, overri
         assert replays["replayed"] == 0 and replays["recorded"] > 0
     else:
         assert replays["replayed"] > 0, "the scenario must replay blocks from tapes"
-    monkeypatch.setattr(tape, "enabled", False)
+    untape(monkeypatch)
     before = dict(replays)
     untaped = _runs(sc, fold=False)
     assert replays == before  # (nothing taped with taping off)
@@ -139,7 +144,7 @@ def test_a_backward_that_defers_its_weight_gradients_is_replayed(schedule, monke
     sc = load("pipeline_schedules", ["run.numerics=meta", f"parallel.schedule={schedule}", "model.layers=8"])
     taped = _runs(sc, fold=False)[0]
     assert deferring["replayed"] > 0 and deferring["thunks"] > 0
-    monkeypatch.setattr(tape, "enabled", False)
+    untape(monkeypatch)
     untaped = _runs(sc, fold=False)[0]
     assert taped.result.trace.to_jsonl() == untaped.result.trace.to_jsonl()
     assert json.dumps(taped.report, sort_keys=True) == json.dumps(untaped.report, sort_keys=True)
@@ -147,7 +152,7 @@ def test_a_backward_that_defers_its_weight_gradients_is_replayed(schedule, monke
     def misnamed(self, t, layer, grads, defer):  # every replayed thunk under the first layer's names
         return (yield from replay(self, t, 0, grads, defer))
 
-    monkeypatch.setattr(tape, "enabled", True)
+    monkeypatch.undo()  # (taping on again)
     monkeypatch.setattr(tape.Tapes, "_replay", misnamed)
     with pytest.raises(Exception):
         broken = _runs(sc, fold=False)[0]

@@ -1,4 +1,6 @@
-"""The SimPy engine: run per-rank programs, check that they fit together, time them on a cluster."""
+"""The emulator's engine: interpret every rank's program (matching their communication into calls and
+checking that they fit together), then replay the calls and kernels on the modelled cluster, a
+discrete-event simulation whose clock and event queue are SimPy's."""
 
 from __future__ import annotations
 

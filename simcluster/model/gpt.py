@@ -67,15 +67,15 @@ class GPT:
     def _linear(self, x: Any, w: Any, b: Any) -> Any:
         return self.ops.add(self.ops.matmul(x, w), b)
 
-    def _heads(self, x: Any) -> Any:
+    def split_heads(self, x: Any) -> Any:
         """(b, s, a*d) -> (b, a, s, d), for all heads or a tensor-parallel rank's share of them."""
         return self.ops.heads(x, self.cfg.head_dim)
 
-    def _merge(self, x: Any) -> Any:
+    def merge_heads(self, x: Any) -> Any:
         """(b, a, s, d) -> (b, s, h)."""
         return self.ops.merge_heads(x)
 
-    def _split3(self, x: Any) -> tuple[Any, Any, Any]:
+    def split_qkv(self, x: Any) -> tuple[Any, Any, Any]:
         """q, k, v from the QKV projection's output (b, s, 3w): its thirds."""
         n = x.shape[-1] // 3
         if isinstance(x, MetaTensor):
@@ -83,7 +83,7 @@ class GPT:
             return part, part, part
         return x[..., :n], x[..., n:2 * n], x[..., 2 * n:]
 
-    def _allowed(self, s: int) -> Any:
+    def causal_mask(self, s: int) -> Any:
         if not self.cfg.causal or self.ops.mode is Mode.META:  # meta mode needs no mask
             return None
         if self._mask is None or self._mask.shape[0] != s:
@@ -99,7 +99,7 @@ class GPT:
         if fused is not None:
             return {"out": fused[0], "flash": fused[1]}
         with flash.forward(ops, cfg, q, k):
-            s = ops.attention_scores(q, k, 1.0 / math.sqrt(cfg.head_dim), self._allowed(q.shape[2]))
+            s = ops.attention_scores(q, k, 1.0 / math.sqrt(cfg.head_dim), self.causal_mask(q.shape[2]))
             e = ops.attention_weights(s, ops.max(s, -1))
             l_sum = ops.sum(e, -1, partial=True)
             keep = _keep(ops, cfg, f"attn.{layer}", tuple(e.shape), step, where)
@@ -113,9 +113,9 @@ class GPT:
         ops, cfg, pre = self.ops, self.cfg, f"layers.{i}."
         a, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], cfg.eps)
         qkv = self._linear(a, p[pre + "attn.w_qkv"], p[pre + "attn.b_qkv"])  # (b, s, 3h)
-        q, k, v = (self._heads(t) for t in self._split3(qkv))
+        q, k, v = (self.split_heads(t) for t in self.split_qkv(qkv))
         core = self.attention_core(q, k, v, i, step, where)
-        ctx = self._merge(core["out"])  # (b, s, h)
+        ctx = self.merge_heads(core["out"])  # (b, s, h)
         y = self._linear(ctx, p[pre + "attn.w_proj"], p[pre + "attn.b_proj"])
         keep_a = _keep(ops, cfg, f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, _drop(ops, y, keep_a, cfg))
@@ -161,9 +161,9 @@ class GPT:
         dy = _drop(ops, dx1, c_["keep_a"], cfg)
         grads[pre + "attn.w_proj"] = ops.einsum("bsh,bsk->hk", c_["ctx"], dy, partial=True)
         grads[pre + "attn.b_proj"] = ops.sum(dy, (0, 1), partial=True)
-        dout = self._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a, s, d)
+        dout = self.split_heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a, s, d)
         dq, dk, dv = self.attention_backward(dout, c_)
-        dqkv = ops.concat([self._merge(dq), self._merge(dk), self._merge(dv)], -1)  # (b, s, 3h)
+        dqkv = ops.concat([self.merge_heads(dq), self.merge_heads(dk), self.merge_heads(dv)], -1)  # (b, s, 3h)
         grads[pre + "attn.w_qkv"] = ops.einsum("bsh,bsk->hk", c_["a"], dqkv, partial=True)
         grads[pre + "attn.b_qkv"] = ops.sum(dqkv, (0, 1), partial=True)
         da = ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]))
@@ -249,7 +249,7 @@ class GPT:
         and everything backward needs."""
         where = where or Slice(0, ids.shape[0])
         x, ec = self.embed_forward(p, ids, step, where)
-        self.memory.hold("activations", "embed", self._bytes(ec))
+        self.memory.hold("activations", "embed", self.held_bytes(ec))
         blocks = []
         for i in range(self.cfg.layers):
             x, cache = self.block_forward(p, x, i, step, where)
@@ -257,7 +257,7 @@ class GPT:
             self.memory.hold("activations", f"block{i}", self.layer_bytes(x))
             blocks.append(stored)
         loss_sum, hc = self.head_forward(p, x, targets)
-        self.memory.hold("activations", "head", self._bytes(hc))
+        self.memory.hold("activations", "head", self.held_bytes(hc))
         return loss_sum, {"embed": ec, "blocks": blocks, "head": hc, "where": where}
 
     def tokens(self, where: Slice) -> int:
@@ -296,11 +296,11 @@ class GPT:
                            recompute=self.cfg.recompute.value, dtype=self.cfg.dtype,
                            attention_kernel=self.cfg.attention_kernel)
 
-    def _bytes(self, tensors: dict[str, Any]) -> int:
+    def held_bytes(self, tensors: dict[str, Any]) -> int:
         total = 0
         for v in tensors.values():
             if isinstance(v, tuple):  # e.g. a norm's statistics
-                total += self._bytes(dict(enumerate(v)))
+                total += self.held_bytes(dict(enumerate(v)))
                 continue
             if v is None or isinstance(v, (int, float)):
                 continue

@@ -128,11 +128,11 @@ class Stage:
             with self.ctx.annotate("forward", f"F{j}:{u}"):
                 if u == "embed":
                     x, cache[u] = yield from model.embed(p, ids, step, where)
-                    held = model.gpt._bytes(cache[u])
+                    held = model.gpt.held_bytes(cache[u])
                 elif u == "head":
                     part, cache[u] = yield from model.head(p, x, targets)
                     self.loss_sum = part if self.loss_sum is None else self.ops.add_partial(self.loss_sum, part)
-                    held, x = model.gpt._bytes(cache[u]), None
+                    held, x = model.gpt.held_bytes(cache[u]), None
                 else:
                     i = int(u[len("block"):])
                     x, cache[u] = yield from self.run(self.key("F", u, p, x), i,

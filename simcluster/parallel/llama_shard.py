@@ -120,11 +120,11 @@ class LlamaShard(TransformerShard):
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
         a_mine, n1 = self.norm(x, p, pre + "attn_norm")
         a = yield from self.gather(a_mine)  # (b, s/cp, h)
-        q = self.rope(gpt._heads(ops.matmul(a, p[pre + "attn.wq"])))  # (b, a/tp, s/cp, d)
-        k = self.repeat(self.rope(gpt._heads(ops.matmul(a, p[pre + "attn.wk"]))))  # (b, kv/tp, ...) repeated
-        v = self.repeat(gpt._heads(ops.matmul(a, p[pre + "attn.wv"])))
+        q = self.rope(gpt.split_heads(ops.matmul(a, p[pre + "attn.wq"])))  # (b, a/tp, s/cp, d)
+        k = self.repeat(self.rope(gpt.split_heads(ops.matmul(a, p[pre + "attn.wk"]))))  # (b, kv/tp, ...) repeated
+        v = self.repeat(gpt.split_heads(ops.matmul(a, p[pre + "attn.wv"])))
         out, core = yield from self.attend(q, k, v, i, step, where)
-        ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
+        ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
         y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.wo"], partial=True))  # (b, tokens, h)
         keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, self.drop(y, keep_a))
@@ -164,11 +164,11 @@ class LlamaShard(TransformerShard):
         dx1 = ops.add(dx2, self.norm_backward(dc, c["x1"], p, pre + "mlp_norm", c["n2"], grads))
         dy = yield from self.gather(self.drop(dx1, c["keep_a"]))
         weight_grad(pre + "attn.wo", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
-        dout = gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.wo"])))  # (b, a/tp, s/cp, d)
+        dout = gpt.split_heads(ops.matmul(dy, ops.transpose(p[pre + "attn.wo"])))  # (b, a/tp, s/cp, d)
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
-        dq = gpt._merge(self.rope_backward(dq))  # (b, s/cp, h/tp)
-        dk = gpt._merge(self.rope_backward((yield from self.unrepeat(dk))))  # (b, s/cp, kv d/tp)
-        dv = gpt._merge((yield from self.unrepeat(dv)))
+        dq = gpt.merge_heads(self.rope_backward(dq))  # (b, s/cp, h/tp)
+        dk = gpt.merge_heads(self.rope_backward((yield from self.unrepeat(dk))))  # (b, s/cp, kv d/tp)
+        dv = gpt.merge_heads((yield from self.unrepeat(dv)))
         for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
             weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
         da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)

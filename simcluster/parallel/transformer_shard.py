@@ -140,7 +140,7 @@ class TransformerShard:
         if fused is not None:
             return {"out": fused[0], "flash": fused[1]}
         with flash.forward(ops, m, q, k):
-            s = ops.attention_scores(q, k, 1.0 / math.sqrt(m.head_dim), self.gpt._allowed(q.shape[2]))
+            s = ops.attention_scores(q, k, 1.0 / math.sqrt(m.head_dim), self.gpt.causal_mask(q.shape[2]))
             with fusion.softmax(ops, m, s):
                 e = ops.attention_weights(s, ops.max(s, -1))
                 l_sum = ops.sum(e, -1, partial=True)
@@ -185,9 +185,9 @@ class TransformerShard:
         a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
         a = yield from self.gather(a_mine)  # (b, s/cp, h)
         qkv = fusion.bias(ops, m, ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s/cp, 3h/tp)
-        q, k, v = (gpt._heads(z) for z in gpt._split3(qkv))  # (b, a/tp, s/cp, d)
+        q, k, v = (gpt.split_heads(z) for z in gpt.split_qkv(qkv))  # (b, a/tp, s/cp, d)
         out, core = yield from self.attend(q, k, v, i, step, where)
-        ctx_ = gpt._merge(out)  # (b, s/cp, h/tp)
+        ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
         y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))  # row parallel, g
         with fusion.residual_mask(ops, m):
             keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
@@ -288,9 +288,9 @@ class TransformerShard:
         grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
         dy = yield from self.gather(dy_mine)
         weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
-        dout = gpt._heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a/tp, s/cp, d)
+        dout = gpt.split_heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a/tp, s/cp, d)
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
-        dqkv = ops.concat([gpt._merge(dq), gpt._merge(dk), gpt._merge(dv)], -1)  # (b, s/cp, 3h/tp)
+        dqkv = ops.concat([gpt.merge_heads(dq), gpt.merge_heads(dk), gpt.merge_heads(dv)], -1)  # (b, s/cp, 3h/tp)
         weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True))
         weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
         da = yield from self.reduce(ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True))

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from simcluster.run.runner import Outcome
 from simcluster.viz.memory_chart import MemoryChart
 from simcluster.viz.report_view import ReportView, format_bytes, hours, target_curve
 from simcluster.viz.timeline import Timeline, format_ns
+
+if TYPE_CHECKING:  # (a renderer reads the outcome it is given; it does not run anything)
+    from simcluster.run.runner import Outcome
 
 
 def comparison(outcome: Outcome) -> Table:
