@@ -1,5 +1,7 @@
 """Pipeline schedules: bit-exact, bubbles and memory as the papers derive, pictures, errors."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,6 +134,62 @@ def test_the_pictures():
     assert picture(uniform(Schedule.ZB_H1, 2, 3), [0, 1]) == (
         "stage 0: F0 F1 .. B0 W0 F2 B1 W1 B2 W2\n"
         "stage 1: .. F0 B0 F1 B1 W0 F2 B2 W1 W2")
+
+
+def _read(text):
+    """The picture's rows, blocks joined: stage -> [(column, label)] (one block or several)."""
+    rows, offset = {}, 0
+    for block in text.split("\n\n"):
+        lines = [line for line in block.splitlines() if not line.startswith("(")]
+        for line in lines:
+            name, cells = line.split(": ", 1)
+            row = rows.setdefault(name, [])
+            row += [(offset + c, label) for c, label in enumerate(cells.split(" ")) if not label.startswith(".")]
+        offset += len(lines[0].split(": ", 1)[1].split(" "))
+    return rows
+
+
+PICTURED = [(Schedule.GPIPE, 4, 8, 1), (Schedule.ONE_F_ONE_B, 4, 8, 1), (Schedule.INTERLEAVED, 4, 8, 2),
+            (Schedule.ZB_H1, 4, 8, 1), (Schedule.ZB_V, 4, 8, 1), (Schedule.DUALPIPE, 4, 8, 1)]
+
+
+@pytest.mark.parametrize("t_f,t_b,t_w", TIMES[1:])
+@pytest.mark.parametrize("schedule,p,m,v", PICTURED, ids=[s.value for s, *_ in PICTURED])
+def test_the_picture_draws_every_pass_in_its_schedules_order_at_any_width(schedule, p, m, v, t_f, t_b, t_w):
+    """At every width from 40 to 200 columns: no line wider than the page, each stage's row is its
+    schedule's own pass list (pipeline_schedules.describe: F3.5 where a stage runs several chunks) in
+    order, every pass drawn once, and a
+    micro-batch's forward passes go down the stages left to right, its backward passes back up (the
+    old time-scaled picture hid 3 to 13 passes and drew a forward on stage 2 before stage 1's)."""
+    trace = uniform(schedule, p, m, v, t_f=t_f, t_b=t_b, t_w=t_w)
+    listed = [line.split(": ", 1)[1].split(" ") for line in describe(schedule, PipelineShape(p, m, v)).splitlines()]
+    for width in range(40, 201, 8):
+        text = picture(trace, list(range(p)), width=width)
+        assert max(len(line) for line in text.splitlines()) <= width
+        rows = _read(text)
+        assert [[label for _, label in rows[f"stage {s}"]] for s in range(p)] == listed
+        if v == 1 and schedule not in (Schedule.ZB_V, Schedule.DUALPIPE):  # (one chunk a stage, in order)
+            at = {(s, label): c for s in range(p) for c, label in rows[f"stage {s}"]}
+            for j in range(m):
+                assert all(at[s, f"F{j}"] < at[s + 1, f"F{j}"] < at[s + 1, f"B{j}"] < at[s, f"B{j}"]
+                           for s in range(p - 1))
+
+
+def test_the_pipeline_svg_draws_every_pass_and_needs_nothing_from_outside():
+    """The SVG holds the whole picture at any width (the terminal screenshot was cut at the page):
+    one box a pass, each titled with its label, in the text picture's columns; no font or file to
+    fetch."""
+    from simcluster.viz.pipeline_picture import grid, svg
+
+    trace = uniform(Schedule.INTERLEAVED, 4, 8, 2, t_f=1200, t_b=2400, t_w=600)
+    drawn = svg(trace, [0, 1, 2, 3], title="interleaved")
+    listed = " ".join(describe(Schedule.INTERLEAVED, PipelineShape(4, 8, 2)).replace("\n", " ").split(" "))
+    titles = re.findall(r"<title>([^<]+)</title>", drawn)
+    assert sorted(titles) == sorted(w for w in listed.split(" ") if not w.startswith("stage") and w[0] in "FBW")
+    xs = [int(x) for x in re.findall(r'<rect x="(\d+)" y="30"', drawn)]  # stage 0's boxes, left to right
+    assert xs == sorted(xs) and len(xs) == len(grid(trace, [0, 1, 2, 3]).rows[0])
+    assert "url(" not in drawn and "@import" not in drawn and "font-face" not in drawn
+    assert drawn.count("http") == 1  # the xmlns
 
 
 def test_schedules_are_printable_data():

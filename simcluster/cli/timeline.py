@@ -22,10 +22,11 @@ def add(sub: Any) -> None:
     timeline.add_argument("--streams", help="streams to draw, e.g. compute,comm:dp (default: all)")
     timeline.add_argument("--start-us", type=float, help="start of the window, in microseconds")
     timeline.add_argument("--end-us", type=float, help="end of the window, in microseconds")
-    timeline.add_argument("--width", type=int, default=100, help="width in columns (default 100)")
+    timeline.add_argument("--width", type=int, help="width in columns (default: the terminal's)")
     timeline.add_argument("--svg", metavar="FILE", help="also save the picture as SVG")
     timeline.add_argument("--passes", action="store_true",
-                          help="the pipeline picture instead: one row per rank, numbered F/B/W passes")
+                          help="the pipeline picture instead: one row per stage, a cell per F/B/W pass in the "
+                               "order they ran (every pass drawn; wider than the page, it goes on below)")
     timeline.set_defaults(command_of=command)
 
 
@@ -49,20 +50,23 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
             say_error(err, f"--streams {args.streams}: no such stream here; the streams are {', '.join(present)}")
             return 2
         trace = type(trace)([e for e in trace if e.stream in keep], [l for l in trace.lanes if l[1] in keep])
+    width = args.width or out.width
     start = int(args.start_us * 1000) if args.start_us is not None else 0
     end = int(args.end_us * 1000) if args.end_us is not None else None
     if args.passes:
-        from simcluster.viz.pipeline_picture import picture
+        from simcluster.viz.pipeline_picture import picture, svg
 
         chosen, names = stage_rows(result.mesh, ranks)
         if ranks is None and len(chosen) < result.mesh.world_size:
             out.print("(one rank per stage, those of data-parallel replica 0" + (", tp 0, cp 0" if
                       result.mesh.sizes["tp"] * result.mesh.sizes["cp"] > 1 else "") + "; --ranks draws others)",
                       markup=False)
-        out.print(picture(trace, chosen, width=args.width, names=names), highlight=False, markup=False,
+        out.print(picture(trace, chosen, width=width, names=names), highlight=False, markup=False,
                   soft_wrap=True)
-    else:
-        out.print(Timeline(trace, width=args.width, ranks=ranks, start=start, end=end))
+        if args.svg:  # (the whole picture, whatever the page's width: drawn, not a screenshot)
+            write_svg(args.svg, svg(trace, chosen, names, title=f"simcluster pipeline: {scenario.name}"))
+        return 0
+    out.print(Timeline(trace, width=width, ranks=ranks, start=start, end=end))
     if args.svg:
         write_svg(args.svg, out.export_svg(title=f"simcluster timeline: {scenario.name}"))
     return 0

@@ -35,7 +35,7 @@ from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.pipeline import execute, partition
-from simcluster.parallel.pipeline_schedules import Pass, deferred, passes as stage_passes, placement
+from simcluster.parallel.pipeline_schedules import Pass, deferred, label, passes as stage_passes, placement
 from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.parallel.transformer_shard import TransformerShard
@@ -66,6 +66,7 @@ class Stage:
         self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
         self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
         self.split = deferred(passes)  # (micro-batch, chunk) whose weight gradients wait for a W pass
+        self.several = len({g for _, _, g in passes}) > 1  # chunks on this stage (each pass named F3.5)
         # micro-batches through each unit here (all of them, but half for each of DualPipe's copies)
         self.through: dict[str, int] = {}
         for kind, _, g in passes:
@@ -125,7 +126,7 @@ class Stage:
         cache: dict[str, Any] = {"where": where}
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
-            with self.ctx.annotate("forward", f"F{j}:{u}"):
+            with self.ctx.annotate("forward", f"{label('F', j, g, self.several)}:{u}"):
                 if u == "embed":
                     x, cache[u] = yield from model.embed(p, ids, step, where)
                     held = model.gpt.held_bytes(cache[u])
@@ -151,7 +152,7 @@ class Stage:
         units = self.units[g][::-1]
         for index, u in enumerate(units):
             p = yield from dp.take(u, units[index + 1] if index + 1 < len(units) else None)
-            with self.ctx.annotate("backward", f"B{j}:{u}"):
+            with self.ctx.annotate("backward", f"{label('B', j, g, self.several)}:{u}"):
                 if u == "head":
                     tokens = where.total * self.parallelism.model.seq
                     dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)

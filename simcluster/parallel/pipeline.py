@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Callable, Generator, Protocol
 
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Placement, Schedule, check, deferred
+from simcluster.parallel.pipeline_schedules import Pass, PipelineShape, Placement, Schedule, check, deferred, label
 from simcluster.parallel.pipeline_schedules import passes as stage_passes, placement
 from simcluster.program.context import Context
 
@@ -118,6 +118,7 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement,
         else:
             sends.append(ctx.comm.send(work.pack(value), dst=dst, tag=tag, async_op=True))
 
+    several = len({g for _, _, g in passes}) > 1  # chunks on this stage: name each pass's (F3.5)
     if passes:
         post(passes[0])
     for i, (kind, j, g) in enumerate(passes):
@@ -126,18 +127,18 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement,
         before, then = prev(g), after(g)
         if kind == "F":
             x = (yield from receive(("F", j, g))) if before is not None else None
-            with ctx.annotate("forward", f"F{j}"):
+            with ctx.annotate("forward", label("F", j, g, several)):
                 y = yield from work.forward(j, g, x)
             if then is not None:
                 deliver(y, ("F", j, then), rank_of(then), act_tag(j, g))
         elif kind == "B":
             dy = (yield from receive(("B", j, g))) if then is not None else None
-            with ctx.annotate("backward", f"B{j}"):
+            with ctx.annotate("backward", label("B", j, g, several)):
                 dx = yield from work.backward(j, g, dy)
             if before is not None:
                 deliver(dx, ("B", j, before), rank_of(before), grad_tag(j, before))
         else:
-            with ctx.annotate("weight_grad", f"W{j}"):
+            with ctx.annotate("weight_grad", label("W", j, g, several)):
                 yield from work.weight(j, g)
     if sends:
         yield sends

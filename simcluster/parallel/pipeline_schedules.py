@@ -307,6 +307,12 @@ def passes(schedule: Schedule | str, shape: PipelineShape, stage: int) -> list[P
     return BUILDERS[Schedule(schedule)](shape, stage)
 
 
+def label(kind: str, j: int, g: int, several: bool) -> str:
+    """A pass's name in the trace: F3 (micro-batch 3), or F3.5 (on chunk 5) where the stage runs
+    `several` chunks, as describe() writes them."""
+    return f"{kind}{j}.{g}" if several else f"{kind}{j}"
+
+
 def deferred(passes: list[Pass]) -> set[tuple[int, int]]:
     """The (micro-batch, chunk) pairs whose weight gradient is a W pass of its own."""
     return {(j, g) for kind, j, g in passes if kind == "W"}

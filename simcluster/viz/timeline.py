@@ -41,9 +41,10 @@ PASSES = {"F": "forward", "B": "backward", "W": "weight-gradient", "R": "recompu
 def label_legend(labels: set[str]) -> str:
     """What the labels written over wide blocks mean, for those present ("" when none is)."""
     parts = []
-    passes = sorted({lab[0] for lab in labels if lab[:1] in PASSES and lab[1:].isdigit()}, key="FBWR".index)
+    numbered = [lab for lab in labels if lab[:1] in PASSES and lab[1:].split(".")[0].isdigit()]  # F3, F3.5
+    passes = sorted({lab[0] for lab in numbered}, key="FBWR".index)
     if passes:
-        n = min(int(lab[1:]) for lab in labels if lab[:1] in passes)
+        n = min(int(lab[1:].split(".")[0]) for lab in numbered)
         names = [PASSES[p] for p in passes]
         names = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         parts.append(" ".join(f"{p}{n}" for p in passes) + f": the {names} pass"
