@@ -71,7 +71,7 @@ def main() -> None:
             charged[key] = charged.get(key, 0.0) + (e.end - e.start) / 1e9
     n = a.steps
     print(f"{a.arch} h{a.hidden} {a.dtype} {a.layout}: measured {runs[0][0] / n:.3f} / {runs[1][0] / n:.3f} s a step "
-          f"(ranks 0 / 1), predicted {emulated.report['step_time_ns'] / 1e9:.3f}")
+          f"(ranks 0 / 1), predicted {emulated.report['total_time_ns'] / n / 1e9:.3f}")
     names = sorted(set(runs[0][1]) | set(charged), key=lambda k: -max(runs[0][1].get(k, 0.0), charged.get(k, 0.0)))
     print(f"{'kernel or wait':<44} {'rank 0':>8} {'rank 1':>8} {'charged':>8} {'ratio':>6}")
     for name in names[:a.rows]:

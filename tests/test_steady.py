@@ -136,3 +136,23 @@ def test_calls_ended_at_once_give_the_networks_trace(sets, monkeypatch):
     assert fast.result.trace.to_jsonl() == full.result.trace.to_jsonl()
     assert fast.result.trace.memory == full.result.trace.memory
     assert json.dumps(fast.report) == json.dumps(full.report)
+
+
+@pytest.mark.parametrize("layout", [0, 2, 3, 5, 6, 7, 9])
+def test_the_steady_step_does_not_depend_on_the_steps_run(layout):
+    """The step time as Megatron-LM and torchtitan report it (report.step_times): the steady step is the
+    same for 2, 3, 4 and 8 steps (8: steps simulated once, steady.py) and is what one more step adds
+    to the run; the first step is the one-step run's step; initialisation, the first step and the
+    steady steps add up to the run. (The total over the steps, as reported before, gave 1 / 2 / 4 steps
+    268 / 250 / 241 us.)"""
+    runs = {n: report([*LAYOUTS[layout], f"run.steps={n}"]).report for n in (1, 2, 3, 4, 8)}
+    one = runs[1]
+    assert one["steady_step_ns"] is None and one["step_time_ns"] == one["first_step_ns"]
+    assert one["init_ns"] > 0 and one["init_ns"] + one["first_step_ns"] == one["total_time_ns"]
+    steady = {n: r["steady_step_ns"] for n, r in runs.items() if n > 1}
+    assert len(set(steady.values())) == 1, steady
+    period = runs[3]["total_time_ns"] - runs[2]["total_time_ns"]
+    assert steady[2] == period == runs[2]["step_time_ns"]
+    for n, r in runs.items():
+        assert (r["init_ns"], r["first_step_ns"]) == (one["init_ns"], one["first_step_ns"])
+        assert r["init_ns"] + r["first_step_ns"] + (n - 1) * (r["steady_step_ns"] or 0) == r["total_time_ns"]

@@ -80,3 +80,20 @@ def test_the_readme_example_of_the_testing_api_passes(tmp_path):
     (tmp_path / "test_layouts.py").write_text(example["test_layouts.py"])
     done = run("python -m pytest -q -p no:cacheprovider test_layouts.py", tmp_path)
     assert done.returncode == 0 and normal(done.stdout)[-1] == "1 passed in Ts", done.stdout + done.stderr
+
+
+def test_the_readme_sample_is_what_simcluster_run_prints(request):
+    """README's "What `simcluster run` prints" is the default run's output at 80 columns (rewrite it on
+    purpose with pytest --update-golden, and read the diff)."""
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    samples = [body for lang, body in FENCE.findall(text) if lang == "console" and body.startswith("$ simcluster run\n")]
+    assert len(samples) == 1, "one sample of `simcluster run` in README.md"
+    env = os.environ | {"COLUMNS": "80", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "simcluster.cli", "run"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    printed = "\n".join(normal(done.stdout)) + "\n"
+    if request.config.getoption("--update-golden"):
+        readme.write_text(text.replace(samples[0], "$ simcluster run\n" + printed))
+    assert normal(samples[0].partition("\n")[2]) == normal(done.stdout)

@@ -27,6 +27,7 @@ from simcluster.engine.hung import deadlock, watchdog
 from simcluster.engine.network import Network
 from simcluster.engine.routes import routes
 from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
+from simcluster.engine.steps import marks
 from simcluster.engine.totals import LaneSums, Totals
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
@@ -93,6 +94,8 @@ class Replay:
                 if not self.faults.failed:
                     raise deadlock(streams)
                 self.hang = watchdog(self.faults, streams, lists)
+            # where the steps begin and end, read before the items go (a hung run's trace is summed instead)
+            steps = marks(streams) if self.hang is None else (None, None, None)
             # A replay runs once: let its input go now, by reference counting, rather than have
             # the collector walk it when the pause ends and free it later.
             for s in streams:
@@ -102,7 +105,7 @@ class Replay:
         trace = Trace.from_lanes(lanes, lists)
         trace.memory = tuple(MemoryEvent(r, t, c, n, b) for r, t, _, _, c, n, b in sorted(self.memory))
         if self.hang is None:  # (the watchdog draws stalls the sums have not seen)
-            trace.totals = Totals.of_lanes(lanes, sums)
+            trace.totals = Totals.of_lanes(lanes, sums, steps)
         return trace
 
     def _attempt(self, streams: list[Stream]) -> tuple[list[list[TraceEvent]], list[LaneSums]]:

@@ -39,6 +39,9 @@ class Totals:
     busy: dict[int, dict[str, int]]  # rank -> stream -> ns (ranks in order, streams by first event)
     compute: dict[int, int]  # rank -> compute-stream ns, every rank with a lane
     overlap: dict[int, tuple[int, int]]  # rank -> (ns some communication runs, ns of it under compute)
+    first_pass: int | None = None  # when the first forward pass starts (after initialisation; steps.py)
+    first_step_end: int | None = None  # when step 0's optimizer ends (None: no optimizer)
+    last_step_end: int | None = None  # when the last step's optimizer ends
 
     @classmethod
     def of(cls, trace: Trace) -> "Totals":
@@ -48,7 +51,14 @@ class Totals:
         if kept is not None:
             return kept
         lanes: dict[tuple[int, str], LaneSums] = {lane: LaneSums() for lane in trace.lanes}
+        first, optimizers = None, {}  # (the steps' marks, as steps.py reads them off the streams)
         for e in trace:
+            if not e.group:  # (a kernel: the first forward? a step's optimizer?)
+                label = e.name.split("/", 1)[0].split(":", 1)[0]
+                if e.kind == "forward" and (first is None or e.start < first):
+                    first = e.start
+                if label[:1] == "O" and label[1:].isdigit():
+                    optimizers[int(label[1:])] = max(optimizers.get(int(label[1:]), 0), e.end)
             d = e.end - e.start
             lane = lanes[(e.rank, e.stream)]
             lane.busy += d
@@ -61,11 +71,14 @@ class Totals:
                 acc[2] += d
             if d:
                 lane.spans.append([e.start, e.end])
-        return cls.of_lanes(list(lanes), list(lanes.values()))
+        marks = (first, optimizers.get(0), optimizers[max(optimizers)] if optimizers else None)
+        return cls.of_lanes(list(lanes), list(lanes.values()), marks)
 
     @classmethod
-    def of_lanes(cls, lanes: list[tuple[int, str]], sums: list["LaneSums"]) -> "Totals":
-        """From each lane's sums, lanes in the trace's order (rank, then stream)."""
+    def of_lanes(cls, lanes: list[tuple[int, str]], sums: list["LaneSums"],
+                 marks: tuple[int | None, int | None, int | None] = (None, None, None)) -> "Totals":
+        """From each lane's sums, lanes in the trace's order (rank, then stream), and the steps' marks
+        (steps.py)."""
         comm: dict[tuple[str, str], dict[int, list[int]]] = {}
         busy: dict[int, dict[str, int]] = {}
         ranks = sorted({r for r, _ in lanes})
@@ -85,7 +98,7 @@ class Totals:
             spans[rank][0 if stream == "compute" else 1].extend(lane.spans)
         return cls(max((lane.end for lane in sums), default=0), sum(lane.count for lane in sums),
                    {k: {r: tuple(v) for r, v in ranks.items()} for k, ranks in comm.items()}, busy, compute,
-                   {r: covered(*spans[r]) for r in spans})
+                   {r: covered(*spans[r]) for r in spans}, *marks)
 
     def extended(self, before: "Totals", steps: int) -> "Totals":
         """These totals plus `steps` more of the increment from `before` (one step less)."""
@@ -98,8 +111,13 @@ class Totals:
                 for r, streams in self.busy.items()}
         overlap = {r: tuple(more(x, y) for x, y in zip(v, before.overlap.get(r, (0, 0))))
                    for r, v in self.overlap.items()}
+        def mark(a: int | None, b: int | None) -> int | None:
+            return None if a is None or b is None else more(a, b)
+
         return Totals(more(self.end, before.end), more(self.events, before.events), comm, busy,
-                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap)
+                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap,
+                      self.first_pass, mark(self.first_step_end, before.first_step_end),
+                      mark(self.last_step_end, before.last_step_end))
 
 
 def union(spans: list) -> np.ndarray:

@@ -136,6 +136,22 @@ def host_tiers(peaks: dict[int, dict[str, int]], spec: Any) -> dict[str, dict[st
     return out
 
 
+def step_times(totals: Totals, steps: int) -> tuple[int, int, int | None]:
+    """(initialisation, first step, steady step) in ns, as Megatron-LM and torchtitan users read a step
+    time: the steady step is the mean of the steps after the first (None for a run of one step), each
+    from one optimizer's end to the next's (engine/steps.py), apart from initialisation (weights made
+    before the first forward pass) and from the first step, which fills the pipeline and caches: the
+    rest of the run, so that a run of one step is its first step, whatever follows its optimizer (a
+    ZeRO all-gather of the updated weights) included, and the three add up to `total_time_ns`."""
+    init, first_end, last_end = totals.first_pass or 0, totals.first_step_end, totals.last_step_end
+    if steps == 1:
+        return init, totals.end - init, None
+    if first_end is None or last_end is None:  # (steps not told apart: no optimizer marks them)
+        mean = (totals.end - init) // steps
+        return init, mean, mean
+    return init, totals.end - init - (last_end - first_end), (last_end - first_end) // (steps - 1)
+
+
 def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
           verdict: dict[str, Any], steps: int | None = None, totals: Totals | None = None) -> dict[str, Any]:
     """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step;
@@ -147,7 +163,9 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
     totals = totals or Totals.of(result.trace)
     makespan, fold, world = totals.end, result.fold, result.mesh.world_size
     peak = (spec.peak_tflops if scenario.model.dtype in ("bf16", "fp16") else spec.peak_tflops_fp32) * 1e12
-    seconds = makespan * 1e-9
+    init, first, steady = step_times(totals, steps)
+    step = steady if steady is not None else first
+    seconds = step * 1e-9  # (a step's: rates and MFU are per steady step, as Megatron-LM's and torchtitan's)
     peaks = result.trace.memory_peaks()
     if fold is not None:
         peaks = fold.by_rank(peaks)
@@ -165,14 +183,17 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "cluster": spec.as_dict(),
         "parameters": parameters,
         "steps": steps,
-        "step_time_ns": makespan // steps,
+        "step_time_ns": step,
+        "steady_step_ns": steady,
+        "first_step_ns": first,
+        "init_ns": init,
         "total_time_ns": makespan,
-        "tokens_per_s": round(tokens * steps / seconds, 3) if makespan else 0.0,
+        "tokens_per_s": round(tokens / seconds, 3) if step else 0.0,
         "model_flops_per_step": flops[0] / steps,
         "hardware_flops_per_step": flops[1] / steps,
-        "mfu": round(flops[0] / (seconds * world * peak), 6) if makespan else 0.0,
-        "hfu": round(flops[1] / (seconds * world * peak), 6) if makespan else 0.0,
-        "tflops_per_gpu": round(flops[1] / (seconds * world) / 1e12, 3) if makespan else 0.0,
+        "mfu": round(flops[0] / steps / (seconds * world * peak), 6) if step else 0.0,
+        "hfu": round(flops[1] / steps / (seconds * world * peak), 6) if step else 0.0,
+        "tflops_per_gpu": round(flops[1] / steps / (seconds * world) / 1e12, 3) if step else 0.0,
         "compute_idle_fraction": round(idle_fraction(totals, fold), 6),
         "busy_ns": busy(totals, fold),
         "communication_overlap": overlap(totals, fold),

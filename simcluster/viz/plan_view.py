@@ -13,8 +13,9 @@ from simcluster.viz.timeline import format_ns
 
 def plan_table(search: Search, title: str) -> Table:
     t = Table(title=f"{title}: {search.examined} layouts examined, {search.valid} valid, {search.fitting} fit by "
-                    f"estimate; the {len(search.rows)} best simulated", title_justify="left")
-    for col in ("#", "layout", "ZeRO", "micro-batch", "recompute", "step time", "MFU", "peak memory", "bound by"):
+                    f"estimate; the {len(search.rows)} best simulated, one step each (its time without "
+                    f"initialisation)", title_justify="left")
+    for col in ("#", "layout", "ZeRO", "micro-batch", "recompute", "first step", "MFU", "peak memory", "bound by"):
         t.add_column(col, justify="left" if col in ("layout", "recompute", "bound by") else "right")
     for i, row in enumerate(search.rows, 1):
         r, lay = row.report, row.layout
@@ -29,7 +30,8 @@ def plan_data(search: Search) -> dict[str, Any]:
     rows = []
     for row in search.rows:
         r = row.report
-        rows.append({"layout": dict(vars(row.layout)), "step_time_ns": r["step_time_ns"], "mfu": r["mfu"],
+        rows.append({"layout": dict(vars(row.layout)), "step_time_ns": r["step_time_ns"],
+                     "first_step_ns": r["first_step_ns"], "init_ns": r["init_ns"], "mfu": r["mfu"],
                      "hfu": r["hfu"], "tflops_per_gpu": r["tflops_per_gpu"], "tokens_per_s": r["tokens_per_s"],
                      "memory": r["memory"], "bound_by": bottleneck(r),
                      "estimate": {"seconds": row.estimate.seconds, "memory_bytes": row.estimate.memory_bytes}})

@@ -36,6 +36,17 @@ def format_bytes(n: float) -> str:
 P2P = {"send->": "send (busiest peer)", "recv<-": "recv (busiest peer)"}
 
 
+def step_time(r: dict[str, Any]) -> str:
+    """The step time as Megatron-LM and torchtitan report one: the steady step, the first step and
+    initialisation apart (report.step_times)."""
+    rest = f"initialisation {format_ns(r['init_ns'])}, {format_ns(r['total_time_ns'])} in all"
+    if r["steady_step_ns"] is None:
+        return f"{format_ns(r['step_time_ns'])} (one step; {rest}; run.steps >= 2 gives the steady step)"
+    steps = "step 2" if r["steps"] == 2 else f"steps 2-{r['steps']}"
+    return (f"{format_ns(r['steady_step_ns'])} a steady step (the mean of {steps}); first step "
+            f"{format_ns(r['first_step_ns'])}, {rest}")
+
+
 class ReportView:
     def __init__(self, report: dict[str, Any]) -> None:
         self.report = report
@@ -53,7 +64,7 @@ class ReportView:
         t.add_row("cluster", escape(f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}{shape}"))
         t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
         t.add_row("parameters", f"{r['parameters']:,}")
-        t.add_row("step time", f"{format_ns(r['step_time_ns'])} ({r['steps']} step(s), {format_ns(r['total_time_ns'])} in all)")
+        t.add_row("step time", step_time(r))
         if r["model_flops_per_step"]:  # (a program with a model)
             t.add_row("throughput", f"{r['tokens_per_s']:,.0f} tokens/s; {r['tflops_per_gpu']:.1f} TFLOP/s per GPU")
             t.add_row("MFU / HFU", f"{100 * r['mfu']:.2f} % / {100 * r['hfu']:.2f} % (PaLM's model FLOPs / "
