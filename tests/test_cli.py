@@ -294,3 +294,53 @@ def test_the_divisors_an_error_lists_stop_at_2_20_for_a_number_past_2_40():
     assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     huge = divisors(10**416)
     assert huge[:6] == [1, 2, 4, 5, 8, 10] and max(huge) == 2**20 and all(10**416 % d == 0 for d in huge)
+
+
+def test_version_is_the_packages(capsys):
+    import tomllib
+    from pathlib import Path
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out.strip() == f"simcluster {project['version']}"
+
+
+def _complete(script, line):
+    """What bash completes for `line` with `script` loaded (COMPREPLY, sorted)."""
+    words = line.split(" ")
+    code = (f"source {script}; COMP_WORDS=({' '.join(words)}); COMP_CWORD={len(words) - 1}; "
+            f"COMP_LINE='{line}'; COMP_POINT={len(line)}; _shtab_simcluster; printf '%s\\n' \"${{COMPREPLY[@]}}\"")
+    done = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60)
+    return sorted(w for w in done.stdout.split() if w)
+
+
+def test_the_bash_completion_completes_commands_options_and_choices(tmp_path, capsys):
+    """The script is made from the parsers (shtab): a command, an option added this round, a choice."""
+    assert main(["completion", "bash"]) == 0
+    script = tmp_path / "simcluster.bash"
+    script.write_text(capsys.readouterr().out)
+    assert _complete(script, "simcluster ru") == ["run"]
+    assert _complete(script, "simcluster run --summ") == ["--summary"]
+    assert _complete(script, "simcluster completion z") == ["zsh"]
+    assert _complete(script, "simcluster timeline --pass") == ["--passes"]
+    assert main(["completion", "zsh"]) == 0 and "#compdef simcluster" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["run", "--set", "parallel.tp=3"], ["plan", "--set", "model.layer=2"],
+                                  ["sweep", "--key", "parallel.tpp", "--values", "1,2"]])
+def test_json_errors_are_json_on_stdout(args, capsys):
+    """With --json a mistake is still a document on stdout (`| jq` reads it), and one line on stderr."""
+    assert main([*args, "--json"]) == 2
+    out = capsys.readouterr()
+    error = json.loads(out.out)
+    assert error["exit_status"] == 2 and error["error"] and out.err.startswith("error: ")
+
+
+def test_summary_is_the_first_table_and_the_verdict(capsys):
+    assert main(["run", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "verdict" in out and "PASS" in out
+    assert "timeline" not in out and "busy time per stream" not in out and "memory over time" not in out
+    assert len(out.splitlines()) <= 30

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,8 @@ from rich.console import Console
 
 from simcluster.cli import main
 from simcluster.config.scenario import library, load
+from simcluster.report import document
+from simcluster.report.schema import report_schema
 from simcluster.run.runner import run_all
 from simcluster.viz.outcome_view import render
 
@@ -40,6 +43,8 @@ def test_every_scenario_verifies_and_prints_its_golden_picture(name, request):
     reports = [o.report for _, o in outcome.variants] or [outcome.report]
     assert all(r["verification"].get("passed", True) for r in reports)
     assert all(r["verification"].get("bit_exact", True) for r in reports)
+    for r in reports:  # (the published schema holds every library report: docs/report.schema.json)
+        jsonschema.validate(json.loads(document(r)), report_schema())
     buf = io.StringIO()
     render(outcome, Console(file=buf, width=110, color_system=None, force_terminal=False, legacy_windows=False), 80)
     text = buf.getvalue()

@@ -118,3 +118,4 @@ def write_svg(path: str, svg: str) -> None:
         Path(path).write_text(svg, encoding="utf-8")
     except OSError as exc:
         raise ScenarioError(f"--svg {path}: {exc.strerror or exc}") from None
+

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from typing import Any
@@ -15,6 +14,7 @@ from rich.console import Console
 from simcluster.cli.common import scenario_of
 from simcluster.config.options import scenario_arguments
 from simcluster.config.scenario import ScenarioError
+from simcluster.report import document
 
 JOBS = 4  # plan's default simulations at a time (at most): each holds a simulation's memory
 
@@ -80,7 +80,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
         return 3
     err.print(f"estimated {found.examined} layouts at {found.per_minute:,.0f} a minute", highlight=False)
     if args.json:
-        sys.stdout.write(json.dumps(plan_data(found), indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(document(plan_data(found)) + "\n")
     else:
         out.print(plan_table(found, f"plan for {scenario.name!r}"))
     return 0 if any(r.report["memory"]["fits"] for r in found.rows) else 3

@@ -4,7 +4,6 @@ torch.distributed) and `simcluster verify` (exact mode against one device, nothi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -12,6 +11,7 @@ from rich.console import Console
 
 from simcluster.cli.common import passed, scenario_of, simulated, status, write_svg
 from simcluster.config.options import scenario_arguments, torch_arguments
+from simcluster.report import document
 from simcluster.viz.outcome_view import render
 
 
@@ -24,8 +24,10 @@ def add(sub: Any) -> None:
                                      "memory exceeds its device's (a real run would die of OOM), 4 when a failed "
                                      "rank ([faults]) leaves the others hanging.")
     scenario_arguments(run)
-    run.add_argument("--json", action="store_true", help="print the report as one JSON document instead")
-    run.add_argument("--width", type=int, default=100, help="timeline width in columns (default 100)")
+    run.add_argument("--json", action="store_true", help="print the report as one JSON document instead (an error "
+                     "too: {\"error\": ...})")
+    run.add_argument("--summary", action="store_true", help="print the report's first table and the verdict alone")
+    run.add_argument("--width", type=int, help="timeline width in columns (default: the terminal's)")
     run.add_argument("--svg", metavar="FILE", help="also save what is printed as an SVG picture")
     run.add_argument("--backend", default="emulator", choices=("emulator", "torch"),
                      help="emulator (default), or torch: run the scenario's ranks as processes on torch.distributed "
@@ -55,9 +57,9 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     scenario = scenario_of(args)
     outcome = simulated(err, scenario, args.fold)
     if args.json:
-        sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(document(outcome.report) + "\n")
     else:
-        render(outcome, out, args.width)
+        render(outcome, out, args.width or out.width, summary=args.summary)
     if args.svg:
         write_svg(args.svg, out.export_svg(title=f"simcluster: {scenario.name}"))
     return status(outcome, err)

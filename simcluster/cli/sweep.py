@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -12,6 +11,7 @@ from rich.console import Console
 from simcluster.cli.common import write_svg
 from simcluster.config.options import scenario_arguments
 from simcluster.config.scenario import ScenarioError, all_keys
+from simcluster.report import document
 
 
 def add(sub: Any) -> None:
@@ -44,7 +44,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     base, points = sweep(args.scenario, args.key, values, args.overrides, at_scale=args.at_scale, on_point=said)
     if args.json:
-        sys.stdout.write(json.dumps(as_json(args.key, points), indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(document(as_json(args.key, points)) + "\n")
     else:
         out.print(sweep_view.table(args.key, points, capacity(points)))
     if args.svg:

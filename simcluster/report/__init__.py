@@ -5,6 +5,8 @@ Renderers (viz/) and `--json` read this; nothing here prints.
 
 from __future__ import annotations
 
+import json
+
 from typing import Any, Callable
 
 import numpy as np
@@ -13,6 +15,7 @@ from simcluster.config.scenario import Scenario
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
 from simcluster.engine.totals import Totals
+from simcluster.report.schema import REPORT_VERSION
 
 
 def communication(totals: Totals) -> list[dict[str, Any]]:
@@ -177,6 +180,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
     if host:
         memory["host"] = host
     return {
+        "report_version": REPORT_VERSION,
         "scenario": scenario.as_dict(),
         "world_size": world,
         "mesh": dict(result.mesh.sizes),
@@ -203,3 +207,18 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "trace_events": totals.events * (fold.copies if fold else 1),
         "verification": verdict,
     }
+
+
+def ordered(value: Any) -> Any:
+    """`value` with every mapping's keys in order, ranks by number ("2" before "10"), names by name."""
+    if isinstance(value, dict):
+        return {k: ordered(value[k]) for k in sorted(value, key=lambda k: (0, int(k), "") if str(k).isdigit()
+                                                     else (1, 0, str(k)))}
+    if isinstance(value, list):
+        return [ordered(v) for v in value]
+    return value
+
+
+def document(data: Any) -> str:
+    """What --json prints: one document, keys in order (ranks by number), the same bytes every run."""
+    return json.dumps(ordered(data), indent=2)

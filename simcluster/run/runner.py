@@ -22,6 +22,12 @@ class Outcome:
     scenario: Scenario
     result: RunResult
     report: dict[str, Any]
+
+    def __repr__(self) -> str:  # (the default would print the whole scenario, trace and report)
+        r = self.report
+        return (f"Outcome({self.scenario.name!r}: {r.get('world_size')} ranks, step {r.get('step_time_ns')} ns, "
+                f"verification {r.get('verification', {}).get('status') or r.get('verification', {}).get('passed')}"
+                f"{f', {len(self.variants)} variants' if self.variants else ''})")
     variants: tuple[tuple[str, "Outcome"], ...] = ()
 
 

@@ -4,7 +4,6 @@ beside the prediction."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from simcluster.report import document
 from simcluster.viz.memory_chart import MemoryChart
 from simcluster.viz.report_view import ReportView, format_bytes, hours, target_curve
 from simcluster.viz.timeline import Timeline, format_ns
@@ -62,8 +62,9 @@ def repeated(outcome: Outcome) -> str:
     return out
 
 
-def render(outcome: Outcome, console: Console, width: int = 100) -> None:
-    """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory."""
+def render(outcome: Outcome, console: Console, width: int = 100, summary: bool = False) -> None:
+    """What `simcluster run` prints for an outcome: the comparison, or the report, timeline and memory
+    (`summary`: the report's first table and the verdict alone)."""
     if outcome.variants:
         table = comparison(outcome)
         if console.is_terminal:
@@ -78,7 +79,9 @@ def render(outcome: Outcome, console: Console, width: int = 100) -> None:
             console.print()
             console.print(target_curve(rows, min(width, console.width)))
         return
-    console.print(ReportView(outcome.report))
+    console.print(ReportView(outcome.report, summary))
+    if summary:
+        return
     console.print()
     fold = outcome.result.fold
     console.print("[bold]timeline[/] (one lane per rank and stream" + (f"; {fold.describe()}" if fold else "")
@@ -111,7 +114,7 @@ def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: i
     measured figures, and how the real outputs compare; the exit status (0 when they agree)."""
     section = outcome.report["torch"]
     if as_json:
-        sys.stdout.write(json.dumps(outcome.report, indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(document(outcome.report) + "\n")
     else:
         render(outcome, out, width)
         out.print()

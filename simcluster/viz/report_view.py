@@ -48,8 +48,8 @@ def step_time(r: dict[str, Any]) -> str:
 
 
 class ReportView:
-    def __init__(self, report: dict[str, Any]) -> None:
-        self.report = report
+    def __init__(self, report: dict[str, Any], summary: bool = False) -> None:
+        self.report, self.summary = report, summary  # summary: the first table and the verdict alone
 
     def _summary(self) -> Table:
         r = self.report
@@ -206,8 +206,11 @@ class ReportView:
         return t
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint(),
-                 self._faults(), self._goodput(), self._target()]
+        if self.summary:
+            parts = [self._summary(), self._verdict(), self._faults()]
+        else:
+            parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint(),
+                     self._faults(), self._goodput(), self._target()]
         yield Group(*[p for p in parts if p is not None])
 
 
