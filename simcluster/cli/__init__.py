@@ -1,5 +1,5 @@
-"""`simcluster COMMAND`: run, verify, list, keys, timeline, export, sweep, plan, calibrate, completion. Run
-`simcluster COMMAND --help` for each.
+"""`simcluster COMMAND`: run, verify, list, keys, timeline, export, sweep, plan, calibrate, import, completion.
+Run `simcluster COMMAND --help` for each.
 
 One module a command (two for the pairs that share everything): each `add`s its parser to the
 sub-commands and sets the function that runs it; this module parses, checks the options every command
@@ -8,7 +8,8 @@ shares, and turns a user's mistake into one line and exit status 2.
     run.py       run, verify          library.py   list, keys
     timeline.py  timeline             export.py    export
     sweep.py     sweep                plan.py      plan
-    calibrate.py calibrate            completion.py completion
+    calibrate.py calibrate            imports.py   import
+    completion.py completion
     common.py    what they share
 """
 
@@ -21,14 +22,14 @@ from typing import Sequence
 from rich.console import Console
 
 from simcluster import __version__
-from simcluster.cli import calibrate, completion, export, library, plan, run, sweep, timeline
+from simcluster.cli import calibrate, completion, export, imports, library, plan, run, sweep, timeline
 from simcluster.config.options import check_options, checkpoint_overrides, say_error
 from simcluster.config.scenario import ScenarioError
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
 from simcluster.report import document
 
-COMMANDS = (run, library, timeline, export, sweep, plan, calibrate, completion)  # `--help`'s order: run, verify, ...
+COMMANDS = (run, library, timeline, export, sweep, plan, calibrate, imports, completion)  # `--help`'s order
 
 
 def parser() -> argparse.ArgumentParser:

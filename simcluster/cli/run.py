@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from simcluster.cli.common import passed, scenario_of, simulated, status, write_svg
+from simcluster.config.imports import toml_text
 from simcluster.config.options import scenario_arguments, torch_arguments
+from simcluster.config.scenario import ScenarioError
 from simcluster.report import document
 from simcluster.viz.outcome_view import render
 
@@ -29,6 +32,8 @@ def add(sub: Any) -> None:
     run.add_argument("--summary", action="store_true", help="print the report's first table and the verdict alone")
     run.add_argument("--width", type=int, help="timeline width in columns (default: the terminal's)")
     run.add_argument("--svg", metavar="FILE", help="also save what is printed as an SVG picture")
+    run.add_argument("--write-scenario", metavar="FILE", help="also write the scenario as run (every --set "
+                     "applied, every key resolved) as a scenario file")
     run.add_argument("--backend", default="emulator", choices=("emulator", "torch"),
                      help="emulator (default), or torch: run the scenario's ranks as processes on torch.distributed "
                           "and report them beside the emulator's prediction (needs the torch extra)")
@@ -55,6 +60,8 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         return run_on_torch(args, out, err)
     scenario = scenario_of(args)
+    if args.write_scenario:
+        write_scenario(args.write_scenario, scenario)
     outcome = simulated(err, scenario, args.fold)
     if args.json:
         sys.stdout.write(document(outcome.report) + "\n")
@@ -63,6 +70,16 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.svg:
         write_svg(args.svg, out.export_svg(title=f"simcluster: {scenario.name}"))
     return status(outcome, err)
+
+
+def write_scenario(path: str, scenario: Any) -> None:
+    """The scenario as run, as a file `simcluster run` reads back to the same scenario."""
+    if scenario.variants:
+        raise ScenarioError("--write-scenario writes one scenario: pick a variant of [compare] with --set")
+    try:
+        Path(path).write_text(toml_text(scenario.as_dict()))
+    except OSError as exc:
+        raise ScenarioError(f"--write-scenario {path}: {exc.strerror or exc}") from None
 
 
 def verify_command(args: argparse.Namespace, out: Console, err: Console) -> int:

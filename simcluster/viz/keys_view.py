@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
+from simcluster.config.imports import alias
 from simcluster.config.schema import CLUSTER_FIGURES, SCHEMA, TOP_LEVEL, Key, ScenarioError, suggest
 
 
@@ -30,6 +31,12 @@ def describe(which: str | None = None, width: int = 100) -> str:
     """The keys by section (every section, the one named, or the one key named): a line with the key,
     its default and valid values, then its meaning, indented."""
     sections: dict[str, dict[str, Key]] = {"": TOP_LEVEL, **SCHEMA}
+    heading = []
+    section, _, name = (which or "").partition(".")
+    ours = which in TOP_LEVEL or (section in SCHEMA and (not name or name in SCHEMA[section]))
+    if which is not None and not ours and alias(which):
+        spelling, which = alias(which)  # (a Megatron-LM argument or a torchtitan key: the key it sets)
+        heading = [f"{spelling} is {which} here (simcluster import reads it)", ""]
     if which is not None:
         section, _, name = which.partition(".")
         if which in TOP_LEVEL:
@@ -40,7 +47,7 @@ def describe(which: str | None = None, width: int = 100) -> str:
             sections = {section: {name: SCHEMA[section][name]}}
         else:
             raise ScenarioError(f"no section or key {which!r}{suggest(which)}; sections: {', '.join(SCHEMA)}")
-    lines = []
+    lines = heading
     for section, keys in sections.items():
         lines.append(f"[{section}]" if section else "top level (name = ..., description = ...)")
         for name, key in keys.items():

@@ -42,8 +42,8 @@ def step_time(r: dict[str, Any]) -> str:
     rest = f"initialisation {format_ns(r['init_ns'])}, {format_ns(r['total_time_ns'])} in all"
     if r["steady_step_ns"] is None:
         return f"{format_ns(r['step_time_ns'])} (one step; {rest}; run.steps >= 2 gives the steady step)"
-    steps = "step 2" if r["steps"] == 2 else f"steps 2-{r['steps']}"
-    return (f"{format_ns(r['steady_step_ns'])} a steady step (the mean of {steps}); first step "
+    steps = "step 2" if r["steps"] == 2 else f"the mean of steps 2-{r['steps']}"
+    return (f"{format_ns(r['steady_step_ns'])} a steady step ({steps}); first step "
             f"{format_ns(r['first_step_ns'])}, {rest}")
 
 

@@ -1,0 +1,96 @@
+"""`simcluster import`: Megatron-LM's arguments and torchtitan's job files as scenarios that run, every
+option that could not be mapped named; `keys` finds a key by either tool's name; `run --write-scenario`
+writes the scenario as run."""
+
+from pathlib import Path
+
+import pytest
+
+from simcluster.cli import main
+from simcluster.config.imports import LLAMA3, megatron, torchtitan
+from simcluster.config.scenario import load
+
+DATA = Path(__file__).parent / "data"
+# Megatron-LM's GPT-3 175B example (examples/gpt3/train_gpt3_175b_distributed.sh): its model, batch and
+# parallelism arguments, and some it has that simcluster has no setting for
+GPT3_175B = ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --num-layers 96 --hidden-size 12288 "
+             "--num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 "
+             "--global-batch-size 1536 --train-samples 146484375 --lr-decay-samples 126953125 --lr 6.0e-5 "
+             "--min-lr 6.0e-6 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 "
+             "--adam-beta2 0.95 --init-method-std 0.006 --fp16").split()
+
+
+def test_megatrons_gpt3_example_is_imported_with_every_value_and_each_unmapped_option_named():
+    doc, notes = megatron(GPT3_175B, nodes=16, gpus_per_node=8)
+    m, p, r = doc["model"], doc["parallel"], doc["run"]
+    assert (m["layers"], m["hidden"], m["heads"], m["seq"], m["micro_batch"], m["global_batch"]) == \
+        (96, 12288, 96, 2048, 1, 1536)
+    assert (m["ffn_hidden"], m["dtype"], m["arch"]) == (4 * 12288, "fp16", "gpt")  # (Megatron's defaults)
+    assert (p["tp"], p["pp"], p["dp"], p["zero"], p["schedule"], p["sp"]) == (8, 16, 1, 0, "1f1b", False)
+    assert (r["lr"], r["clip_grad"], r["weight_decay"]) == (6.0e-5, 1.0, 0.1)
+    named = " ".join(notes)
+    for option in ("--train-samples", "--min-lr", "--adam-beta1", "--init-method-std", "--max-position-embeddings"):
+        assert option in named
+    assert "tied embedding across pipeline stages" in named and "vocabulary" in named
+
+
+def test_an_imported_megatron_run_runs(tmp_path, capsys):
+    """The import command writes a scenario that `simcluster run` runs (a smaller layout of the same
+    arguments' shape, so that the test is quick)."""
+    args = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+            "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512", "--micro-batch-size", "1",
+            "--global-batch-size", "16", "--bf16", "--sequence-parallel", "--use-distributed-optimizer",
+            "--train-iters", "100"]
+    out = tmp_path / "m.toml"
+    assert main(["import", "--nodes", "1", "-o", str(out), "megatron", *args]) == 0
+    assert "import: --train-iters" in capsys.readouterr().err
+    sc = load(str(out))
+    assert (sc.parallel.tp, sc.parallel.pp, sc.parallel.dp, sc.parallel.sp, sc.parallel.zero) == (2, 2, 2, True, 1)
+    assert main(["run", str(out), "--summary"]) == 0
+    assert "a steady step" in capsys.readouterr().out
+
+
+def test_a_torchtitan_job_file_is_imported_and_runs(tmp_path, capsys):
+    doc, notes = torchtitan(__import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text()),
+                            nodes=2, gpus_per_node=8)
+    m, p = doc["model"], doc["parallel"]
+    assert (m["layers"], m["hidden"], m["ffn_hidden"], m["heads"], m["kv_heads"]) == LLAMA3["8B"]
+    assert (m["seq"], m["global_batch"], m["arch"], p["dp"], p["zero"], p["recompute"]) == \
+        (8192, 16, "llama", 16, 3, "selective")
+    named = " ".join(notes)
+    assert all(f"[{t}]" in named for t in ("job", "profiling", "metrics", "lr_scheduler", "checkpoint"))
+    assert "training.steps" in named and "optimizer.name" in named
+    out = tmp_path / "t.toml"
+    assert main(["import", "--nodes", "2", "-o", str(out), "torchtitan", str(DATA / "torchtitan_llama3_8b.toml")]) == 0
+    assert main(["run", str(out), "--summary"]) == 0
+
+
+@pytest.mark.parametrize("args,said", [
+    (["megatron", "--num-layers"], "--num-layers needs a value"),
+    (["megatron", "layers", "4"], "expected --name or --name value"),
+    (["megatron", "--tensor-model-parallel-size", "3", "--num-layers", "4"], "does not divide the cluster's 8"),
+    (["torchtitan", "/no/such.toml"], "No such file"),
+])
+def test_an_import_that_cannot_be_made_is_one_line(args, said, capsys):
+    assert main(["import", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name,key", [("tensor-model-parallel-size", "parallel.tp"), ("sequence_parallel", "parallel.sp"),
+                                      ("tensor_parallel_degree", "parallel.tp"), ("seq_len", "model.seq"),
+                                      ("model.name", "model.arch")])
+def test_keys_finds_a_key_by_its_megatron_or_torchtitan_name(name, key, capsys):
+    assert main(["keys", name]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"is {key} here" in out and f"{key} default" in out
+
+
+def test_write_scenario_writes_the_scenario_as_run(tmp_path, capsys):
+    """Every --set applied and every key resolved: loading the file gives the same scenario."""
+    sets = ["--set", "parallel.zero=1", "--set", "model.layers=3", "--set", "run.steps=2", "--set",
+            "faults.straggler_rank=1"]
+    out = tmp_path / "resolved.toml"
+    assert main(["run", "--summary", "--write-scenario", str(out), *sets]) == 0
+    again = load(str(out))
+    assert again.as_dict() == load(None, [s for s in sets if s != "--set"]).as_dict()
