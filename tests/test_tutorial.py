@@ -96,4 +96,5 @@ def test_the_readme_sample_is_what_simcluster_run_prints(request):
     printed = "\n".join(normal(done.stdout)) + "\n"
     if request.config.getoption("--update-golden"):
         readme.write_text(text.replace(samples[0], "$ simcluster run\n" + printed))
+        samples[0] = "$ simcluster run\n" + printed
     assert normal(samples[0].partition("\n")[2]) == normal(done.stdout)

@@ -96,8 +96,9 @@ def scenario_arguments(p: argparse.ArgumentParser, optional: bool = True, fold: 
                    help="a scenario file, or the name of one in scenarios/ (see `simcluster list`)"
                         + ("; default: the built-in default scenario" if optional else ""))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key, e.g. --set parallel.tp=2 (repeatable); `simcluster keys` explains each. "
-                        "Keys: " + ", ".join(all_keys()))
+                   help=f"override a scenario key, e.g. --set parallel.tp=2 (repeatable): one of {len(all_keys())} in the "
+                        f"sections {', '.join(sorted({k.split('.')[0] for k in all_keys() if '.' in k}))}; "
+                        f"`simcluster keys [SECTION]` lists them with their meanings")
     p.add_argument("--at-scale", action="store_true",
                    help="apply the scenario's [at_scale] overrides first: a realistic size, in meta mode")
     if not fold:

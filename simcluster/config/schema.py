@@ -269,10 +269,16 @@ _FIGURE_NAMES = ("preset", "device", "nodes", "gpus_per_node", "profile", "torus
 CLUSTER_FIGURES = tuple(f.name for f in fields(ClusterSpec) if f.name not in _FIGURE_NAMES)
 
 
+UNITS = (("memory_gbyte", "GiB, 2^30 bytes: an '80GB' card is 80 GiB, which the report also shows as 85.9 GB"),
+         ("_gbyte_per_s", "GB/s"), ("_gbit_per_s", "Gbit/s"), ("_ns", "ns"), ("tflops", "TFLOP/s"),
+         ("_efficiency", "a fraction of the peak, 0 to 1"), ("_tbyte", "TB"), ("gparam_per_s", "10^9 parameters a second"))
+
+
 def _figure(name: str) -> tuple[str, Any, Any]:
     typ = {f.name: f.type for f in fields(ClusterSpec)}[name]
-    return name, (float if typ in ("float", float) else int) | None, key(None, f"override of the preset's {name}",
-                                                                          minimum=0)
+    unit = next((f" ({u})" for suffix, u in UNITS if name.endswith(suffix)), "")
+    return name, (float if typ in ("float", float) else int) | None, key(None, f"override of the preset's {name}"
+                                                                          f"{unit}", minimum=0)
 
 
 # [cluster]: the keys above and an override of each figure a preset gives (topology/presets.py)

@@ -21,6 +21,12 @@ from simcluster.viz.report_view import format_bytes
 BARS = " ▁▂▃▄▅▆▇█"
 
 
+def bar(v: float, top: float) -> str:
+    """One column: eighths of `top`, and the lowest bar for anything held at all (a row of a few kB
+    under a peak of GBs is there, not empty)."""
+    return BARS[min(8, max(1 if v > 0 else 0, round(8 * v / top)))]
+
+
 class MemoryChart:
     def __init__(self, trace: Trace, *, rank: int | None = None, width: int = 80, capacity: int | None = None) -> None:
         peaks = trace.memory_peaks()
@@ -62,8 +68,8 @@ class MemoryChart:
         series = self.series()
         top = self.scale(max(series["total"], default=0))
         over = self.capacity or float("inf")
-        return [(name, "".join("!" if name == "total" and v > over else BARS[min(8, round(8 * v / top))]
-                               for v in values)) for name, values in series.items()]
+        return [(name, "".join("!" if name == "total" and v > over else bar(v, top) for v in values))
+                for name, values in series.items()]
 
     def caption(self) -> str:
         total = self.series()["total"]

@@ -105,7 +105,7 @@ class ReportView:
         peaks = self.report.get("memory_peak_bytes") or {}
         if not peaks:
             return None
-        t = Table(title="peak memory per rank (largest rank)", title_justify="left")
+        t = Table(title="peak memory (largest rank)", title_justify="left")
         t.add_column("category")
         t.add_column("peak", justify="right")
         m = self.report.get("memory") or {}
@@ -114,7 +114,7 @@ class ReportView:
         for c in [c for c in categories if tier_of(c) == "gpu"] + ["total"]:
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
         if m:
-            t.add_row("device", f"{format_bytes(m['capacity_bytes'])}: " + (
+            t.add_row("device", f"{m['capacity_bytes'] / 2**30:g} GiB ({format_bytes(m['capacity_bytes'])}): " + (
                 "fits" if m["fits"] else f"[bold red]OUT OF MEMORY[/] on {m['ranks_over']} rank(s)"))
         for c in [c for c in categories if tier_of(c) != "gpu"]:  # offloaded: the host's memory and NVMe
             t.add_row(c, format_bytes(max(v.get(c, 0) for v in peaks.values())))
