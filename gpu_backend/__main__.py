@@ -88,7 +88,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ScenarioError as exc:  # a checkpoint folder another run is saving into; one that cannot be written
         say_error(err, str(exc))
         return 2
-    return render_torch(outcome, out, args.json)
+    return render_torch(outcome, out, args.json, getattr(args, "width", None) or out.width,
+                        getattr(args, "summary", False))
 
 
 def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err: Console) -> Outcome | int:

@@ -17,6 +17,7 @@ puts what was measured beside what the emulator predicted.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -98,6 +99,24 @@ def expected(sc: Scenario, emulated: Outcome) -> list[Any] | None:
     return [digests(r) for r in emulated.result.results] if sc.run.verify else None
 
 
+def apart(sc: Scenario, section: dict[str, Any]) -> list[str]:
+    """Why the measured step is more than 2x from the predicted one, as far as the tool knows it: the
+    prediction's hardware is not the one that ran, or the ranks shared too few cores ([] within 2x)."""
+    measured, predicted = max(section["step_time_s"].values()), section["predicted_step_time_s"]
+    if not predicted or 0.5 <= measured / predicted <= 2:
+        return []
+    out = [f"measured {measured / predicted:.3g}x the prediction"]
+    spec = sc.cluster_spec()
+    if not sc.cluster.profile:
+        out.append(f"the prediction is for the scenario's cluster ({spec.preset}: {spec.device}), not this "
+                   f"{section['device']}: time it against this machine with `simcluster calibrate` and "
+                   f"--set cluster.profile=FILE")
+    cores = os.cpu_count() or 1
+    if section["device"] == "cpu" and section["processes"] > cores:
+        out.append(f"{section['processes']} ranks shared {cores} cores")
+    return out
+
+
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
     """The emulator's run of the scenario beside the real one (`runs`: backend.RankRun by rank, their
     results against `expected(sc, emulated)`)."""
@@ -128,5 +147,6 @@ def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outc
                                    "passed": True}),
         "verification": job.check(real),
     }
+    section["apart"] = apart(sc, section)
     section["passed"] = section["against_emulator"]["passed"] and section["verification"].get("passed", True)
     return Outcome(sc, emulated.result, dict(emulated.report, torch=section) | checkpoints(sc, job, real))

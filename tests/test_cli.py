@@ -1,6 +1,7 @@
 """`simcluster run`: the default scenario, --json, --set, files, and one-line errors."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -344,3 +345,16 @@ def test_summary_is_the_first_table_and_the_verdict(capsys):
     assert "step time" in out and "verdict" in out and "PASS" in out
     assert "timeline" not in out and "busy time per stream" not in out and "memory over time" not in out
     assert len(out.splitlines()) <= 30
+
+
+@pytest.mark.parametrize("command", [["run", "--summary"], ["timeline", "collectives"]])
+def test_the_terminal_svgs_need_nothing_from_outside(command, tmp_path, capsys):
+    """No web font to fetch (an offline renderer put the labels elsewhere): every reference is inside
+    the file, and each run of text is stretched, glyphs too, to the columns it stands for."""
+    path = tmp_path / "out.svg"
+    assert main([*command, "--svg", str(path)]) == 0
+    svg = path.read_text()
+    assert "@font-face" not in svg and "Fira Code" not in svg
+    assert all(ref.startswith("#") for ref in re.findall(r"url\(([^)]*)\)", svg))
+    texts = re.findall(r"<text [^>]*>", svg)
+    assert texts and all('lengthAdjust="spacingAndGlyphs"' in t for t in texts if "textLength" in t)

@@ -46,3 +46,20 @@ def test_exact_mlp_on_gloo_is_byte_identical_to_the_emulator():
         for name in ("y", "w1", "w2", "dw1", "dw2"):
             assert real[r][name].tobytes() == emulated[r][name].tobytes(), (r, name)
         assert [x.tobytes() for x in real[r]["loss"]] == [x.tobytes() for x in emulated[r]["loss"]]
+
+
+def test_a_gap_between_measured_and_predicted_is_explained():
+    """Past 2x either way the run says what it knows: the prediction's hardware is not this machine's
+    (no calibrated profile), the ranks shared too few cores; within 2x it says nothing."""
+    import os
+
+    from gpu_backend.scenario_run import apart
+    from simcluster.config.scenario import build
+
+    sc = build({}, ["parallel.dp=2", "cluster.gpus_per_node=2"])
+    near = {"step_time_s": {"0": 1.5, "1": 1.2}, "predicted_step_time_s": 1.0, "device": "cpu", "processes": 2}
+    assert apart(sc, near) == []
+    far = dict(near, step_time_s={"0": 370e-3}, predicted_step_time_s=228e-6, processes=(os.cpu_count() or 1) + 1)
+    said = " ".join(apart(sc, far))
+    assert "1.62e+03x" in said and "dgx-a100" in said and "simcluster calibrate" in said and "shared" in said
+    assert apart(sc, dict(near, step_time_s={"0": 0.1})) != []  # (10x faster is apart too)

@@ -4,6 +4,7 @@ outcome gives, the variant of a comparison that `timeline` and `export` draw, pi
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,16 @@ def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:
     err.print(f"variant {i + 1} of {len(labels)}: {labels[i]}" +
               ("" if wanted is not None else " (--variant N picks another)"), markup=False, highlight=False)
     return scenario.variants[i][1]
+
+
+def terminal_svg(console: Console, title: str) -> str:
+    """What the console printed, as an SVG that needs nothing from outside: rich's picture without its
+    web font (Fira Code from a CDN, which an offline renderer cannot fetch), in the reader's own
+    monospace font; every run of text is stretched to its columns' width (rich's textLength, with the
+    glyphs too), so columns line up whatever that font's width."""
+    svg = re.sub(r"@font-face\s*\{[^}]*\}\s*", "", console.export_svg(title=title))
+    svg = svg.replace("font-family: Fira Code, monospace;", "font-family: monospace;")
+    return svg.replace('textLength="', 'lengthAdjust="spacingAndGlyphs" textLength="')
 
 
 def write_svg(path: str, svg: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.cli.common import pick_variant, ranks_of, scenario_of, simulated, write_svg
+from simcluster.cli.common import pick_variant, ranks_of, scenario_of, simulated, terminal_svg, write_svg
 from simcluster.config.options import say_error, scenario_arguments, variant_argument
 from simcluster.viz.outcome_view import repeated
 from simcluster.viz.timeline import Timeline
@@ -68,7 +68,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
         return 0
     out.print(Timeline(trace, width=width, ranks=ranks, start=start, end=end))
     if args.svg:
-        write_svg(args.svg, out.export_svg(title=f"simcluster timeline: {scenario.name}"))
+        write_svg(args.svg, terminal_svg(out, f"simcluster timeline: {scenario.name}"))
     return 0
 
 

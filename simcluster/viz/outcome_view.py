@@ -109,14 +109,15 @@ def measured_table(report: dict[str, Any]) -> Table:
     return t
 
 
-def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: int = 100) -> int:
+def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: int = 100,
+                 summary: bool = False) -> int:
     """What a torch.distributed run prints: the emulator's report and timeline (the prediction), the
     measured figures, and how the real outputs compare; the exit status (0 when they agree)."""
     section = outcome.report["torch"]
     if as_json:
         sys.stdout.write(document(outcome.report) + "\n")
     else:
-        render(outcome, out, width)
+        render(outcome, out, width, summary)
         out.print()
         out.print(measured_table(outcome.report))
         a, v = section["against_emulator"], section["verification"]
@@ -130,4 +131,6 @@ def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: i
             "" if a["passed"] else f"; [bold red]{a['differing']} DIFFER[/]: {', '.join(a['differ'])}"), markup=True)
         verdict = v.get("status") or ("bit-exact" if v.get("bit_exact") else "passed" if v.get("passed") else "MISMATCH")
         out.print(f"torch.distributed against one device: {verdict}", markup=False)
+        if section.get("apart"):  # (a gap the tool can explain is said, not left to the reader)
+            out.print("measured and predicted apart: " + "; ".join(section["apart"]), markup=False)
     return 0 if section["passed"] else 1
