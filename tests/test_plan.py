@@ -276,3 +276,19 @@ def test_a_plan_that_cannot_finish_here_is_refused_before_it_simulates(monkeypat
     err = capsys.readouterr().err
     assert "plan: simulating " in err and "meta mode would replay at least" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_plan_table_reads_at_80_columns_and_its_help_names_its_schedules(capsys):
+    """Each layout on one line, no header or value cut ("micro-…"), MFU with its digits for a small
+    model; the help lists the schedules the search returns."""
+    from simcluster.analysis.planner import BUBBLE
+
+    assert main(["plan", "--simulate", "3", *[a for s in SMALL for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "0.0 %" not in out
+    rows = [line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit() and "TP" in line]
+    assert len(rows) == 3 and all(" Z" in row and " mb" in row and " DP" in row for row in rows)
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert all(s.upper() in helped for s in BUBBLE)

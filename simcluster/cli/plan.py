@@ -21,8 +21,9 @@ JOBS = 4  # plan's default simulations at a time (at most): each holds a simulat
 
 def add(sub: Any) -> None:
     plan = sub.add_parser("plan", help="search the parallel layouts of a scenario's model on its cluster, best first",
-                          description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B or "
-                                      "interleaved), CP, DP, ZeRO stage, micro-batch size and recomputation. Every "
+                          description="Keep SCENARIO's model, cluster and global batch; search TP, PP (1F1B, "
+                                      "INTERLEAVED, ZB-H1, ZB-V), CP, DP, ZeRO stage, micro-batch size and "
+                                      "recomputation. Every "
                                       "layout is estimated in closed form; the best that fit are simulated (meta "
                                       "mode) and printed by simulated step time. Exit status 3 when none fits.")
     scenario_arguments(plan)

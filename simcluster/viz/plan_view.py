@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from simcluster.analysis.planner import Search, bottleneck
@@ -15,14 +16,30 @@ def plan_table(search: Search, title: str) -> Table:
     t = Table(title=f"{title}: {search.examined} layouts examined, {search.valid} valid, {search.fitting} fit by "
                     f"estimate; the {len(search.rows)} best simulated, one step each (its time without "
                     f"initialisation)", title_justify="left")
-    for col in ("#", "layout", "ZeRO", "micro-batch", "recompute", "first step", "MFU", "peak memory", "bound by"):
-        t.add_column(col, justify="left" if col in ("layout", "recompute", "bound by") else "right")
+    t.box = box.SIMPLE_HEAD  # (no side borders: the layout keeps its line at 80 columns)
+    t.caption = "Z: ZeRO stage; mb: micro-batch; +sel, +full: recomputation; step: the first (one simulated)"
+    t.caption_justify = "left"
+    t.pad_edge, t.padding = False, (0, 1)
+    for col in ("#", "layout", "step", "MFU", "peak", "bound by"):
+        t.add_column(col, justify="left" if col in ("layout", "bound by") else "right",
+                     no_wrap=col not in ("bound by", "layout"), overflow="fold", min_width=8 if col == "bound by" else None)
     for i, row in enumerate(search.rows, 1):
-        r, lay = row.report, row.layout
+        r = row.report
         memory = format_bytes(r["memory"]["peak_bytes"]) + ("" if r["memory"]["fits"] else " OOM")
-        t.add_row(str(i), lay.label(), str(lay.zero), str(lay.micro_batch), lay.recompute,
-                  format_ns(r["step_time_ns"]), f"{100 * r['mfu']:.1f} %", memory, bottleneck(r))
+        t.add_row(str(i), one_line(row.layout), format_ns(r["step_time_ns"]), percent(r["mfu"]), memory,
+                  bottleneck(r))
     return t
+
+
+def one_line(lay: Any) -> str:
+    """A layout in one line: its degrees and schedule, ZeRO stage, micro-batch and recomputation."""
+    return f"{lay.label()} Z{lay.zero} mb{lay.micro_batch}" + {"none": "", "selective": " +sel"}.get(
+        lay.recompute, f" +{lay.recompute}")
+
+
+def percent(fraction: float) -> str:
+    """MFU with the digits a small model needs too (0.03 %, not 0.0 %)."""
+    return f"{100 * fraction:.2g}%" if fraction else "0%"
 
 
 def plan_data(search: Search) -> dict[str, Any]:
