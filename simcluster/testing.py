@@ -28,6 +28,7 @@ import numpy as np
 from simcluster import report
 from simcluster.engine import RunResult, default_cluster, simulate
 from simcluster.model.config import ModelConfig
+from simcluster.numerics.divisors import divisors
 from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.data_parallel import TrainingConfig
@@ -35,7 +36,6 @@ from simcluster.parallel.parallelism import ATTENTIONS, ZERO_OVER, Parallelism
 from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.program.mesh import AXES, DeviceMesh
 from simcluster.topology.presets import preset
-from simcluster.numerics.divisors import divisors
 
 __all__ = ["Layout", "assert_bit_exact", "assert_close_fast", "assert_same", "fast_bound", "layouts", "meshes",
            "one_device", "outputs", "replicated", "unshard"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from simcluster.analysis.planner import Layout, estimate, layouts, search
+from simcluster.analysis.estimate import Layout, estimate
+from simcluster.analysis.planner import layouts, search
 from simcluster.cli import main
 from simcluster.config.scenario import load
 from simcluster.run.runner import run_scenario
@@ -125,7 +126,7 @@ def test_the_estimate_charges_the_data_parallel_reduction_a_slower_network_expos
     by the all-reduce's ring over the NIC, 2 (n-1)/n x 2 bytes x Psi (the 16-bit gradients), when the
     reduction follows the backward pass; less is exposed when it overlaps it; within one node the
     estimate does not depend on the NIC at all."""
-    from simcluster.analysis.planner import Layout
+    from simcluster.analysis.estimate import Layout
 
     def seconds(gbit, sets, lay):
         return estimate(load(None, SMALL + [f"cluster.nic_gbit_per_s={gbit}", *sets]), lay).seconds
@@ -167,7 +168,7 @@ def test_the_estimate_charges_context_parallel_exchanges_as_the_simulator_times_
     the same work and the same gradient reduction) is the time the simulator's cp stream is busy on
     a rank, within 5 %, latencies included (NCCL's, by the protocol each call's size picks): inside one
     node, and across two, where each rank's NIC carries the share that leaves its node."""
-    from simcluster.analysis.planner import Layout
+    from simcluster.analysis.estimate import Layout
 
     base = ["run.numerics=meta", "run.steps=1", "model.layers=2", "model.hidden=1024", "model.heads=8",
             "model.ffn_hidden=1024", "model.seq=32768", "model.vocab=1024", "model.global_batch=8",
@@ -281,7 +282,7 @@ def test_a_plan_that_cannot_finish_here_is_refused_before_it_simulates(monkeypat
 def test_the_plan_table_reads_at_80_columns_and_its_help_names_its_schedules(capsys):
     """Each layout on one line, no header or value cut ("micro-…"), MFU with its digits for a small
     model; the help lists the schedules the search returns."""
-    from simcluster.analysis.planner import BUBBLE
+    from simcluster.analysis.estimate import BUBBLE
 
     assert main(["plan", "--simulate", "3", *[a for s in SMALL for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out

@@ -26,8 +26,8 @@ from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.hung import deadlock, watchdog
 from simcluster.engine.network import Network
 from simcluster.engine.routes import routes
-from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.steps import marks
+from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
 from simcluster.engine.totals import LaneSums, Totals
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from simcluster.numerics.ops import Ops
 from simcluster.numerics.divisors import divisors, listed
+from simcluster.numerics.ops import Ops
 
 ARCHS = ("gpt", "llama")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from simcluster.numerics.divisors import divisors, listed
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
-from simcluster.numerics.divisors import divisors, listed
 
 ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
 CP_ALIKE = ("ulysses", "allgather")  # attentions whose cp ranks run the same shapes (`alike`; Ulysses: given own kv heads)

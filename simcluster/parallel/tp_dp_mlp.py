@@ -23,8 +23,8 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.program.context import Context
 from simcluster.numerics.divisors import divisors, listed
+from simcluster.program.context import Context
 
 
 @dataclass(frozen=True)
