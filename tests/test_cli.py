@@ -358,3 +358,14 @@ def test_the_terminal_svgs_need_nothing_from_outside(command, tmp_path, capsys):
     assert all(ref.startswith("#") for ref in re.findall(r"url\(([^)]*)\)", svg))
     texts = re.findall(r"<text [^>]*>", svg)
     assert texts and all('lengthAdjust="spacingAndGlyphs"' in t for t in texts if "textLength" in t)
+
+
+def test_an_svgs_title_says_which_run_it_is(tmp_path, capsys):
+    """The scenario, --at-scale, the variant and every --set (the titles had the scenario's name alone)."""
+    path = tmp_path / "p.svg"
+    assert main(["timeline", "pipeline_schedules", "--passes", "--variant", "2", "--set", "model.layers=8",
+                 "--svg", str(path)]) == 0
+    assert "pipeline_schedules --variant 2 --set model.layers=8" in path.read_text()
+    assert main(["sweep", "collectives", "--key", "parallel.tp", "--values", "1,2", "--set", "run.seed=3",
+                 "--svg", str(path)]) == 0
+    assert "sweep of parallel.tp: collectives --set run.seed=3" in path.read_text()

@@ -122,6 +122,17 @@ def terminal_svg(console: Console, title: str) -> str:
     return svg.replace('textLength="', 'lengthAdjust="spacingAndGlyphs" textLength="')
 
 
+def svg_title(what: str, scenario: Any, args: argparse.Namespace) -> str:
+    """A picture's title that says which run it is: the scenario, --at-scale, the variant, every --set."""
+    parts = [f"{what}: {scenario.name}"]
+    if getattr(args, "at_scale", False):
+        parts.append("--at-scale")
+    if getattr(args, "variant", None) is not None:
+        parts.append(f"--variant {args.variant}")
+    parts += [f"--set {o}" for o in getattr(args, "overrides", [])]
+    return " ".join(parts)
+
+
 def write_svg(path: str, svg: str) -> None:
     """A picture written to `path`, or a ScenarioError saying why it cannot be (a full or read-only
     device, a missing folder)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.cli.common import passed, scenario_of, simulated, status, terminal_svg, write_svg
+from simcluster.cli.common import passed, scenario_of, simulated, status, svg_title, terminal_svg, write_svg
 from simcluster.config.imports import toml_text
 from simcluster.config.options import scenario_arguments, torch_arguments
 from simcluster.config.scenario import ScenarioError
@@ -68,7 +68,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         render(outcome, out, args.width or out.width, summary=args.summary)
     if args.svg:
-        write_svg(args.svg, terminal_svg(out, f"simcluster: {scenario.name}"))
+        write_svg(args.svg, terminal_svg(out, svg_title("simcluster", scenario, args)))
     return status(outcome, err)
 
 

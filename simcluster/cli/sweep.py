@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.cli.common import write_svg
+from simcluster.cli.common import svg_title, write_svg
 from simcluster.config.options import scenario_arguments
 from simcluster.config.scenario import ScenarioError, all_keys
 from simcluster.report import document
@@ -48,7 +48,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         out.print(sweep_view.table(args.key, points, capacity(points)))
     if args.svg:
-        write_svg(args.svg, sweep_view.svg(args.key, points, capacity(points), title=f"{base.name}: {args.key}"))
+        write_svg(args.svg, sweep_view.svg(args.key, points, capacity(points), title=svg_title(f"sweep of {args.key}", base, args)))
     if all(p.refused for p in points):
         return 2
     return 1 if any(p.verdict == "MISMATCH" for p in points) else 0

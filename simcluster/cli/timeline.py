@@ -7,7 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from simcluster.cli.common import pick_variant, ranks_of, scenario_of, simulated, terminal_svg, write_svg
+from simcluster.cli.common import (pick_variant, ranks_of, scenario_of, simulated, svg_title, terminal_svg,
+                                   write_svg)
 from simcluster.config.options import say_error, scenario_arguments, variant_argument
 from simcluster.viz.outcome_view import repeated
 from simcluster.viz.timeline import Timeline
@@ -64,11 +65,11 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(picture(trace, chosen, width=width, names=names), highlight=False, markup=False,
                   soft_wrap=True)
         if args.svg:  # (the whole picture, whatever the page's width: drawn, not a screenshot)
-            write_svg(args.svg, svg(trace, chosen, names, title=f"simcluster pipeline: {scenario.name}"))
+            write_svg(args.svg, svg(trace, chosen, names, title=svg_title("simcluster pipeline", scenario, args)))
         return 0
     out.print(Timeline(trace, width=width, ranks=ranks, start=start, end=end))
     if args.svg:
-        write_svg(args.svg, terminal_svg(out, f"simcluster timeline: {scenario.name}"))
+        write_svg(args.svg, terminal_svg(out, svg_title("simcluster timeline", scenario, args)))
     return 0
 
 
