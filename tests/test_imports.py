@@ -89,7 +89,7 @@ def test_keys_finds_a_key_by_its_megatron_or_torchtitan_name(name, key, capsys):
 def test_write_scenario_writes_the_scenario_as_run(tmp_path, capsys):
     """Every --set applied and every key resolved: loading the file gives the same scenario."""
     sets = ["--set", "parallel.zero=1", "--set", "model.layers=3", "--set", "run.steps=2", "--set",
-            "faults.straggler_rank=1"]
+            "faults.straggler_rank=1", "--set", 'description="a \\"quoted\\" \\\\ text"']
     out = tmp_path / "resolved.toml"
     assert main(["run", "--summary", "--write-scenario", str(out), *sets]) == 0
     again = load(str(out))

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from simcluster.config import imports
-from simcluster.config.scenario import ScenarioError, build
+from simcluster.config.scenario import ScenarioError, build, dumps
 from simcluster.run.job import job_of
 from simcluster.topology.presets import PRESETS
 
@@ -54,7 +54,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     sc = build(dict(doc))  # (checked as any scenario: its keys, its degrees against the cluster, its layout)
     sc.cluster_spec()
     job_of(sc)
-    text = imports.toml_text(doc)
+    text = dumps(doc)
     for note in notes:
         err.print(f"import: {note}", markup=False, highlight=False, soft_wrap=True)
     if args.output:

@@ -11,9 +11,8 @@ from typing import Any
 from rich.console import Console
 
 from simcluster.cli.common import passed, scenario_of, simulated, status, svg_title, terminal_svg, write_svg
-from simcluster.config.imports import toml_text
 from simcluster.config.options import scenario_arguments, torch_arguments
-from simcluster.config.scenario import ScenarioError
+from simcluster.config.scenario import ScenarioError, dumps
 from simcluster.report import document
 from simcluster.viz.outcome_view import render
 
@@ -77,7 +76,7 @@ def write_scenario(path: str, scenario: Any) -> None:
     if scenario.variants:
         raise ScenarioError("--write-scenario writes one scenario: pick a variant of [compare] with --set")
     try:
-        Path(path).write_text(toml_text(scenario.as_dict()))
+        Path(path).write_text(dumps(scenario.as_dict()))
     except OSError as exc:
         raise ScenarioError(f"--write-scenario {path}: {exc.strerror or exc}") from None
 

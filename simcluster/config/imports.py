@@ -12,9 +12,9 @@ report has a steady step. `ALIASES` lets `simcluster keys` find a key by either 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from simcluster.config.scenario import flatten
 from simcluster.config.schema import ScenarioError
 
 # Megatron-LM's argument -> the scenario key it sets (values read as the key's type)
@@ -182,20 +182,10 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
             "cluster": _cluster(nodes, gpus_per_node, preset), **doc}, notes
 
 
-def _flat(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in doc.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, preset: str = "dgx-h100"
                ) -> tuple[dict[str, Any], list[str]]:
     """The scenario of a torchtitan job file (parsed TOML), and what was not mapped."""
-    given, notes = _flat(job), []
+    given, notes = dict(flatten(job)), []
     for table in job:
         if table not in KEPT_TABLES:
             notes.append(f"[{table}]: not mapped (simcluster has no such settings: logging, jobs, checkpoints, ...)")
@@ -241,15 +231,3 @@ def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, p
     return {"name": f"torchtitan_llama3_{flavor.lower()}", "description": "imported from a torchtitan job file",
             "cluster": _cluster(nodes, gpus_per_node, preset), "model": m, "parallel": p, "run": r}, notes
 
-
-def toml_text(doc: dict[str, Any]) -> str:
-    """A scenario document as a TOML file: the top-level keys, then a table a section (unset keys left
-    out, as a scenario file leaves them)."""
-    def value(v: Any) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) else repr(v)
-
-    lines = [f"{k} = {value(v)}" for k, v in doc.items() if not isinstance(v, dict) and v is not None]
-    for section, table in doc.items():
-        if isinstance(table, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {value(v)}" for k, v in table.items() if v is not None]
-    return "\n".join(lines) + "\n"

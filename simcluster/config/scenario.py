@@ -8,6 +8,7 @@ and what would be valid.
 from __future__ import annotations
 
 import difflib
+import json
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -203,7 +204,7 @@ def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides:
     count = lengths.pop()
     varied = [k for k in compare if k in given]
     kept = [i for i in range(count) if all(compare[k][i] == given[k] for k in varied)]
-    asked = ", ".join(f"{k}={_toml(given[k])}" for k in varied)
+    asked = ", ".join(f"{k}={toml_value(given[k])}" for k in varied)
     if not kept:
         return replace(base, notes=(f"--set {asked}: [compare] runs none with that value; running the scenario once "
                                     f"with it, without its comparison",))
@@ -212,20 +213,31 @@ def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides:
              if len(kept) > 1 else f"--set {asked}: running the one variant of [compare] with that value",)
     for i in kept:
         picks = {k: v[i] for k, v in compare.items() if k not in given}
-        label = ", ".join(f"{k.split('.', 1)[-1]}={_toml(v[i]).strip(chr(34))}" for k, v in compare.items())
-        texts = [f"{k}={_toml(v)}" for k, v in picks.items()] + list(overrides)
+        label = ", ".join(f"{k.split('.', 1)[-1]}={toml_value(v[i]).strip(chr(34))}" for k, v in compare.items())
+        texts = [f"{k}={toml_value(v)}" for k, v in picks.items()] + list(overrides)
         variants.append((label, build(dict(doc), texts, source=source)))
     if varied and len(variants) == 1:  # (one left: the scenario is that run, with its whole report)
         return replace(variants[0][1], notes=notes)
     return replace(base, variants=tuple(variants), notes=notes if varied else ())
 
 
-def _toml(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A scalar as TOML writes it (a string quoted and escaped)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value + '"'
+        return json.dumps(value)
     return repr(value)
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """A scenario document as a TOML file: the top-level keys, then a table a section (unset keys left
+    out, as a scenario file leaves them); `load` reads it back to the same scenario."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict) and v is not None]
+    for section, table in doc.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
 
 
 def library() -> list[Path]:
@@ -281,15 +293,15 @@ def load(path: str | Path | None, overrides: Sequence[str] = (), *, at_scale: bo
     if at_scale:
         if not scale:
             raise ScenarioError(f"{p.stem} has no [at_scale] table")
-        overrides = [f"{k}={_toml(v)}" for k, v in _flatten(scale)] + list(overrides)
+        overrides = [f"{k}={toml_value(v)}" for k, v in flatten(scale)] + list(overrides)
     return build(doc, overrides, source=str(p))
 
 
-def _flatten(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def flatten(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for k, v in table.items():
         if isinstance(v, dict):
-            out += _flatten(v, f"{prefix}{k}.")
+            out += flatten(v, f"{prefix}{k}.")
         else:
             out.append((f"{prefix}{k}", v))
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from simcluster.engine.streams import KERNEL, KERNELS
+from simcluster.engine.trace import pass_label
 from simcluster.topology.cluster import HOST
 
 FORWARD = "forward"
@@ -26,9 +27,9 @@ KERNEL_STREAMS = ("compute", HOST)  # the streams kernels run on (the rest commu
 def _labelled(item: tuple) -> tuple[str, str] | None:
     """(kind, label) of a kernel item (F3 from "F3:block0/matmul"), None for any other item."""
     if item[0] == KERNEL:
-        return item[2], item[1].split("/", 1)[0].split(":", 1)[0]
+        return item[2], pass_label(item[1])
     if item[0] == KERNELS:
-        return item[2], (item[1] or "").split(":", 1)[0]
+        return item[2], pass_label(item[1] or "")
     return None
 
 

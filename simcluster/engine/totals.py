@@ -14,7 +14,7 @@ from itertools import chain
 
 import numpy as np
 
-from simcluster.engine.trace import Trace
+from simcluster.engine.trace import Trace, pass_label
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Totals:
         first, optimizers = None, {}  # (the steps' marks, as steps.py reads them off the streams)
         for e in trace:
             if not e.group:  # (a kernel: the first forward? a step's optimizer?)
-                label = e.name.split("/", 1)[0].split(":", 1)[0]
+                label = pass_label(e.name)
                 if e.kind == "forward" and (first is None or e.start < first):
                     first = e.start
                 if label[:1] == "O" and label[1:].isdigit():

@@ -11,6 +11,11 @@ from simcluster.model.memory import tier_of
 COMPUTE_KINDS = frozenset({"compute", "forward", "backward", "weight_grad", "optimizer", "recompute"})
 
 
+def pass_label(name: str) -> str:
+    """The label a kernel's name starts with: F3 from "F3:block0/matmul", O0 from "O0/adam"."""
+    return name.split("/", 1)[0].split(":", 1)[0]
+
+
 class TraceEvent(NamedTuple):
     """One kernel or one rank's part of a communication.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
-from simcluster.engine.trace import Trace
+from simcluster.engine.trace import Trace, pass_label
 
 PASS_KINDS = {"forward": "F", "backward": "B", "weight_grad": "W"}
 
@@ -30,7 +30,7 @@ def passes(trace: Trace, rank: int) -> list[tuple[str, int, int]]:
     for e in trace.lane(rank, "compute"):
         if e.kind not in PASS_KINDS:
             continue
-        label = e.name.split("/", 1)[0].split(":", 1)[0]  # F3:block0 -> F3
+        label = pass_label(e.name)
         if not label or label[0] not in "FBW" or label == "loss":
             continue
         if out and out[-1][0] == label and out[-1][2] == e.start:
