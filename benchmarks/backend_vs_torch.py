@@ -95,7 +95,7 @@ class Model(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.wte(ids)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(ids.shape[1]))
+            x = x + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x, (self.cos, self.sin))
         return self.head(self.norm(x))

@@ -35,6 +35,7 @@ from simcluster.program.mesh import DeviceMesh
 
 from gpu_backend.digests import summarize, walk
 from gpu_backend.processes import GRACE_S, LaunchError, check_backend, in_processes
+from gpu_backend.torch_arrays import no_host_reads
 from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, deterministic_math, host_to_torch, torch_to_host
 from gpu_backend.watchdog import FlightRecorder
 
@@ -271,7 +272,8 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
         start.record()
     t0 = time.perf_counter()
     try:
-        result = _drive(program(ctx, *args), backend)
+        with no_host_reads():
+            result = _drive(program(ctx, *args), backend)
     except BaseException:
         backend.recorder.publish("failed")
         raise

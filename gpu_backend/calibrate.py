@@ -11,11 +11,12 @@ else the CPU):
   a mix of them (norms, activations and their gradients, softmax, residual adds, masks, casts,
   AdamW) over their time, less each kernel's launch; a plain copy's rate beside it;
 - the time of the smallest kernel (a one-element add: launch and dispatch overhead);
-- every other kernel of a training step as the program calls it: a real step of a small GPT and of a
-  small Llama on the kernel set, each call timed (step_profile.py) and its time put on the kernels it records,
-  so each gets the rate it reaches in a step (GELU's backward, the norms, the fused attention: 0.3 to
-  16 GB/s on this CPU against the mix's 4), not the mix's average; GEMMs and the kernels over
-  weight-sized tensors keep the figures measured for them apart;
+- on a CPU, every other kernel of a training step as the program calls it: a real step of a small GPT
+  and of a small Llama on the kernel set, each call timed (step_profile.py) and its time put on the
+  kernels it records, so each gets the rate it reaches in a step (GELU's backward, the norms, the fused
+  attention: 0.3 to 16 GB/s on this CPU against the mix's 4), not the mix's average; GEMMs and the
+  kernels over weight-sized tensors keep the figures measured for them apart (on a GPU, where a call
+  returns before its kernel runs, those kernels keep the elementwise bandwidth: `stepped`);
 - all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
   over the ring's 2(p-1) steps the latency per step.
@@ -262,6 +263,24 @@ def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "gemm": [replace(g, tflops=min(r["gemm"][i].tflops for r in ranks)) for i, g in enumerate(first["gemm"])]}
 
 
+def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc: int, kind: str, timeout_s: float,
+            say: Callable[[str], None]) -> list[_profile.Kernel]:
+    """A training step's kernels at the rates they reach as the program calls them (step_profile.py), on a
+    CPU. Not on a GPU: a call returns when its kernel is queued, so timing the calls times the launches,
+    and a small step's kernels are all launch. On an H100 (2026-11-27) such rates (flash attention at
+    0.0075 GB/s) predicted 745 s a step for a 1.2B GPT measured at 0.22 s; without them, at the
+    elementwise bandwidth measured apart, 0.23 s. There those kernels keep that bandwidth."""
+    if device.type != "cpu":
+        say("  a training step's kernels: at the elementwise bandwidth (a GPU's calls return before their "
+            "kernels run: timing them would time the launches)")
+        return []
+    say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama)")
+    runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
+    per_rank = in_processes(step_rates, (overhead, runs, nproc), nproc, kind, timeout_s=timeout_s)
+    out = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
+    return out + [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in out if k.dtype == "bf16"]
+
+
 def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),
               quick: bool = False, timeout_s: float = 600.0, say: Callable[[str], None] = lambda _: None) -> dict:
     """Measure, write the profile at `path`, and return what was measured (for the caller to show)."""
@@ -288,12 +307,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     else:
         got = _measure(device, grid, tuple(dtypes))
     overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
-    say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama)")
-    runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
-    per_rank = in_processes(step_rates, (overhead, runs, nproc), nproc, kind, timeout_s=timeout_s)
-    stepped = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
-    stepped += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in stepped if k.dtype == "bf16"]
-    measured = stepped + list(measured)
+    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say) + list(measured)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))

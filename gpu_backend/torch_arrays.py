@@ -12,9 +12,10 @@ see `const`); a clipping coefficient stays a 0-d device tensor (never read back)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +58,24 @@ def torch_to_host(t: torch.Tensor) -> np.ndarray:
     """A tensor's values as a numpy array (bf16 as ml_dtypes' bfloat16)."""
     t = t.detach().cpu()
     return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """While a rank's program runs, numpy may not read a tensor (np.asarray(t), np.concatenate of
+    tensors, a numpy ufunc on one): on a GPU that is a copy to the host, which torch refuses for a CUDA
+    tensor and a program must not need. Refused on every device, so a CPU run fails where a GPU would
+    (once, a partial that had lost its namespace was concatenated by numpy: exact mode failed on an
+    H100 and passed on every CPU test). torch_to_host's `.cpu().numpy()` is the one way back."""
+    def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"numpy read a {self.device.type} tensor of shape {tuple(self.shape)} while the program "
+                        f"ran: a host copy (a GPU refuses it); the program's arrays go through ops")
+    before = torch.Tensor.__array__
+    torch.Tensor.__array__ = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.__array__ = before  # type: ignore[method-assign]
 
 
 class TorchArrays:

@@ -269,6 +269,26 @@ def test_calibrate_mistakes_are_one_line(tmp_path):
     assert done.returncode == 2 and "dtype 'fp8' is not valid" in done.stderr and "Traceback" not in done.stderr
 
 
+@torch_required
+def test_a_gpu_takes_no_step_profile(monkeypatch):
+    """The step profile times each call as the program makes it: a CPU's kernel runs in the call, a GPU's
+    after it returns (so its rates would be the launches': on an H100 they predicted 745 s a step for a
+    0.22 s one). On a CPU the ranks measure it; on any other device it is not taken."""
+    import torch
+
+    from gpu_backend import calibrate
+
+    asked = []
+    monkeypatch.setattr(calibrate, "in_processes", lambda *args, **kw: asked.append(args) or [
+        [profile.Kernel("gelu_backward", "bf16", 3.0)], [profile.Kernel("gelu_backward", "bf16", 2.0)]])
+    said = []
+    on_cpu = calibrate.stepped(torch.device("cpu"), 1e-5, ("bf16",), 2, "gloo", 60, said.append)
+    assert len(asked) == 1 and [(k.name, k.dtype, k.gbyte_per_s) for k in on_cpu] == [
+        ("gelu_backward", "bf16", 2.0), ("gelu_backward", "fp16", 2.0)]  # the slower rank's, and fp16 takes bf16's
+    assert calibrate.stepped(torch.device("meta"), 1e-5, ("bf16",), 1, "nccl", 60, said.append) == []
+    assert len(asked) == 1 and "launches" in said[-1]
+
+
 def test_gemm_rate_ties_go_to_the_first_entry():
     g = (Gemm("fp32", 1, 64, 64, 64, 1.0), Gemm("fp32", 1, 256, 256, 256, 2.0))
     p = profile.Profile("x", "x", 1.0, 1.0, 1.0, 0, g)

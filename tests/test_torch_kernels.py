@@ -277,13 +277,13 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def step_on(device, family, monkeypatch=None):
+def step_on(device, family, mode="fast"):
     from gpu_backend.backend import measured
     from simcluster.run.job import job_of
     from simcluster.config.scenario import load
 
-    job = job_of(load(None, [*ONE_RANK, *FAMILIES[family]]), fold=False)
-    return measured(job.program, job.args, job.mesh, mode="fast", device=torch.device(device)).result
+    job = job_of(load(None, [*ONE_RANK, *FAMILIES[family], f"run.numerics={mode}"]), fold=False)
+    return measured(job.program, job.args, job.mesh, mode=mode, device=torch.device(device)).result
 
 
 def leaves(value):
@@ -318,6 +318,55 @@ def test_a_kernel_that_reads_host_data_fails_on_the_meta_device(one_process_grou
         np.asarray(x).reshape(x.shape[0], x.shape[1], -1, d).transpose(0, 2, 1, 3)))
     with pytest.raises(Exception, match="meta"):
         step_on("meta", "gpt")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_exact_mode_runs_without_numpy_reading_a_tensor(family, one_process_group):
+    """Exact mode cannot run on `meta` (it reads booleans back), so the backend refuses numpy's reading
+    of a tensor while the program runs, on every device, as a GPU refuses it for a CUDA tensor: a whole
+    exact step of every family on the CPU under that refusal."""
+    assert list(leaves(step_on("cpu", family, mode="exact")))
+
+
+def test_a_partial_that_lost_its_namespace_is_caught_on_the_cpu(one_process_group, monkeypatch):
+    """The bug an H100 found and every CPU test missed: a 16-bit gradient's partial retagged without its
+    namespace (numpy's), whose concatenation then read device tensors through numpy."""
+    from simcluster.numerics.flat import FlatBuffers
+    from simcluster.numerics.tensor import dtype_name
+
+    def retag_losing_the_namespace(self, p, dtype):
+        return Partial(p.limbs, dtype) if isinstance(p, Partial) else self.xp.astype(p, dtype_name(dtype))
+    monkeypatch.setattr(FlatBuffers, "retag", retag_losing_the_namespace)
+    with pytest.raises(TypeError, match="numpy read a cpu tensor"):
+        step_on("cpu", "gpt", mode="exact")
+
+
+@pytest.mark.parametrize("spec", ["bsh,bsk->hk", "bsf,bsh->fh", "bask,bakd->basd", "bask,basd->bakd",
+                                  "basd,bakd->bask", "tv,th->vh", "i,i->", "ij,jk->ik"])
+def test_an_einsum_is_one_batched_matrix_product(spec):
+    """`contract` (how a GPU writes a 16-bit einsum's fp32 partial sums: bmm's out_dtype) gives einsum's
+    values, byte for byte on small integers (every sum exact); on `meta`, the fp32 output of bf16 inputs
+    in einsum's shape."""
+    from gpu_backend.torch_ops import contract
+
+    inputs, _ = spec.split("->")
+    letters = sorted(set(inputs) - {","})
+    size = {c: 2 + i for i, c in enumerate(letters)}  # (every index its own length: a wrong permutation shows)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-4, 5, [size[c] for c in operand], generator=gen).float() for operand in inputs.split(","))
+    want = torch.einsum(spec, a, b)
+    got = contract(spec, a, b, torch.bmm)
+    assert got.shape == want.shape and torch.equal(got, want)
+    on_meta = contract(spec, a.to("meta", torch.bfloat16), b.to("meta", torch.bfloat16),
+                       lambda x, y: torch.bmm(x, y, out_dtype=torch.float32))
+    assert on_meta.dtype == torch.float32 and on_meta.shape == want.shape
+
+
+def test_an_einsum_summing_one_operand_alone_is_refused():
+    from gpu_backend.torch_ops import contract
+
+    with pytest.raises(ValueError, match="one operand alone"):
+        contract("ij,jk->k", torch.ones(2, 3), torch.ones(3, 4), torch.bmm)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -81,6 +81,6 @@ class FlatBuffers:
             return p if p.dtype == name else MetaTensor(p.shape, name, p.partial)  # (immutable: itself)
         if isinstance(p, Partial):
             if p.exact:
-                return Partial(p.limbs, dtype)
+                return Partial(p.limbs, dtype, p.xp)
             return Partial(p.finalize(dtype_name(dtype))[..., None], dtype, p.xp)
         return self.xp.astype(p, dtype_name(dtype))
