@@ -26,6 +26,18 @@ def test_sweeping_a_degree_keeps_the_cluster_unless_dp_is_given():
     assert overrides_for(base, "parallel.zero", "1", []) == ["parallel.zero=1"]
 
 
+def test_a_degree_sweep_shows_the_dp_that_follows(capsys):
+    """dp changes with tp (the cluster is kept): the table and the JSON say to what."""
+    assert main(["sweep", "--key", "parallel.tp", "--values", "1,2,4", "--json"] + META) == 0
+    assert [(p["value"], p["dp"]) for p in json.loads(capsys.readouterr().out)["points"]] == [
+        ("1", 8), ("2", 4), ("4", 2)]
+    assert main(["sweep", "--key", "parallel.tp", "--values", "2,4"] + META) == 0
+    rows = [line.split("│")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert [(tp.strip(), dp.strip()) for tp, dp in rows] == [("2", "4"), ("4", "2")]
+    assert main(["sweep", "--key", "parallel.zero", "--values", "0,1"] + META) == 0
+    assert "┃ dp" not in capsys.readouterr().out  # (dp stays what it was: no column)
+
+
 def test_a_value_the_layout_cannot_take_is_a_row_not_the_end(capsys, tmp_path):
     svg = tmp_path / "s.svg"
     assert main(["sweep", "--key", "parallel.tp", "--values", "1,8,2", "--svg", str(svg)] + META) == 0

@@ -28,6 +28,7 @@ class Point:
     verdict: str = ""
     refused: str = ""  # why this value could not run ("" when it ran)
     capacity_bytes: int = 0
+    dp: int = 0  # the point's data-parallel degree (it follows a swept tp, pp or cp)
 
 
 def overrides_for(base: Scenario, key: str, value: str, given: Sequence[str]) -> list[str]:
@@ -64,7 +65,7 @@ def sweep(name: str | None, key: str, values: Sequence[str], given: Sequence[str
             "within tolerance" if v.get("passed") else "MISMATCH"
         m = report["memory"]
         points.append(Point(value, report["step_time_ns"], m["peak_bytes"], m["fits"], verdict,
-                            capacity_bytes=m["capacity_bytes"]))
+                            capacity_bytes=m["capacity_bytes"], dp=sc.parallel.dp))
     return base, points
 
 

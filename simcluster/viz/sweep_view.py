@@ -7,11 +7,11 @@ from xml.sax.saxutils import escape as xml_escape
 from rich.markup import escape
 from rich.table import Table
 
-from simcluster.analysis.sweep import Point
+from simcluster.analysis.sweep import DEGREES, Point
 from simcluster.viz.report_view import format_bytes
 from simcluster.viz.timeline import format_ns
 
-BAR = 12  # columns of the longest bar
+BAR = 10  # columns of the longest bar (the table fits 80 columns with the dp column)
 
 
 def bar(value: float, top: float, width: int = BAR) -> str:
@@ -32,15 +32,17 @@ def table(key: str, points: list[Point], capacity: int | None = None) -> Table:
         [f"({n}) {key}={p.value}: {p.refused}" for n, p in enumerate(refused, 1)]
     t = Table(title=escape(f"sweep of {key}"), title_justify="left", caption=escape("\n".join(notes)) or None,
               caption_justify="left")
-    for col in (key.split(".", 1)[-1], "step time", "", "peak memory", "", "verdict"):
+    dp = key in DEGREES  # (dp follows the swept degree: its column says how)
+    for col in (key.split(".", 1)[-1],) + (("dp",) if dp else ()) + ("step time", "", "peak memory", "", "verdict"):
         t.add_column(col, justify="right" if col in ("step time", "peak memory") else "left",
-                     no_wrap=col in ("", "step time", "peak memory"))
+                     no_wrap=col != "verdict")
     for p in points:
+        first = (escape(p.value),) + ((str(p.dp) if p.dp else "",) if dp else ())
         if p.refused:
-            t.add_row(escape(p.value), "", "", "", "", f"refused ({refused.index(p) + 1})")
+            t.add_row(*first, "", "", "", "", f"refused ({refused.index(p) + 1})")
             continue
-        t.add_row(escape(p.value), format_ns(p.step_ns), bar(p.step_ns, top_t), format_bytes(p.peak_bytes),
-                  bar(p.peak_bytes, top_m), escape(p.verdict + ("" if p.fits else "; OUT OF MEMORY")),
+        t.add_row(*first, format_ns(p.step_ns), bar(p.step_ns, top_t), format_bytes(p.peak_bytes),
+                  bar(p.peak_bytes, top_m), escape(p.verdict if p.fits else "OUT OF MEMORY\n" + p.verdict),
                   style=None if p.fits else "red")
     return t
 
