@@ -217,6 +217,14 @@ def test_the_command_line_saves_and_resumes(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["checkpoint"]["resumed"] == {"from": str(Path(folder) / "step-00000001"), "step": 1}
     assert report["verification"]["bit_exact"] and report["steps"] == 1
+    # under another layout, named by its degrees alone: the one node is fitted to its 2 ranks
+    model = small[:8]
+    assert main(["run", *model, "--set", "run.steps=2", "--set", "parallel.tp=2", "--set", "parallel.dp=1",
+                 "--set", "parallel.zero=0", "--resume", folder, "--json"]) == 0
+    done = capsys.readouterr()
+    report = json.loads(done.out)
+    assert report["world_size"] == 2 and report["verification"]["bit_exact"] and report["steps"] == 1
+    assert "cluster.gpus_per_node = 2" in done.err
 
 
 def test_the_documented_reader_reads_a_checkpoint(tmp_path):

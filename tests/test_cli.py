@@ -64,7 +64,7 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["run", "--set", "paralel.tp=2"], "unknown key 'paralel.tp' (did you mean 'parallel.tp'?)"),
     (["run", "--set", "parallel.tp=two"], "parallel.tp must be int, got str 'two'"),
     (["run", "nope.toml"], "scenario file 'nope.toml' not found"),
-    (["run", "--set", "parallel.dp=4"], "= 4 ranks, but the cluster has"),
+    (["run", "--set", "parallel.dp=4", "--set", "cluster.nodes=2"], "= 4 ranks, but the cluster has"),
     (["run", "--set", "run.numerics=slow"], "run.numerics = 'slow' is not valid; valid: exact, fast, meta"),
     (["run", "--set", "run.program=mlp", "--set", "parallel.tp=3", "--set", "parallel.dp=1",
       "--set", "cluster.gpus_per_node=3", "--set", "model.ffn_hidden=256"], "tp=3 must divide ffn_hidden=256"),

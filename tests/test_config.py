@@ -160,3 +160,26 @@ def test_an_earlier_name_of_a_value_is_still_read():
     assert "'gpt', its earlier name, is read as transformer" in describe("run.program").replace("\n      ", " ")
     with pytest.raises(ScenarioError, match="run.program = 'gtp' is not valid; valid: transformer, mlp"):
         build({}, ["run.program=gtp"])
+
+
+def test_a_layout_set_on_the_command_line_is_fitted_to_the_cluster(tmp_path, capsys):
+    """--set of a parallel degree that leaves the cluster too big or too small: dp follows (as in a sweep)
+    unless dp was set; else a one-node cluster takes the layout's rank count (a resume under another
+    layout needs no cluster.gpus_per_node); a cluster size set beside it, or a file's own mismatch, is
+    still refused. Each fitting is a note."""
+    sc = build({}, ["parallel.tp=2"])  # the default: dp 8 on one node of 8
+    assert (sc.parallel.dp, sc.parallel.tp, sc.cluster.gpus_per_node) == (4, 2, 8)
+    assert sc.notes and "parallel.dp = 4" in sc.notes[0]
+    sc = build({}, ["parallel.dp=2", "parallel.zero=3"])
+    assert (sc.parallel.dp, sc.cluster.nodes, sc.cluster.gpus_per_node) == (2, 1, 2)
+    assert "cluster.gpus_per_node = 2" in sc.notes[0]
+    assert build({}, ["parallel.zero=1"]).notes == ()  # no degree set: nothing fitted
+    assert build({}, ["parallel.dp=8"]).notes == ()  # the cluster holds it already
+    with pytest.raises(ScenarioError, match="4 ranks, but the cluster has cluster.nodes=2"):
+        build({}, ["parallel.dp=4", "cluster.nodes=2"]).cluster_spec()
+    with pytest.raises(ScenarioError, match="4 ranks, but the cluster has cluster.nodes=2"):  # two nodes: not shrunk
+        build({"cluster": {"nodes": 2}}, ["parallel.dp=4"]).cluster_spec()
+    with pytest.raises(ScenarioError, match="= 2 ranks, but the cluster has"):  # the file's own: not fitted
+        build({"parallel": {"dp": 2}}).cluster_spec()
+    assert main(["run", "--set", "parallel.tp=2", "--set", "run.numerics=meta", "--summary"]) == 0
+    assert "note: parallel.dp = 4" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,11 +185,41 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
             put(k, v)
     for text in overrides:
         put(*parse_override(text))
+    fitted = _fit_layout(values, {parse_override(o)[0] for o in overrides})
     sections = {name: SECTIONS[name](**given) for name, given in values.items()}
-    base = Scenario(top["name"], top["description"], **sections, source=source, overrides=tuple(overrides))
+    base = Scenario(top["name"], top["description"], **sections, source=source, overrides=tuple(overrides),
+                    notes=fitted)
     if compare is None:
         return base
     return _with_variants(base, doc, compare, overrides, source)
+
+
+DEGREES = ("dp", "pp", "cp", "tp")
+
+
+def _fit_layout(values: dict[str, dict[str, Any]], given: set[str]) -> tuple[str, ...]:
+    """Where `--set` changes a parallel degree and the cluster no longer holds the layout (and sets no
+    cluster size itself), fit one to the other, as `sweep` does: dp follows, world / (pp x cp x tp), when
+    the command line leaves dp alone; else a one-node cluster takes the layout's rank count. A note each
+    (in `values`: the section's keys as given); otherwise nothing, and the mismatch is refused later."""
+    par, clu = values["parallel"], values["cluster"]
+    if not any(f"parallel.{d}" in given for d in DEGREES) or {"cluster.nodes", "cluster.gpus_per_node"} & given:
+        return ()
+    degrees = {d: par.get(d, SCHEMA["parallel"][d].default) for d in DEGREES}
+    nodes, per_node = (clu.get(k, SCHEMA["cluster"][k].default) for k in ("nodes", "gpus_per_node"))
+    gpus, world = nodes * per_node, math.prod(degrees.values())
+    rest = world // degrees["dp"]
+    if world == gpus:
+        return ()
+    if "parallel.dp" not in given and gpus % rest == 0:
+        par["dp"] = gpus // rest
+        return (f"parallel.dp = {gpus // rest}: data parallelism fills the cluster's {gpus} GPUs around "
+                f"pp x cp x tp = {rest} (set parallel.dp, or the cluster's size, to choose)",)
+    if nodes == 1 and clu.get("torus") is None:
+        clu["gpus_per_node"] = world
+        return (f"cluster.gpus_per_node = {world}: one node holds the layout's {world} ranks (set "
+                f"cluster.gpus_per_node or cluster.nodes to choose)",)
+    return ()
 
 
 def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides: Sequence[str], source: str) -> Scenario:
