@@ -63,3 +63,24 @@ def test_a_gap_between_measured_and_predicted_is_explained():
     said = " ".join(apart(sc, far))
     assert "1.62e+03x" in said and "dgx-a100" in said and "simcluster calibrate" in said and "shared" in said
     assert apart(sc, dict(near, step_time_s={"0": 0.1})) != []  # (10x faster is apart too)
+
+
+def test_a_cpu_run_says_whose_memory_the_prediction_fits():
+    """The predicted peak (and its 'fits') is the scenario's GPU's; a CPU run's measured peak is host memory:
+    the measured table says both, and a GPU run's says nothing of the kind."""
+    from rich.console import Console
+
+    from simcluster.viz.outcome_view import measured_table
+
+    section = {"backend": "gloo", "device": "cpu", "memory_measure": "the process's peak resident set (host memory)",
+               "step_time_s": {"0": 0.1}, "predicted_step_time_s": 0.1, "peak_memory_bytes": {"0": 2 << 20}}
+    report = {"torch": section, "memory": {"capacity_bytes": 80 << 30, "fits": True},
+              "cluster": {"device": "A100-SXM4-80GB"}, "memory_peak_bytes": {"0": {"total": 1 << 20}}}
+
+    def shown(rep):
+        console = Console(width=200, record=True)
+        console.print(measured_table(rep))
+        return " ".join(console.export_text().split())
+    assert "predicted: on the scenario's A100-SXM4-80GB (85.9 GB each: fits), not this host's memory" in shown(report)
+    gpu = dict(report, torch=dict(section, backend="nccl", device="cuda"))
+    assert "scenario's" not in shown(gpu)

@@ -97,9 +97,14 @@ def render(outcome: Outcome, console: Console, width: int = 100, summary: bool =
 def measured_table(report: dict[str, Any]) -> Table:
     """A torch.distributed run's figures per rank beside the emulator's prediction."""
     section = report["torch"]
+    caption = f"measured peak memory: {section['memory_measure']}"
+    if section["device"] == "cpu":  # (the prediction's memory, and its "fits", are the scenario's GPU's)
+        m = report["memory"]
+        caption += (f"; predicted: on the scenario's {report['cluster']['device']} "
+                    f"({format_bytes(m['capacity_bytes'])} each: {'fits' if m['fits'] else 'does NOT fit'}), "
+                    f"not this host's memory")
     t = Table(title=escape(f"measured: torch.distributed, {section['backend']} on {section['device']}"),
-              title_justify="left", caption=escape(f"measured peak memory: {section['memory_measure']}"),
-              caption_justify="left")
+              title_justify="left", caption=escape(caption), caption_justify="left")
     for col in ("rank", "step time", "predicted", "peak memory", "predicted"):
         t.add_column(col, justify="right")
     predicted = format_ns(section["predicted_step_time_s"] * 1e9)
