@@ -293,3 +293,25 @@ def test_the_plan_table_reads_at_80_columns_and_its_help_names_its_schedules(cap
         main(["plan", "--help"])
     helped = " ".join(capsys.readouterr().out.split())
     assert all(s.upper() in helped for s in BUBBLE)
+
+
+def test_the_top_rows_are_distinct_layouts_and_a_fixed_layout_shows_its_variants():
+    """The rows simulated are the best distinct layouts (degrees and schedule), each with its best-estimated
+    ZeRO stage, micro-batch and recomputation (megatron_3d's 8 best estimates are one layout's variants);
+    a search fixed to one layout simulates its variants instead."""
+    from simcluster.analysis.planner import distinct_first
+
+    sc = load("megatron_3d")
+    rows = search(sc, simulate=8).rows
+    labels = [r.layout.label() for r in rows]
+    assert len(labels) == 8 and len(set(labels)) == 8
+    ranked = sorted((e for e in map(lambda lay: estimate(sc, lay), layouts(sc)) if e is not None),
+                    key=lambda e: e.seconds)
+    assert len({e.layout.label() for e in ranked[:8]}) < 8  # (what the old selection simulated)
+    one = {"tp": (1,), "pp": (8,), "cp": (1,), "schedule": ("zb-h1",)}
+    fixed = search(sc, simulate=4, fixed=one).rows
+    assert len({r.layout.label() for r in fixed}) == 1 and len({(r.layout.zero, r.layout.micro_batch, r.layout.recompute)
+                                                                for r in fixed}) == 4
+    firsts = distinct_first(ranked, 3)
+    assert [e.layout.label() for e in firsts] == list(dict.fromkeys(e.layout.label() for e in ranked))[:3]
+    assert all(e is next(f for f in ranked if f.layout.label() == e.layout.label()) for e in firsts)

@@ -6,7 +6,8 @@ Two stages, as an engineer would search:
    recomputation that the plan's checks accept is estimated in closed form (estimate.py: memory per
    GPU and step time). Layouts whose estimate exceeds the device by more than `MARGIN` are dropped;
    the rest are ranked by estimated time.
-2. The best few are simulated (meta mode, folded; refused up front, with the budget's estimate, where
+2. The best few distinct layouts (each with its best-estimated ZeRO stage, micro-batch and
+   recomputation) are simulated (meta mode, folded; refused up front, with the budget's estimate, where
    they could not finish here) and reported by simulated step time, with MFU,
    peak memory and what bounds them; a simulated peak over the device is marked, as in `run`.
 The estimate only chooses what to simulate: every figure in the table is the simulator's.
@@ -147,7 +148,7 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
                      key=lambda e: (e.seconds, e.memory_bytes, e.layout.label(), e.layout.zero,
                                     e.layout.micro_batch, e.layout.recompute))
     stage1 = time.perf_counter() - start
-    chosen = fitting[:simulate]
+    chosen = distinct_first(fitting, simulate)
     scenarios = [e.layout.scenario(base) for e in chosen]
     _afford(scenarios, chosen, fold, jobs)
     announce = None if on_simulate is None else lambda i: on_simulate(i, len(chosen), chosen[i].layout)
@@ -155,6 +156,16 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     rows = [Row(e.layout, e, r) for e, r in zip(chosen, reports)]
     rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
     return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
+
+
+def distinct_first(ranked: list[Estimate], k: int) -> list[Estimate]:
+    """The `k` to simulate: the best-estimated variant (ZeRO stage, micro-batch, recomputation) of each
+    of the best distinct layouts (degrees and schedule), best first; where there are fewer than `k`
+    layouts, the next variants in order (a search fixed to one layout shows its variants)."""
+    seen: set[str] = set()
+    first = [e for e in ranked if e.layout.label() not in seen and not seen.add(e.layout.label())][:k]
+    taken = {id(e) for e in first}
+    return first + [e for e in ranked if id(e) not in taken][:k - len(first)]
 
 
 def _afford(scenarios: list[Scenario], chosen: list[Estimate], fold: bool, jobs: int) -> None:

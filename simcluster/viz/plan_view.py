@@ -17,12 +17,13 @@ def plan_table(search: Search, title: str) -> Table:
                     f"estimate; the {len(search.rows)} best simulated, one step each (its time without "
                     f"initialisation)", title_justify="left")
     t.box = box.SIMPLE_HEAD  # (no side borders: the layout keeps its line at 80 columns)
-    t.caption = "Z: ZeRO stage; mb: micro-batch; +sel, +full: recomputation; step: the first (one simulated)"
+    t.caption = ("each layout with its best-estimated ZeRO stage (Z), micro-batch (mb) and recomputation (+sel, "
+                 "+full); --fix its degrees to see its other variants; step: the first (one simulated)")
     t.caption_justify = "left"
     t.pad_edge, t.padding = False, (0, 1)
     for col in ("#", "layout", "step", "MFU", "peak", "bound by"):
         t.add_column(col, justify="left" if col in ("layout", "bound by") else "right",
-                     no_wrap=col not in ("bound by", "layout"), overflow="fold", min_width=8 if col == "bound by" else None)
+                     no_wrap=col != "bound by", overflow="fold", min_width=8 if col == "bound by" else None)
     for i, row in enumerate(search.rows, 1):
         r = row.report
         memory = format_bytes(r["memory"]["peak_bytes"]) + ("" if r["memory"]["fits"] else " OOM")
