@@ -369,3 +369,14 @@ def test_an_svgs_title_says_which_run_it_is(tmp_path, capsys):
     assert main(["sweep", "collectives", "--key", "parallel.tp", "--values", "1,2", "--set", "run.seed=3",
                  "--svg", str(path)]) == 0
     assert "sweep of parallel.tp: collectives --set run.seed=3" in path.read_text()
+
+
+@pytest.mark.parametrize("scenario", [None, "llama3_4d"])
+def test_the_figures_a_reader_needs_are_on_the_first_screen(scenario, capsys):
+    """The first table, the verdict and whether it fits come before the details (streams, collectives,
+    timeline): within the first 40 lines at 80 columns, for the default and for a 4D layout."""
+    assert main(["run", *([scenario] if scenario else []), "--width", "80"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = lambda words: next(i for i, line in enumerate(lines) if words in line)  # noqa: E731
+    assert first("step time") < first("verdict") < first("80 GiB (85.9 GB): fits") < 40
+    assert first("fits") < first("busy time per stream") < first("timeline")

@@ -209,8 +209,9 @@ class ReportView:
         if self.summary:
             parts = [self._summary(), self._verdict(), self._faults()]
         else:
-            parts = [self._summary(), self._busy(), self._comm(), self._memory(), self._verdict(), self._checkpoint(),
-                     self._faults(), self._goodput(), self._target()]
+            # (what a reader needs first, within a screen: the figures, the verdict, whether it fits; then why)
+            parts = [self._summary(), self._verdict(), self._memory(), self._faults(), self._busy(), self._comm(),
+                     self._checkpoint(), self._goodput(), self._target()]
         yield Group(*[p for p in parts if p is not None])
 
 
