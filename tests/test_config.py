@@ -174,6 +174,7 @@ def test_a_layout_set_on_the_command_line_is_fitted_to_the_cluster(tmp_path, cap
     assert (sc.parallel.dp, sc.cluster.nodes, sc.cluster.gpus_per_node) == (2, 1, 2)
     assert "cluster.gpus_per_node = 2" in sc.notes[0]
     assert build({}, ["parallel.zero=1"]).notes == ()  # no degree set: nothing fitted
+    assert build({}, ["parallel.tp=3"]).notes == ()  # 8 GPUs do not divide by 3: refused later, not grown
     assert build({}, ["parallel.dp=8"]).notes == ()  # the cluster holds it already
     with pytest.raises(ScenarioError, match="4 ranks, but the cluster has cluster.nodes=2"):
         build({}, ["parallel.dp=4", "cluster.nodes=2"]).cluster_spec()

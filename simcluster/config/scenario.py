@@ -200,7 +200,8 @@ DEGREES = ("dp", "pp", "cp", "tp")
 def _fit_layout(values: dict[str, dict[str, Any]], given: set[str]) -> tuple[str, ...]:
     """Where `--set` changes a parallel degree and the cluster no longer holds the layout (and sets no
     cluster size itself), fit one to the other, as `sweep` does: dp follows, world / (pp x cp x tp), when
-    the command line leaves dp alone; else a one-node cluster takes the layout's rank count. A note each
+    the command line leaves dp alone (and it divides); with dp set too, a one-node cluster takes the
+    layout's rank count. A note each
     (in `values`: the section's keys as given); otherwise nothing, and the mismatch is refused later."""
     par, clu = values["parallel"], values["cluster"]
     if not any(f"parallel.{d}" in given for d in DEGREES) or {"cluster.nodes", "cluster.gpus_per_node"} & given:
@@ -211,11 +212,13 @@ def _fit_layout(values: dict[str, dict[str, Any]], given: set[str]) -> tuple[str
     rest = world // degrees["dp"]
     if world == gpus:
         return ()
-    if "parallel.dp" not in given and gpus % rest == 0:
+    if "parallel.dp" not in given:
+        if gpus % rest:
+            return ()
         par["dp"] = gpus // rest
         return (f"parallel.dp = {gpus // rest}: data parallelism fills the cluster's {gpus} GPUs around "
                 f"pp x cp x tp = {rest} (set parallel.dp, or the cluster's size, to choose)",)
-    if nodes == 1 and clu.get("torus") is None:
+    if nodes == 1 and clu.get("torus") is None:  # (every degree given: the layout is the user's)
         clu["gpus_per_node"] = world
         return (f"cluster.gpus_per_node = {world}: one node holds the layout's {world} ranks (set "
                 f"cluster.gpus_per_node or cluster.nodes to choose)",)
