@@ -1,5 +1,6 @@
 """`simcluster run`: the default scenario, --json, --set, files, and one-line errors."""
 
+import html
 import json
 import re
 import os
@@ -350,7 +351,7 @@ def test_summary_is_the_first_table_and_the_verdict(capsys):
 @pytest.mark.parametrize("command", [["run", "--summary"], ["timeline", "collectives"]])
 def test_the_terminal_svgs_need_nothing_from_outside(command, tmp_path, capsys):
     """No web font to fetch (an offline renderer put the labels elsewhere): every reference is inside
-    the file, and each run of text is stretched, glyphs too, to the columns it stands for."""
+    the file, and each character of a run of text stands at its own column."""
     path = tmp_path / "out.svg"
     assert main([*command, "--svg", str(path)]) == 0
     svg = path.read_text()
@@ -358,6 +359,65 @@ def test_the_terminal_svgs_need_nothing_from_outside(command, tmp_path, capsys):
     assert all(ref.startswith("#") for ref in re.findall(r"url\(([^)]*)\)", svg))
     texts = re.findall(r"<text [^>]*>", svg)
     assert texts and all('lengthAdjust="spacingAndGlyphs"' in t for t in texts if "textLength" in t)
+    runs = re.findall(r"<text [^>]*>([^<]*)</text>", svg)  # (each character of a run at its own column)
+    assert all(re.search(r'x="[\d.]+ [\d.]+', t) for t, run in zip(texts, runs)
+               if len(html.unescape(run)) > 1 and "-title" not in t)
+
+
+def ink_spans(svg, line_words):
+    """The timeline's axis line rendered offline (cairosvg, the reader's own monospace font): for each
+    word on it, whether ink lies where its columns are, and none in the blanks between the words."""
+    import html
+    import io
+
+    try:  # (the test extra installs it; it draws through the system's cairo library)
+        import cairosvg
+        from PIL import Image
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"cairosvg cannot draw on this machine: {exc}")
+
+    axis = next(m for m in re.finditer(r'<text [^>]*?x="([\d. ]+)"[^>]*? y="([\d.]+)"[^>]*>([^<]*)</text>', svg)
+                if all(w in html.unescape(m.group(3)).split() for w in line_words))
+    xs, y, text = [float(v) for v in axis.group(1).split()], float(axis.group(2)), html.unescape(axis.group(3))
+    cell = 12.2  # (rich's: 20 px x 0.61)
+    at = xs if len(xs) == len(text) else [xs[0] + i * cell for i in range(len(text))]  # (a run's own start)
+    ox, oy = map(float, re.search(r'<g transform="translate\(([\d.]+), ([\d.]+)\)" clip-path', svg).groups())
+    image = Image.open(io.BytesIO(cairosvg.svg2png(bytestring=svg.encode()))).convert("L")
+    ink = set()
+    for dy in range(2, 12):  # (the glyphs' bodies, above the baseline)
+        row = [image.getpixel((x, int(oy + y - dy))) for x in range(image.width)]
+        background = max(set(row), key=row.count)
+        ink |= {x - ox for x, v in enumerate(row) if abs(v - background) > 60}
+    words, blanks, i = [], [], 0
+    for m in re.finditer(r"\S+", text):
+        words.append((at[m.start()], at[m.end() - 1] + cell))
+        if m.start() > i + 1:  # the blank before the word, less half a column each side
+            blanks.append((at[i] + cell / 2, at[m.start()] - cell / 2))
+        i = m.end()
+    inked = [any(a <= x < b for x in ink) for a, b in words]
+    clear = [not any(a <= x < b for x in ink) for a, b in blanks[1:]]  # (the indent before the first: the lane labels')
+    return inked, clear
+
+
+def test_an_svg_renders_offline_with_its_labels_in_their_columns(tmp_path):
+    """The timeline SVG drawn by cairosvg without a network: every label of the time axis has ink in its
+    own columns and none spills into the blanks between them. (Each run stretched to its width by
+    textLength alone put the last label 13 px, a column, left of its place, into the blank.)"""
+    from simcluster.cli import common
+
+    path = tmp_path / "t.svg"
+    assert main(["timeline", "--width", "80", "--svg", str(path)]) == 0
+    svg = path.read_text()
+    inked, clear = ink_spans(svg, ["ns"])
+    assert len(inked) == 6 and all(inked) and all(clear)
+    stretched = svg  # the same picture, each run placed by its start and stretched (the old drawing)
+    for m in re.finditer(r' x="([\d.]+(?: [\d.]+)+)"', svg):
+        first, *rest = m.group(1).split()
+        width = 12.2 * (len(rest) + 1)
+        stretched = stretched.replace(m.group(0), f' x="{first}" lengthAdjust="spacingAndGlyphs" textLength="{width:g}"', 1)
+    inked, clear = ink_spans(stretched, ["ns"])
+    assert not (all(inked) and all(clear))
+    assert common._RUN.pattern  # (the rewrite under test: cli/common.py)
 
 
 def test_an_svgs_title_says_which_run_it_is(tmp_path, capsys):

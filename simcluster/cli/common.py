@@ -4,10 +4,12 @@ outcome gives, the variant of a comparison that `timeline` and `export` draw, pi
 from __future__ import annotations
 
 import argparse
+import html
 import re
 from pathlib import Path
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 
@@ -115,11 +117,30 @@ def pick_variant(scenario: Any, wanted: str | None, err: Console) -> Any:
 def terminal_svg(console: Console, title: str) -> str:
     """What the console printed, as an SVG that needs nothing from outside: rich's picture without its
     web font (Fira Code from a CDN, which an offline renderer cannot fetch), in the reader's own
-    monospace font; every run of text is stretched to its columns' width (rich's textLength, with the
-    glyphs too), so columns line up whatever that font's width."""
+    monospace font; every character of a run of text at its own column (`_placed`), so columns line up
+    whatever that font's width, in a browser, rsvg-convert or cairosvg."""
     svg = re.sub(r"@font-face\s*\{[^}]*\}\s*", "", console.export_svg(title=title))
     svg = svg.replace("font-family: Fira Code, monospace;", "font-family: monospace;")
-    return svg.replace('textLength="', 'lengthAdjust="spacingAndGlyphs" textLength="')
+    return _RUN.sub(_placed, svg)
+
+
+# a run of text as rich writes it: its start, its width in the picture, its characters
+_RUN = re.compile(r'(<text [^>]*?)x="([\d.]+)"([^>]*?) textLength="([\d.]+)"([^>]*)>([^<]*)</text>')
+
+
+def _placed(m: re.Match[str]) -> str:
+    """A run of text with each character at its own column: x lists one position a character (SVG 1.1,
+    which every renderer reads), so no font's advance width can move a label (an offline renderer that
+    stretched the run by its textLength alone drew the timeline's last axis label 13 px, a column,
+    left of its place). A run whose characters are not one column each keeps its stretched width."""
+    head, x, middle, length, tail, text = m.groups()
+    plain = html.unescape(text)
+    chars = len(plain)
+    if chars <= 1 or cell_len(plain) != chars:
+        return f'{head}x="{x}"{middle} lengthAdjust="spacingAndGlyphs" textLength="{length}"{tail}>{text}</text>'
+    step = float(length) / chars  # (rich's: a character's cell)
+    xs = " ".join(f"{float(x) + i * step:g}" for i in range(chars))
+    return f'{head}x="{xs}"{middle}{tail}>{text}</text>'
 
 
 def svg_title(what: str, scenario: Any, args: argparse.Namespace) -> str:
