@@ -58,3 +58,27 @@ def test_the_memory_chart_measures_the_peak_against_the_device():
     assert dict(tight.rows())["total"] == "▅▅▅ " and tight.caption().endswith("(bars scaled to the capacity)")
     over = MemoryChart(trace, width=4, capacity=90)
     assert dict(over.rows())["total"] == "!!! " and "OUT OF MEMORY: 111 % of the device's" in over.caption()
+
+
+def test_every_letter_of_a_failed_runs_timeline_is_explained():
+    """The reproducer: a rank fails, its peers' all-gather never ends, and the lane reads "AGGG...". The
+    "A" is the first letter of the block's label AG, which the label line explains; every other letter
+    is a glyph the legend names."""
+    import re
+
+    from simcluster.config.scenario import load
+    from simcluster.run.runner import run_scenario
+    from simcluster.viz.timeline import GLYPHS, SHORT
+
+    outcome = run_scenario(load(None, ["faults.failed_rank=1", "faults.failed_at_us=50", "run.numerics=meta"]))
+    lines = Timeline(outcome.result.trace, width=80).plain().splitlines()
+    legend, labels = lines[-2], lines[-1]
+    lanes = [line[15:] for line in lines[:-3]]
+    named = {g for g, _ in GLYPHS.values() if f"{g} " in legend}
+    written = set(re.findall(r"(?:[FBWRO]\d+(?:\.\d+)?|" + "|".join(SHORT.values()) + ")", labels.split(":", 1)[1]))
+    for lane in lanes:
+        rest = lane
+        for label in sorted(written, key=len, reverse=True):
+            rest = rest.replace(label, "")
+        assert set(rest) - {"."} <= named, (lane, named, written)
+    assert any("AG" in lane for lane in lanes) and "AG all_gather" in labels
