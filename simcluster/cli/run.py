@@ -36,7 +36,7 @@ def add(sub: Any) -> None:
     run.add_argument("--backend", default="emulator", choices=("emulator", "torch"),
                      help="emulator (default), or torch: run the scenario's ranks as processes on torch.distributed "
                           "and report them beside the emulator's prediction (needs the torch extra)")
-    ck = run.add_argument_group("checkpoints (run.program = gpt, exact or fast mode; docs/checkpoint.md)")
+    ck = run.add_argument_group("checkpoints (run.program = transformer, exact or fast mode; docs/checkpoint.md)")
     ck.add_argument("--save-checkpoint", metavar="DIR", help="write a checkpoint to the folder DIR (made if missing): "
                     "each rank its own shards, then a manifest; sets run.save_checkpoint")
     ck.add_argument("--at-step", type=int, metavar="K", help="save after K steps (default: after the last); sets "
