@@ -162,8 +162,10 @@ def distinct_first(ranked: list[Estimate], k: int) -> list[Estimate]:
     """The `k` to simulate: the best-estimated variant (ZeRO stage, micro-batch, recomputation) of each
     of the best distinct layouts (degrees and schedule), best first; where there are fewer than `k`
     layouts, the next variants in order (a search fixed to one layout shows its variants)."""
-    seen: set[str] = set()
-    first = [e for e in ranked if e.layout.label() not in seen and not seen.add(e.layout.label())][:k]
+    best: dict[str, Estimate] = {}  # the first (best) of each layout, in rank order
+    for e in ranked:
+        best.setdefault(e.layout.label(), e)
+    first = list(best.values())[:k]
     taken = {id(e) for e in first}
     return first + [e for e in ranked if id(e) not in taken][:k - len(first)]
 

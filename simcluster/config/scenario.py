@@ -194,19 +194,19 @@ def build(doc: dict[str, Any], overrides: Sequence[str] = (), *, source: str = "
     return _with_variants(base, doc, compare, overrides, source)
 
 
-DEGREES = ("dp", "pp", "cp", "tp")
+_DEGREES = ("dp", "pp", "cp", "tp")
 
 
 def _fit_layout(values: dict[str, dict[str, Any]], given: set[str]) -> tuple[str, ...]:
     """Where `--set` changes a parallel degree and the cluster no longer holds the layout (and sets no
-    cluster size itself), fit one to the other, as `sweep` does: dp follows, world / (pp x cp x tp), when
-    the command line leaves dp alone (and it divides); with dp set too, a one-node cluster takes the
-    layout's rank count. A note each
-    (in `values`: the section's keys as given); otherwise nothing, and the mismatch is refused later."""
+    cluster size itself), fit one to the other in `values` (each section's keys as given), as `sweep`
+    does: dp follows, world / (pp x cp x tp), when the command line leaves dp alone (and it divides);
+    with dp set too, a one-node cluster takes the layout's rank count. The notes that say so; none where
+    nothing was fitted (a mismatch left is refused with the cluster's figures)."""
     par, clu = values["parallel"], values["cluster"]
-    if not any(f"parallel.{d}" in given for d in DEGREES) or {"cluster.nodes", "cluster.gpus_per_node"} & given:
+    if not any(f"parallel.{d}" in given for d in _DEGREES) or {"cluster.nodes", "cluster.gpus_per_node"} & given:
         return ()
-    degrees = {d: par.get(d, SCHEMA["parallel"][d].default) for d in DEGREES}
+    degrees = {d: par.get(d, SCHEMA["parallel"][d].default) for d in _DEGREES}
     nodes, per_node = (clu.get(k, SCHEMA["cluster"][k].default) for k in ("nodes", "gpus_per_node"))
     gpus, world = nodes * per_node, math.prod(degrees.values())
     rest = world // degrees["dp"]
@@ -218,7 +218,7 @@ def _fit_layout(values: dict[str, dict[str, Any]], given: set[str]) -> tuple[str
         par["dp"] = gpus // rest
         return (f"parallel.dp = {gpus // rest}: data parallelism fills the cluster's {gpus} GPUs around "
                 f"pp x cp x tp = {rest} (set parallel.dp, or the cluster's size, to choose)",)
-    if nodes == 1 and clu.get("torus") is None:  # (every degree given: the layout is the user's)
+    if nodes == 1 and clu.get("torus") is None:  # (dp given too: the layout is the user's)
         clu["gpus_per_node"] = world
         return (f"cluster.gpus_per_node = {world}: one node holds the layout's {world} ranks (set "
                 f"cluster.gpus_per_node or cluster.nodes to choose)",)
