@@ -125,7 +125,7 @@ def bottleneck(report: dict[str, Any]) -> str:
     stream, ns = max(comm.items(), key=lambda kv: (kv[1], kv[0]), default=("", 0))
     if ns > 0.5 * report["compute_idle_fraction"] * total:
         return f"{stream} {100 * ns / total:.0f} %"
-    return "pipeline bubble" if report["mesh"]["pp"] > 1 else "waits"
+    return "pp bubble" if report["mesh"]["pp"] > 1 else "waits"
 
 
 def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, Layout], None] | None = None,
