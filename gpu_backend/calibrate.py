@@ -13,7 +13,7 @@ else the CPU):
 - the time of the smallest kernel (a one-element add: launch and dispatch overhead);
 - on a CPU, every other kernel of a training step as the program calls it: a real step of a small GPT
   and of a small Llama on the kernel set, each call timed (step_profile.py) and its time put on the
-  kernels it records, so each gets the rate it reaches in a step (GELU's backward, the norms, the fused
+  kernels it records (the median of five such profiles), so each gets the rate it reaches in a step (GELU's backward, the norms, the fused
   attention: 0.3 to 16 GB/s on this CPU against the mix's 4), not the mix's average; GEMMs and the
   kernels over weight-sized tensors keep the figures measured for them apart (on a GPU, where a call
   returns before its kernel runs, those kernels keep the elementwise bandwidth: `stepped`);

@@ -12,6 +12,7 @@ charges it over its time, less a launch each. The emulator then times a kernel o
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -113,19 +114,28 @@ def timed_steps(device: torch.device, dtype: str, ranks: int) -> TimedKernels:
     return timed
 
 
-def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int) -> list[Any]:
+REPEATS = 5  # step profiles a calibration takes; each kernel's rate is the median of its rates in them
+
+
+def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int,
+               repeats: int = REPEATS) -> list[Any]:
     """(In each rank's process.) The rate of every kernel a training step calls, timed as the program calls
     it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`): the bytes the cost model charges
-    each over its time less a launch each, by kernel name and run dtype. GEMMs and the kernels over
-    weight-sized tensors are left to the figures measured for them (`APART`)."""
+    each over its time less a launch each, by kernel name and run dtype; the median over `repeats` profiles
+    (one profile's rates moved 0.25x to 6x between two calibrations a minute apart on this shared machine:
+    a call preempted once is a kernel's time several times over). GEMMs and the kernels over weight-sized
+    tensors are left to the figures measured for them (`APART`)."""
     out = []
     for dtype in dtypes:
-        timed = timed_steps(device, dtype, ranks)
-        for name in sorted(timed.seconds):
-            t, nbytes = timed.seconds[name], timed.nbytes[name]
-            if name in APART or nbytes <= 0:
-                continue
-            out.append(_profile.Kernel(name, dtype, nbytes / max(t - timed.calls[name] * overhead_s, t / 2) / 1e9))
+        rates: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            timed = timed_steps(device, dtype, ranks)
+            for name in sorted(timed.seconds):
+                t, nbytes = timed.seconds[name], timed.nbytes[name]
+                if name in APART or nbytes <= 0:
+                    continue
+                rates.setdefault(name, []).append(nbytes / max(t - timed.calls[name] * overhead_s, t / 2) / 1e9)
+        out += [_profile.Kernel(name, dtype, statistics.median(rates[name])) for name in sorted(rates)]
     return out
 
 
