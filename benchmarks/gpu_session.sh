@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 35's GPU checks in one call of the device tool (not a test; about 4 minutes on one H100).
+#
+# The device machine has torch, numpy, rich, ml_dtypes, hypothesis and pytest, but not simpy or shtab:
+# carry them as wheels. Once, here, in the repository's root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl simpy==4.1.2 shtab==1.13.0
+# then call the device tool with carry [".whl"] and the command `bash benchmarks/gpu_session.sh`.
+# Everything it measures is written under $OUT (logs and the calibrated profile), which comes back.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+(nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)") 2>&1 | tee "$OUT/env.log"
+# exact and fast mode on NCCL against the emulator (one rank a GPU, at most 2)
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+# a calibrated profile of this GPU (all-reduce over the GPUs where there are several)
+timeout 150 python3 -m simcluster.cli calibrate -o "$OUT/profile.toml" --nproc "$GPUS" > "$OUT/calibrate.log" 2>&1
+tail -3 "$OUT/calibrate.log"
+# the ~1.2B GPT: plain PyTorch, the torch backend, and the emulator's predictions
+timeout 200 python3 benchmarks/gpu_step.py --profile "$OUT/profile.toml" 2>&1 | tee "$OUT/step.log"
+# where the backend's step spends its time
+timeout 100 python3 benchmarks/gpu_profile.py > "$OUT/profile.log" 2>&1; head -32 "$OUT/profile.log"
