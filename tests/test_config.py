@@ -182,5 +182,9 @@ def test_a_layout_set_on_the_command_line_is_fitted_to_the_cluster(tmp_path, cap
         build({"cluster": {"nodes": 2}}, ["parallel.dp=4"]).cluster_spec()
     with pytest.raises(ScenarioError, match="= 2 ranks, but the cluster has"):  # the file's own: not fitted
         build({"parallel": {"dp": 2}}).cluster_spec()
+    from simcluster.config.scenario import load
+    narrowed = load("megatron_3d", ["parallel.tp=4", "parallel.schedule=1f1b"])  # a [compare] narrowed too: both said
+    assert narrowed.parallel.dp == 1 and [n.split(":")[0] for n in narrowed.notes] == [
+        "parallel.dp = 1", '--set parallel.schedule="1f1b"']
     assert main(["run", "--set", "parallel.tp=2", "--set", "run.numerics=meta", "--summary"]) == 0
     assert "note: parallel.dp = 4" in capsys.readouterr().err

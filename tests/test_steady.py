@@ -156,3 +156,18 @@ def test_the_steady_step_does_not_depend_on_the_steps_run(layout):
     for n, r in runs.items():
         assert (r["init_ns"], r["first_step_ns"]) == (one["init_ns"], one["first_step_ns"])
         assert r["init_ns"] + r["first_step_ns"] + (n - 1) * (r["steady_step_ns"] or 0) == r["total_time_ns"]
+
+
+@pytest.mark.parametrize("layout", [0, 5, 6, 7, 9])
+def test_the_steps_marks_read_off_the_streams_are_the_events_own(layout):
+    """The replay reads where the steps begin and end off its streams (engine/steps.py); a trace without
+    the replay's sums (one a watchdog drew) reads them off its events (Totals.of). The same marks."""
+    from simcluster.engine.totals import Totals
+
+    trace = runner.run_scenario(build({}, [*LAYOUTS[layout], "run.steps=3", "run.numerics=meta"]), fold=False).result.trace
+    replayed = Totals.of(trace)
+    del trace.__dict__["totals"]
+    walked = Totals.of(trace)
+    marks = lambda t: (t.first_pass, t.first_step_end, t.last_step_end)  # noqa: E731
+    assert marks(replayed) == marks(walked) and None not in marks(walked)
+    assert walked.first_pass < walked.first_step_end < walked.last_step_end

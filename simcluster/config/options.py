@@ -130,8 +130,8 @@ def say_error(err: Console, text: str) -> None:
 
 
 def say_warnings(err: Console, scenario: Any) -> None:
-    """A 'note:' line for what the command line did to the [compare] table; a yellow 'warning:' line for
-    each setting that does nothing in the scenario's layout."""
+    """A 'note:' line for what the command line did (to the [compare] table, to fit a layout); a yellow
+    'warning:' line for each setting that does nothing in the scenario's layout."""
     for line in scenario.notes:
         err.print("[bold]note:[/] " + escape(line), markup=True, soft_wrap=True, highlight=False)
     for line in scenario.warnings():

@@ -39,7 +39,7 @@ class Scenario:
     source: str = "built-in default"
     overrides: tuple[str, ...] = field(default=())
     variants: tuple[tuple[str, "Scenario"], ...] = field(default=())  # from [compare]: (label, scenario)
-    notes: tuple[str, ...] = field(default=())  # what the command line did to the [compare] table
+    notes: tuple[str, ...] = field(default=())  # what the command line did: to the [compare] table, to fit a layout
 
     @property
     def world_size(self) -> int:
@@ -240,8 +240,8 @@ def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides:
     kept = [i for i in range(count) if all(compare[k][i] == given[k] for k in varied)]
     asked = ", ".join(f"{k}={toml_value(given[k])}" for k in varied)
     if not kept:
-        return replace(base, notes=(f"--set {asked}: [compare] runs none with that value; running the scenario once "
-                                    f"with it, without its comparison",))
+        return replace(base, notes=base.notes + (f"--set {asked}: [compare] runs none with that value; running the "
+                                                 f"scenario once with it, without its comparison",))
     variants = []
     notes = (f"--set {asked}: the comparison narrowed to the {len(kept)} of its {count} variants with that value"
              if len(kept) > 1 else f"--set {asked}: running the one variant of [compare] with that value",)
@@ -251,8 +251,8 @@ def _with_variants(base: Scenario, doc: dict[str, Any], compare: Any, overrides:
         texts = [f"{k}={toml_value(v)}" for k, v in picks.items()] + list(overrides)
         variants.append((label, build(dict(doc), texts, source=source)))
     if varied and len(variants) == 1:  # (one left: the scenario is that run, with its whole report)
-        return replace(variants[0][1], notes=notes)
-    return replace(base, variants=tuple(variants), notes=notes if varied else ())
+        return replace(variants[0][1], notes=base.notes + notes)
+    return replace(base, variants=tuple(variants), notes=base.notes + (notes if varied else ()))
 
 
 def toml_value(value: Any) -> str:
