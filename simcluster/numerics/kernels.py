@@ -62,6 +62,11 @@ def silu(num: Num, x: np.ndarray) -> np.ndarray:
     return x / (_c(num, x, 1.0) + num.exp(-x))
 
 
+def sigmoid(num: Num, x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), with our layout-independent exp (DeepSeek-V3's router scores)."""
+    return _c(num, x, 1.0) / (_c(num, x, 1.0) + num.exp(-x))
+
+
 def silu_backward(num: Num, dy: np.ndarray, x: np.ndarray) -> np.ndarray:
     """dy sigmoid(x) (1 + x (1 - sigmoid(x)))."""
     sig = _c(num, x, 1.0) / (_c(num, x, 1.0) + num.exp(-x))

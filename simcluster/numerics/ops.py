@@ -217,6 +217,10 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         self._cost("silu", tuple(x.shape), 8, 2)
         return self._meta_like(x) if self.mode is Mode.META else self._kernels.silu(self._num, x)
 
+    def sigmoid(self, x: Any) -> Any:
+        self._cost("sigmoid", tuple(x.shape), 6, 2)
+        return self._meta_like(x) if self.mode is Mode.META else self._kernels.sigmoid(self._num, x)
+
     def silu_backward(self, dy: Any, x: Any) -> Any:
         self._cost("silu_backward", tuple(x.shape), 12, 3)
         return self._meta_like(x) if self.mode is Mode.META else self._kernels.silu_backward(self._num, dy, x)

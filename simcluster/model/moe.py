@@ -1,0 +1,305 @@
+"""A mixture-of-experts FFN on one device: router, dispatch, experts, combine, auxiliary loss.
+
+The layer replaces a block's MLP (issue 39's first part; expert parallelism builds on it). For tokens
+x (b, s, h):
+
+- router: logits = x W_r (h -> E experts), probabilities p = softmax(logits) over the experts (the
+  sum exact, as every softmax here);
+- top-k: each token's k experts are those of the k largest probabilities. **Ties** (equal rounded
+  probabilities) go to the lower expert index, so routing is a function of the exact numbers (every
+  layout computes the same probabilities bit for bit, so routes every token alike). The gates are the
+  chosen probabilities (Switch, GShard), or with `normalize` those divided by their sum (Mixtral,
+  Qwen, DeepSeek's norm_topk_prob);
+- capacity (`capacity_factor` > 0, GShard/Switch token dropping): each expert takes at most
+  C = ceil(capacity_factor * s * k / E) of a sequence's tokens, first choices before second ones and
+  earlier tokens first; the rest are dropped (their slot contributes zero). 0: dropless (Megatron-Core's
+  default, every routed token computed);
+- dispatch: the routed tokens' rows, grouped by expert (in expert, token, choice order), through each
+  expert's FFN h -> F -> h with GELU, no biases (Megatron-Core's experts), each expert a GEMM sized by
+  the tokens it received, so imbalance is timed as it falls;
+- combine: y_t = sum_j g_tj * expert_j(x_t), the sum over a token's k slots exact (a partial rounded
+  once), so its order -- which rank computed which expert -- never changes a bit;
+- auxiliary load-balancing loss, per sequence (Switch's form over each sequence's tokens, as
+  DeepSeek-V3's complementary sequence-wise loss): L = alpha * E * sum_e f_e P_e with f_e the share of
+  the sequence's k*s choices that went to e (before dropping: a count, no gradient) and P_e the mean
+  router probability of e. Per sequence, so data parallelism (which splits sequences) leaves it whole.
+
+Every sum a parallel layout might split (a weight gradient over tokens, a combine over slots) is an
+exact partial in exact mode. Routing needs the probabilities on the host (Megatron-Core reads the
+token counts back too, to size its grouped GEMM). Meta mode has no numbers to route by: it is routed
+as stated (`stated`: uniform, or skewed by a parameter) and records the same kernels, each expert's
+GEMMs sized by the tokens the statement gives it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from simcluster.numerics.ops import Mode, Ops
+from simcluster.numerics.tensor import MetaTensor
+
+
+@dataclass(frozen=True)
+class MoE:
+    experts: int
+    top_k: int
+    ffn_hidden: int
+    aux_coeff: float = 0.0  # alpha of the load-balancing loss (Switch: 1e-2; DeepSeek-V3's sequence-wise: 1e-4)
+    capacity_factor: float = 0.0  # 0: dropless
+    normalize: bool = False  # gates divided by their sum over the token's k choices
+    activation: str = "gelu"  # the experts' FFN: "gelu" (GPT) or "swiglu" (Llama, Mixtral, DeepSeek)
+    scores: str = "softmax"  # the router's: "softmax" over the experts, or "sigmoid" each (DeepSeek-V3)
+    route_scale: float = 1.0  # the gates' factor (DeepSeek-V3: 2.5)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ("gelu", "swiglu") or self.scores not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe activation must be gelu or swiglu (got {self.activation!r}), its scores "
+                             f"softmax or sigmoid (got {self.scores!r})")
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"a mixture of experts needs 1 <= top_k <= experts, got top_k {self.top_k} of "
+                             f"{self.experts} experts")
+        if self.ffn_hidden < 1 or self.aux_coeff < 0 or self.capacity_factor < 0:
+            raise ValueError("moe ffn_hidden must be positive; aux_coeff and capacity_factor not negative")
+
+    def capacity(self, seq: int) -> int | None:
+        """Tokens of one sequence an expert takes (None: dropless)."""
+        if not self.capacity_factor:
+            return None
+        return max(1, math.ceil(self.capacity_factor * seq * self.top_k / self.experts))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token's choices went: host integers, the same on every layout for the same numbers
+    (a stated routing, meta mode's, has only the counts: its index arrays are shapes)."""
+    choice: Any  # (T, k) expert of each token's j-th choice
+    pos: Any  # (T, k) its row in the dispatched rows, -1 where dropped
+    token_of_row: Any  # (R,) the token each dispatched row is
+    slot_of_row: Any  # (R,) t * k + j
+    bounds: tuple[int, ...]  # E + 1: expert e's rows are [bounds[e], bounds[e + 1])
+    chosen: np.ndarray  # (b, E) choices per sequence and expert, before dropping
+
+
+def stated(batch: int, seq: int, moe: MoE, skew: float = 0.0) -> Routing:
+    """Meta mode's routing, which has no numbers to route by: each sequence's k * s choices shared out in
+    proportion to (e + 1) ** -skew (0: uniform; 1: Zipf's law, expert 0 the busiest), in whole tokens by
+    largest remainders (ties to the lower expert), then each expert's capacity applied per sequence."""
+    if skew < 0:
+        raise ValueError(f"moe routing skew must not be negative, got {skew!r}")
+    weights = np.arange(1, moe.experts + 1, dtype=np.float64) ** -skew
+    exact = seq * moe.top_k * weights / weights.sum()
+    counts = np.floor(exact).astype(np.int64)
+    short = seq * moe.top_k - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    counts = np.minimum(counts, seq)  # (a token chooses an expert once: at most s of a sequence's choices)
+    cap = moe.capacity(seq)
+    kept = counts if cap is None else np.minimum(counts, cap)
+    per_expert = kept * batch
+    bounds = tuple(int(v) for v in np.concatenate([[0], np.cumsum(per_expert)]))
+    t_count, rows = batch * seq, int(per_expert.sum())
+    return Routing(MetaTensor((t_count, moe.top_k)), MetaTensor((t_count, moe.top_k)), MetaTensor((rows,)),
+                   MetaTensor((rows,)), bounds, np.tile(counts, (batch, 1)))
+
+
+def top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest along the last axis, largest first; equal values: the lower index first."""
+    order = np.argsort(-np.asarray(probs, dtype=np.float64), axis=-1, kind="stable")
+    return order[..., :k]
+
+
+def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
+    """The dispatch of tokens (b * s of them, sequence-major) whose choices are `choice` (T, k)."""
+    t_count, k = choice.shape
+    e_count = moe.experts
+    keep = np.ones((t_count, k), dtype=bool)
+    cap = moe.capacity(seq)
+    if cap is not None:  # per sequence: first choices first, then earlier tokens
+        for b in range(batch):
+            block = choice[b * seq:(b + 1) * seq]
+            taken = np.zeros(e_count, dtype=np.int64)
+            for j in range(k):
+                for t in range(seq):
+                    e = block[t, j]
+                    if taken[e] < cap:
+                        taken[e] += 1
+                    else:
+                        keep[b * seq + t, j] = False
+    tokens, slots = np.nonzero(keep)  # (token, choice) in token-major order
+    experts = choice[tokens, slots]
+    order = np.lexsort((slots, tokens, experts))  # by expert, then token, then choice
+    tokens, slots, experts = tokens[order], slots[order], experts[order]
+    pos = np.full((t_count, k), -1, dtype=np.int64)
+    pos[tokens, slots] = np.arange(len(tokens))
+    counts = np.bincount(experts, minlength=e_count)
+    bounds = tuple(int(v) for v in np.concatenate([[0], np.cumsum(counts)]))
+    chosen = np.stack([np.bincount(choice[b * seq:(b + 1) * seq].ravel(), minlength=e_count) for b in range(batch)])
+    return Routing(choice, pos, tokens.astype(np.int64), (tokens * k + slots).astype(np.int64), bounds, chosen)
+
+
+def init_moe(ops: Ops, moe: MoE, hidden: int, seed: int, prefix: str, dtype: str) -> dict[str, Any]:
+    """The layer's weights: the router (h, E), and the experts' stacked (E, h, F) (SwiGLU's gate, and its up
+    projection w_up) and (E, F, h), uniform in
+    +-1/sqrt(fan_in) from the counter-based generator (a function of the seed and the name)."""
+    shapes = {"router": (hidden, moe.experts), "experts.w_fc": (moe.experts, hidden, moe.ffn_hidden),
+              "experts.w_out": (moe.experts, moe.ffn_hidden, hidden)}
+    if moe.activation == "swiglu":
+        shapes["experts.w_up"] = (moe.experts, hidden, moe.ffn_hidden)
+    out = {}
+    for name, shape in shapes.items():
+        bound = 1.0 / math.sqrt(shape[-2])
+        out[prefix + name] = ops.cast(ops.uniform(seed, prefix + name, shape, low=-bound, high=bound), dtype)
+    return out
+
+
+class MoELayer:
+    """Forward and backward of the layer through `ops` (exact or fast mode). A `router.bias` among the
+    weights (DeepSeek-V3's auxiliary-loss-free balancing: a buffer the training loop moves, no gradient)
+    is added to the scores for choosing the experts only."""
+
+    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0) -> None:
+        self.ops, self.moe, self.pre, self.skew = ops, moe, prefix, skew
+        self.meta = ops.mode is Mode.META  # (routed as `stated` says, with `skew`: there are no numbers)
+
+    def _view(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return MetaTensor(shape, x.dtype) if self.meta else x.reshape(shape)
+
+    def _rows(self, x: Any, lo: int, hi: int) -> Any:
+        return MetaTensor((hi - lo,) + tuple(x.shape[1:]), x.dtype) if self.meta else x[lo:hi]
+
+    def _middle(self, x: Any) -> Any:
+        """(T, n) -> (T, 1, n)."""
+        return MetaTensor((x.shape[0], 1, x.shape[1]), x.dtype) if self.meta else x[:, None, :]
+
+    def forward(self, p: dict[str, Any], x: Any, aux_scale: float = 1.0) -> tuple[Any, Any, dict[str, Any]]:
+        """(y (b, s, h), the auxiliary loss summed over the sequences times `aux_scale`, the cache)."""
+        ops, moe, pre = self.ops, self.moe, self.pre
+        b, s, h = x.shape
+        xf = self._view(x, (b * s, h))
+        logits = ops.matmul(xf, p[pre + "router"])  # (T, E)
+        scores = ops.softmax(logits) if moe.scores == "softmax" else ops.sigmoid(logits)
+        bias = p.get(pre + "router.bias")
+        select = scores if bias is None else ops.add(scores, bias)
+        ops.kernel("topk", flops=float(b * s * moe.experts * moe.top_k), nbytes=float(b * s * moe.experts * 4))
+        if self.meta:
+            r = stated(b, s, moe, self.skew)
+        else:
+            r = route(top_k(ops.xp.to_host(select), moe.top_k), b, s, moe)
+        one_hot = ops.one_hot(r.choice, moe.experts, scores)  # (T, k, E): a token's choices are distinct
+        picked = ops.finalize(ops.sum(ops.mul(one_hot, self._middle(scores)), -1, partial=True))  # (T, k): one term each
+        gates, total = picked, None
+        if moe.normalize:
+            total = ops.finalize(ops.sum(picked, -1, partial=True))
+            gates = ops.div(picked, ops.expand_last(total))
+        unscaled = gates
+        if moe.route_scale != 1.0:
+            gates = ops.scale(gates, moe.route_scale)
+        rows = ops.embedding(r.token_of_row, xf)  # (R, h)
+        acts, out = [], []
+        for e in range(moe.experts):
+            act, o = self._expert(p, e, self._rows(rows, r.bounds[e], r.bounds[e + 1]))
+            acts.append(act)
+            out.append(o)
+        slots = ops.embedding(r.pos, ops.concat(out, 0))  # (T, k, h): zero where dropped
+        y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
+        aux, aux_grad, balance = self._aux(scores, r, b, s, aux_scale)
+        cache = {"x": xf, "scores": scores, "routing": r, "one_hot": one_hot, "total": total, "unscaled": unscaled,
+                 "gates": gates, "rows": rows, "acts": acts, "slots": slots, "aux_grad": aux_grad,
+                 "balance": balance}
+        return self._view(y, (b, s, h)), aux, cache
+
+    def _expert(self, p: dict[str, Any], e: int, x: Any) -> tuple[dict[str, Any], Any]:
+        ops, pre = self.ops, self.pre
+        f = ops.matmul(x, self._expert_weight(p, "experts.w_fc", e))
+        if self.moe.activation == "gelu":
+            g = ops.gelu(f)
+            return {"f": f, "g": g}, ops.matmul(g, self._expert_weight(p, "experts.w_out", e))
+        up = ops.matmul(x, self._expert_weight(p, "experts.w_up", e))
+        g = ops.mul(ops.silu(f), up)
+        return {"f": f, "up": up, "g": g}, ops.matmul(g, self._expert_weight(p, "experts.w_out", e))
+
+    def _expert_weight(self, p: dict[str, Any], name: str, e: int) -> Any:
+        w = p[self.pre + name]
+        return MetaTensor(tuple(w.shape[1:]), w.dtype) if self.meta else w[e]
+
+    def _expert_backward(self, p: dict[str, Any], e: int, x: Any, act: dict[str, Any], dout: Any,
+                         grads: dict[str, list[Any]]) -> Any:
+        ops, pre = self.ops, self.pre
+        grads["experts.w_out"].append(ops.einsum("rf,rh->fh", act["g"], dout, partial=True))
+        dg = ops.matmul(dout, ops.transpose(self._expert_weight(p, "experts.w_out", e)))
+        if self.moe.activation == "gelu":
+            df = ops.gelu_backward(dg, act["f"])
+            grads["experts.w_fc"].append(ops.einsum("rh,rf->hf", x, df, partial=True))
+            return ops.matmul(df, ops.transpose(self._expert_weight(p, "experts.w_fc", e)))
+        d_up = ops.mul(dg, ops.silu(act["f"]))
+        df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
+        grads["experts.w_fc"].append(ops.einsum("rh,rf->hf", x, df, partial=True))
+        grads["experts.w_up"].append(ops.einsum("rh,rf->hf", x, d_up, partial=True))
+        return ops.add(ops.matmul(df, ops.transpose(self._expert_weight(p, "experts.w_fc", e))),
+                       ops.matmul(d_up, ops.transpose(self._expert_weight(p, "experts.w_up", e))))
+
+    def _aux(self, scores: Any, r: Routing, b: int, s: int, scale: float) -> tuple[Any, Any, Any]:
+        """The sequences' balance loss, its gradient in the balance scores (T, E), and those scores (the
+        probabilities; sigmoid scores divided by their sum over the experts, as DeepSeek-V3's), or Nones."""
+        ops, moe = self.ops, self.moe
+        if not moe.aux_coeff:
+            return None, None, None
+        balance = scores
+        if moe.scores == "sigmoid":
+            balance = ops.div(scores, ops.expand_last(ops.finalize(ops.sum(scores, -1, partial=True))))
+        # dL/dp_te = alpha * E * f_e / s for the tokens of each sequence (f_e = its choices of e / (k s))
+        coef = scale * moe.aux_coeff * moe.experts * r.chosen / (moe.top_k * s * s)  # (b, E), float64 on the host
+        xp = ops.xp
+        if self.meta:
+            grad, wide = MetaTensor(tuple(scores.shape), scores.dtype), "fp32"
+        else:
+            grad = xp.asarray(np.repeat(coef, s, axis=0), dtype=scores.dtype)  # (T, E), rounded once to the scores'
+            wide = "fp64" if xp.name(scores.dtype) == "fp64" else "fp32"  # (a loss is kept in fp32 at least)
+        loss = ops.finalize(ops.sum(ops.mul(balance, grad), None, partial=True), wide)
+        return loss, grad, balance
+
+    def backward(self, p: dict[str, Any], dy: Any, c: dict[str, Any], grads: dict[str, Any]) -> Any:
+        """dx (b, s, h); the weights' gradients go to `grads`: the router's a partial, each expert
+        weight's a list of partials, one an expert."""
+        ops, moe, pre = self.ops, self.moe, self.pre
+        b, s, h = dy.shape
+        r: Routing = c["routing"]
+        dyf = self._middle(self._view(dy, (b * s, h)))  # (T, 1, h)
+        d_slots = ops.mul(dyf, ops.expand_last(c["gates"]))  # (T, k, h)
+        d_gates = ops.finalize(ops.sum(ops.mul(dyf, c["slots"]), -1, partial=True))  # (T, k)
+        d_out = ops.embedding(r.slot_of_row, self._view(d_slots, (b * s * moe.top_k, h)))  # (R, h)
+        expert_grads: dict[str, list[Any]] = {"experts.w_fc": [], "experts.w_out": [], "experts.w_up": []}
+        dx_rows = [self._expert_backward(p, e, self._rows(c["rows"], r.bounds[e], r.bounds[e + 1]), c["acts"][e],
+                                         self._rows(d_out, r.bounds[e], r.bounds[e + 1]), expert_grads)
+                   for e in range(moe.experts)]
+        for name, partials in expert_grads.items():
+            if partials:
+                grads[pre + name] = partials
+        dx = ops.finalize(ops.sum(ops.embedding(r.pos, ops.concat(dx_rows, 0)), 1, partial=True))
+        if moe.route_scale != 1.0:
+            d_gates = ops.scale(d_gates, moe.route_scale)
+        d_picked = d_gates
+        if moe.normalize:  # g = q / sum(q): dq_j = (dg_j - sum_i g_i dg_i) / sum(q)
+            dot = ops.finalize(ops.sum(ops.mul(c["unscaled"], d_gates), -1, partial=True))
+            d_picked = ops.div(ops.sub(d_gates, ops.expand_last(dot)), ops.expand_last(c["total"]))
+        d_scores = ops.finalize(ops.sum(ops.mul(c["one_hot"], ops.expand_last(d_picked)), 1, partial=True))
+        scores = c["scores"]
+        if c["aux_grad"] is not None:
+            d_balance = c["aux_grad"]
+            if moe.scores == "sigmoid":  # s' = s / sum(s): ds_i = (g_i - sum_e g_e s'_e) / sum(s)
+                dot = ops.finalize(ops.sum(ops.mul(c["balance"], d_balance), -1, partial=True))
+                whole = ops.finalize(ops.sum(scores, -1, partial=True))
+                d_balance = ops.div(ops.sub(d_balance, ops.expand_last(dot)), ops.expand_last(whole))
+            d_scores = ops.add(d_scores, d_balance)
+        if moe.scores == "softmax":
+            delta = ops.finalize(ops.sum(ops.mul(scores, d_scores), -1, partial=True))
+            d_logits = ops.mul(scores, ops.sub(d_scores, ops.expand_last(delta)))
+        else:  # sigma' = sigma (1 - sigma)
+            one = scores if self.meta else ops.xp.const(scores, 1.0)  # (meta: the same kernel, on shapes)
+            d_logits = ops.mul(d_scores, ops.mul(scores, ops.sub(one, scores)))
+        grads[pre + "router"] = ops.einsum("th,te->he", c["x"], d_logits, partial=True)
+        dx = ops.add(dx, ops.matmul(d_logits, ops.transpose(p[pre + "router"])))
+        return self._view(dx, (b, s, h))
