@@ -226,3 +226,21 @@ def test_fused_attention_from_the_command_line(layout):
         "run.steps=2", "model.dropout=0", "run.numerics=fast", "model.dtype=bf16", *layout, "model.layers=2",
         "model.hidden=8", "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8",
         "model.tied_head=false", "model.global_batch=4", "model.micro_batch=1"))
+
+
+MOE = ("model.arch=llama", "model.tied_head=false", "model.moe_experts=4", "model.moe_top_k=2",
+       "model.moe_aux_coeff=0.01", "model.layers=2", "model.hidden=8", "model.heads=2", "model.ffn_hidden=8",
+       "model.seq=6", "model.vocab=10", "model.global_batch=4", "model.micro_batch=1")
+
+
+def test_a_mixture_of_experts_from_the_command_line():
+    """Routing reads the scores back to the host (as Megatron-Core reads its token counts) and gloo gives the
+    emulator's bytes: dp2 x pp2 with capacity dropping and DeepSeek-V3's routing."""
+    byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=2", "parallel.pp=2", "cluster.gpus_per_node=4",
+                                       "model.moe_capacity_factor=1.0", "model.moe_scores=sigmoid",
+                                       "model.moe_normalize=true", "model.moe_route_scale=2.5", "model.dtype=bf16"))
+
+
+def test_a_mixture_of_experts_in_fast_mode_on_gloo():
+    within_the_fast_tolerance(on_torch(*SMALL, *MOE, "run.numerics=fast", "model.dtype=bf16", "parallel.dp=2",
+                                       "cluster.gpus_per_node=2"))

@@ -91,6 +91,25 @@ class ModelSection(Section):
     kv_heads: int | None = key(
         None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
     dropout: float = key(0.0, "dropout probability", minimum=0)
+    moe_experts: int = key(
+        0, "llama: a mixture of experts in place of the MLP, this many routed SwiGLU experts (0: a dense model); "
+        "data and pipeline parallelism and ZeRO so far, tp = cp = 1", minimum=0)
+    moe_top_k: int = key(2, "experts each token is routed to", minimum=1)
+    moe_ffn_hidden: int | None = key(None, "an expert's inner size (default: ffn_hidden)", minimum=1)
+    moe_first_dense: int = key(0, "dense layers before the first mixture of experts (DeepSeek-V3: 3)", minimum=0)
+    moe_aux_coeff: float = key(
+        0.0, "the load-balancing loss's coefficient, per sequence (Switch/GShard: 1e-2; DeepSeek-V3: 1e-4)",
+        minimum=0)
+    moe_capacity_factor: float = key(
+        0.0, "tokens an expert takes from a sequence, as a multiple of an even share (GShard, Switch; the rest "
+        "are dropped); 0: dropless, as Megatron-Core", minimum=0)
+    moe_scores: Literal["softmax", "sigmoid"] = key(
+        "softmax", "the router's scores: a softmax over the experts, or a sigmoid each (DeepSeek-V3)")
+    moe_normalize: bool = key(False, "divide the chosen scores by their sum (Mixtral, Qwen, DeepSeek)")
+    moe_route_scale: float = key(1.0, "the gates' factor (DeepSeek-V3: 2.5)", minimum=0)
+    moe_skew: float = key(
+        0.0, "meta mode, which has no numbers to route by: experts' shares of the tokens in proportion to "
+        "(e + 1)^-skew (0: balanced; 1: Zipf's law)", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from simcluster.model.moe import MoE
 from simcluster.numerics.divisors import divisors, listed
 from simcluster.numerics.ops import Ops
 
@@ -49,6 +50,18 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
     attention_kernel: str = "flash"  # what the attention core costs: one fused kernel, or each step (flash.py)
     fused_kernels: bool = True  # bias+GELU, bias+dropout+residual, softmax as single kernels (fusion.py)
+    # a mixture of experts in place of the MLP (model/moe.py): experts (0: dense), each token's, their FFN
+    # size (None: ffn_hidden), dense layers first (DeepSeek-V3: 3), and the router (moe.MoE's fields)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden: int | None = None
+    moe_first_dense: int = 0
+    moe_aux_coeff: float = 0.0
+    moe_capacity_factor: float = 0.0
+    moe_scores: str = "softmax"
+    moe_normalize: bool = False
+    moe_route_scale: float = 1.0
+    moe_skew: float = 0.0  # meta mode's stated routing (moe.stated): 0 uniform, 1 Zipf
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
@@ -75,6 +88,23 @@ class ModelConfig:
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         if self.attention_kernel not in ("flash", "unfused"):
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
+        if self.moe_experts:
+            if self.arch != "llama":
+                raise ValueError("a mixture of experts is built for the llama architecture so far: set "
+                                 "model.arch = \"llama\" (or model.moe_experts = 0)")
+            self.moe  # (checks the router's fields)
+
+    @property
+    def moe(self) -> Any:
+        """The MoE layers' configuration (model/moe.py), or None for a dense model."""
+        if not self.moe_experts:
+            return None
+        return MoE(self.moe_experts, self.moe_top_k, self.moe_ffn_hidden or self.ffn_hidden, self.moe_aux_coeff,
+                   self.moe_capacity_factor, self.moe_normalize, "swiglu", self.moe_scores, self.moe_route_scale)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` has the mixture of experts (after the first dense ones)."""
+        return self.moe_experts > 0 and layer >= self.moe_first_dense
 
     @property
     def head_dim(self) -> int:
@@ -91,8 +121,13 @@ class ModelConfig:
             for i in range(self.layers):
                 p = f"layers.{i}."
                 shapes |= {p + "attn_norm.g": (h,), p + "attn.wq": (h, h), p + "attn.wk": (h, kv),
-                           p + "attn.wv": (h, kv), p + "attn.wo": (h, h), p + "mlp_norm.g": (h,),
-                           p + "mlp.w1": (h, F), p + "mlp.w3": (h, F), p + "mlp.w2": (F, h)}
+                           p + "attn.wv": (h, kv), p + "attn.wo": (h, h), p + "mlp_norm.g": (h,)}
+                if self.is_moe(i):
+                    e, f = self.moe_experts, self.moe_ffn_hidden or F
+                    shapes |= {p + "moe.router": (h, e), p + "moe.experts.w_fc": (e, h, f),
+                               p + "moe.experts.w_up": (e, h, f), p + "moe.experts.w_out": (e, f, h)}
+                else:
+                    shapes |= {p + "mlp.w1": (h, F), p + "mlp.w3": (h, F), p + "mlp.w2": (F, h)}
             return shapes | {"lnf.g": (h,), "head": (h, V)}
         shapes: dict[str, tuple[int, ...]] = {"wte": (V, h), "wpe": (self.seq, h)}
         for i in range(self.layers):
@@ -122,7 +157,7 @@ def init_params(ops: Ops, cfg: ModelConfig, names: Any = None) -> dict[str, Any]
         elif name.endswith(".b") or ".b_" in name:
             params[name] = ops.uniform(cfg.seed, name, shape, low=-0.02, high=0.02)
         else:
-            fan_in = shape[0] if name not in ("wte", "wpe") else shape[1]
+            fan_in = shape[-2] if name not in ("wte", "wpe") else shape[1]  # (an expert's: (E, in, out))
             bound = math.sqrt(3.0 / fan_in)
             params[name] = ops.uniform(cfg.seed, name, shape, low=-bound, high=bound)
     return params

@@ -4,6 +4,8 @@
 Both count matrix multiplications only (2 FLOPs a multiply-add), per token:
 - a layer's forward: 2 x its weight matrices' size, plus the attention core's two products, QK^T and
   PV, 2 x 2 x s x h (the whole s x s square, causal or not, as PaLM and Megatron-LM count it);
+- a mixture of experts' layer: its router's weights, and top_k experts' (the routed, active
+  parameters: DeepSeek-V3's 37B of 671B), dropped tokens or not;
 - the LM head's forward: 2 x h x V (the input embedding is a lookup: no FLOPs);
 - backward: twice the forward (the input and the weight gradients).
 Model FLOPs = 3 x forward: PaLM's 6N + 12 l h s per token (Chowdhery et al. 2022, appendix B), which
@@ -25,6 +27,8 @@ def forward_per_token(model: ModelConfig) -> tuple[float, float, float]:
     """Forward FLOPs per token: (all layers' weight products, all layers' attention cores, the head)."""
     shapes = model.parameter_shapes()
     weights = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.") and len(s) == 2)
+    # a mixture of experts' (E, in, out) weights: a token runs through top_k of them (the router is above)
+    weights += sum(model.moe_top_k * math.prod(s[1:]) for n, s in shapes.items() if len(s) == 3)
     return 2.0 * weights, 4.0 * model.layers * model.seq * model.hidden, 2.0 * model.hidden * model.vocab
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from simcluster.numerics.ops import Mode, Ops
-from simcluster.numerics.tensor import MetaTensor
+from simcluster.numerics.tensor import MetaTensor, Partial
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,17 @@ def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
     bounds = tuple(int(v) for v in np.concatenate([[0], np.cumsum(counts)]))
     chosen = np.stack([np.bincount(choice[b * seq:(b + 1) * seq].ravel(), minlength=e_count) for b in range(batch)])
     return Routing(choice, pos, tokens.astype(np.int64), (tokens * k + slots).astype(np.int64), bounds, chosen)
+
+
+def stack(ops: Ops, parts: list[Any]) -> Any:
+    """The experts' gradient partials (one an expert) as one partial of the stacked weight (E, ...): their
+    limbs side by side, nothing added or rounded (no kernel: a grouped GEMM writes them so)."""
+    first = parts[0]
+    if isinstance(first, MetaTensor):
+        return MetaTensor((len(parts),) + tuple(first.shape), first.dtype, first.partial)
+    if isinstance(first, Partial):
+        return Partial(first.xp.stack([q.limbs for q in parts], 0), first.dtype, first.xp)
+    return ops.xp.stack(parts, 0)
 
 
 def init_moe(ops: Ops, moe: MoE, hidden: int, seed: int, prefix: str, dtype: str) -> dict[str, Any]:
@@ -297,9 +308,9 @@ class MoELayer:
         if moe.scores == "softmax":
             delta = ops.finalize(ops.sum(ops.mul(scores, d_scores), -1, partial=True))
             d_logits = ops.mul(scores, ops.sub(d_scores, ops.expand_last(delta)))
-        else:  # sigma' = sigma (1 - sigma)
-            one = scores if self.meta else ops.xp.const(scores, 1.0)  # (meta: the same kernel, on shapes)
-            d_logits = ops.mul(d_scores, ops.mul(scores, ops.sub(one, scores)))
+        else:  # sigma' = sigma (1 - sigma): d sigma - (d sigma) sigma
+            ds = ops.mul(d_scores, scores)
+            d_logits = ops.sub(ds, ops.mul(ds, scores))
         grads[pre + "router"] = ops.einsum("th,te->he", c["x"], d_logits, partial=True)
         dx = ops.add(dx, ops.matmul(d_logits, ops.transpose(p[pre + "router"])))
         return self._view(dx, (b, s, h))

@@ -138,7 +138,7 @@ class Stage:
                     i = int(u[len("block"):])
                     x, cache[u] = yield from self.run(self.key("F", u, p, x), i,
                                                       lambda: model.block(p, x, i, step, where))
-                    held = model.held(x)
+                    held = model.held(x, i)
             dp.release(u)
             self.ctx.memory.hold("activations", f"mb{j}.{u}", held)
         self.caches[(j, g)] = cache

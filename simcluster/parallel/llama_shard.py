@@ -22,6 +22,8 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.gpt import Slice
+from simcluster.model.moe import MoELayer, stack
+from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.parallelism import Parallelism
@@ -50,6 +52,12 @@ class LlamaShard(TransformerShard):
             cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
             self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
         self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
+        # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
+        self.aux_scale = LOSS_SCALE[parallelism.data.precision]
+
+    def experts(self, i: int) -> MoELayer:
+        """Block i's mixture of experts (model/moe.py) on this rank: all its experts."""
+        return MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
@@ -130,14 +138,19 @@ class LlamaShard(TransformerShard):
         x1 = ops.add(x, self.drop(y, keep_a))
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
         c = yield from self.gather(c_mine)
-        f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
-        f3 = ops.matmul(c, p[pre + "mlp.w3"])
-        g = ops.mul(ops.silu(f1), f3)
-        z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w2"], partial=True))
+        if self.m.is_moe(i):  # (tp = cp = 1: parallelism.check)
+            z, _, routed = self.experts(i).forward(p, c, self.aux_scale / where.total)
+            mlp = {"moe": routed}
+        else:
+            f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
+            f3 = ops.matmul(c, p[pre + "mlp.w3"])
+            g = ops.mul(ops.silu(f1), f3)
+            z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w2"], partial=True))
+            mlp = {"f1": f1, "f3": f3, "g": g}
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
         cache = {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_, "keep_a": keep_a,
-                 "x1": x1, "c": c, "n2": n2, "f1": f1, "f3": f3, "g": g, "keep_m": keep_m}
+                 "x1": x1, "c": c, "n2": n2, "keep_m": keep_m, **mlp}
         policy = self.m.recompute.value
         if policy == "full" and not self._keep_all:
             return x2, {"x": x}
@@ -153,14 +166,21 @@ class LlamaShard(TransformerShard):
 
         c = yield from self.recompute(p, c, i, step, where)
         dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
-        weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
-        dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w2"]))  # (b, s/cp, F/tp)
-        df3 = ops.mul(dg, ops.silu(c["f1"]))
-        df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
-        weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
-        weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
-        dc = yield from self.reduce(ops.add_partial(ops.matmul(df1, ops.transpose(p[pre + "mlp.w1"]), partial=True),
-                                                    ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)))
+        if self.m.is_moe(i):  # its weight gradients at once, deferred or not (the router's is in the backward)
+            moe_grads: dict[str, Any] = {}
+            dc = self.experts(i).backward(p, dz, c["moe"], moe_grads)
+            for name, g in moe_grads.items():
+                weight_grad(name, lambda g=g: stack(ops, g) if isinstance(g, list) else g)
+        else:
+            weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
+            dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w2"]))  # (b, s/cp, F/tp)
+            df3 = ops.mul(dg, ops.silu(c["f1"]))
+            df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
+            weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
+            weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
+            dc = yield from self.reduce(ops.add_partial(
+                ops.matmul(df1, ops.transpose(p[pre + "mlp.w1"]), partial=True),
+                ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)))
         dx1 = ops.add(dx2, self.norm_backward(dc, c["x1"], p, pre + "mlp_norm", c["n2"], grads))
         dy = yield from self.gather(self.drop(dx1, c["keep_a"]))
         weight_grad(pre + "attn.wo", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))

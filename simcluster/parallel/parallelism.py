@@ -113,6 +113,11 @@ class Parallelism:
             raise ValueError("DualPipe with offloading is not modelled: its two copies of a stage sum their "
                              "gradients on the device before the step; set parallel.offload_optimizer and "
                              "parallel.offload_params to none, or choose another schedule")
+        if m.moe_experts and (tp > 1 or cp > 1):
+            raise ValueError(f"a mixture of experts runs with data and pipeline parallelism and ZeRO so far, not "
+                             f"with tp={tp} or cp={cp}: set parallel.tp = parallel.cp = 1")
+        if m.moe_experts and m.moe_first_dense > m.layers:
+            raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
         if m.tied_head and pp > 1:
             raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
                              "set model.tied_head = false for pipeline parallelism")

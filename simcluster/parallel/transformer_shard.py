@@ -28,7 +28,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model import flash, fusion
-from simcluster.model.activations import layer_bytes
+from simcluster.model.activations import layer_activations, moe_activations
 from simcluster.model.gpt import GPT, Slice
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.parallelism import Parallelism
@@ -208,13 +208,16 @@ class TransformerShard:
             return x2, {k: v for k, v in cache.items() if k != "core"}
         return x2, cache
 
-    def held(self, x: Any) -> int:
-        """Bytes a block keeps on this rank (model/activations.py): TP (and SP) shrink what they
+    def held(self, x: Any, layer: int = 0) -> int:
+        """Bytes block `layer` keeps on this rank (model/activations.py): TP (and SP) shrink what they
         split, and cp splits everything (every rank keeps its tokens' share, scores included; RSA
         keeps its rows of the scores whatever the model's attention kernel)."""
         kernel = "unfused" if self.keeps_scores else self.m.attention_kernel
-        return layer_bytes(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
-                           recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel) // self.P
+        kept = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
+                                 recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel)
+        if self.m.is_moe(layer) and self.m.recompute.value != "full":
+            kept = moe_activations(kept, self.m, b=x.shape[0])
+        return sum(kept.values()) // self.P
 
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
         """The model's normalisation (layer norm) over the last dim: y and what its backward needs."""

@@ -174,6 +174,8 @@ class Cluster:
             batch, m, n, k = work
             partial = name.rpartition("/")[2] in (GEMM_PARTIAL, EINSUM_PARTIAL)
             flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype, partial) * 1e3
+        elif work.__class__ is tuple and 0 in work:  # an empty product (an expert no token chose): its launch
+            flops, rate = 0.0, 1.0
         elif work.__class__ is tuple:
             batch, m, n, k = work
             tm, tn = min(TILE, -(-m // 16) * 16), min(TILE, -(-n // 16) * 16)

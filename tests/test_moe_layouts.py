@@ -1,0 +1,89 @@
+"""A mixture-of-experts Llama (model.moe_experts) under data and pipeline parallelism and ZeRO: byte-identical
+to one device in exact mode; a routing rule that depends on the split is caught; what it refuses; its FLOPs
+and activation memory in closed form."""
+
+import pytest
+
+import simcluster.model.moe as moe_module
+from simcluster.config.scenario import load
+from simcluster.config.schema import ScenarioError
+from simcluster.model.activations import layer_activations, moe_activations
+from simcluster.model.config import ModelConfig
+from simcluster.model.flops import forward_per_token
+from simcluster.parallel.reference import reference
+from simcluster.run.runner import run_scenario
+
+MOE = ["model.arch=llama", "model.moe_experts=4", "model.moe_aux_coeff=0.01", "run.numerics=exact"]
+
+
+def _verified(*sets: str) -> dict:
+    report = run_scenario(load(None, MOE + list(sets))).report
+    return report["verification"]
+
+
+@pytest.mark.parametrize("sets", [
+    ("parallel.dp=2", "cluster.gpus_per_node=2", "model.moe_capacity_factor=1.0"),
+    ("parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2", "model.micro_batch=2", "model.dtype=fp16",
+     "model.moe_top_k=1"),
+    ("parallel.dp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.schedule=zb-h1", "model.micro_batch=1",
+     "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5", "model.moe_first_dense=1"),
+    ("parallel.dp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.recompute=full", "parallel.zero=1",
+     "model.moe_capacity_factor=0.5"),
+], ids=["dp2-capacity", "zero3-fp16-top1", "pp2-zbh1-deepseek", "pp2-dp2-recompute-dropping"])
+def test_layouts_are_byte_identical_to_one_device(sets):
+    v = _verified(*sets)
+    assert v["bit_exact"] and not v["mismatches"]
+    assert any(".moe.experts.w_up" in name for name in v["outputs"])  # (the experts' weights are compared)
+
+
+def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
+    """The broken variant: each expert's capacity over all the tokens a rank routes at once instead of each
+    sequence's, so what is dropped depends on how the batch is split over ranks."""
+    plain = moe_module.route
+
+    def per_rank(choice, batch, seq, moe):
+        wide = plain(choice, 1, batch * seq, moe_module.MoE(moe.experts, moe.top_k, moe.ffn_hidden, moe.aux_coeff,
+                                                            moe.capacity_factor / batch))
+        return moe_module.Routing(wide.choice, wide.pos, wide.token_of_row, wide.slot_of_row, wide.bounds,
+                                  plain(choice, batch, seq, moe).chosen)
+
+    monkeypatch.setattr(moe_module, "route", per_rank)
+    reference.cache_clear()
+    try:
+        v = _verified("parallel.dp=2", "cluster.gpus_per_node=2", "model.moe_capacity_factor=0.5")
+    finally:
+        reference.cache_clear()
+    assert not v["bit_exact"] and v["mismatches"]
+
+
+@pytest.mark.parametrize("sets,words", [
+    (("parallel.tp=2", "parallel.dp=4"), "tp=2"),
+    (("parallel.cp=2", "parallel.dp=4"), "cp=2"),
+    (("model.arch=gpt",), "llama"),
+    (("model.moe_first_dense=3",), "moe_first_dense=3"),
+])
+def test_what_it_does_not_run_is_refused_in_one_line(sets, words):
+    with pytest.raises(ScenarioError) as err:
+        run_scenario(load(None, MOE + list(sets)))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_model_flops_count_the_router_and_top_k_experts():
+    m = ModelConfig(arch="llama", tied_head=False, layers=2, hidden=16, heads=2, ffn_hidden=40, seq=8, vocab=32,
+                    moe_experts=6, moe_top_k=2, moe_ffn_hidden=12, moe_first_dense=1)
+    weights, _, _ = forward_per_token(m)
+    attention = 4 * 16 * 16  # wq, wk, wv, wo (kv_heads = heads)
+    dense_mlp = 3 * 16 * 40
+    moe = 16 * 6 + 2 * 3 * 16 * 12  # the router, and two experts' three products
+    assert weights == 2.0 * (2 * attention + dense_mlp + moe)
+
+
+def test_an_moe_layers_activations_replace_the_mlps():
+    m = ModelConfig(arch="llama", tied_head=False, hidden=16, heads=2, seq=8, dtype="bf16", moe_experts=6,
+                    moe_top_k=2, moe_ffn_hidden=12)
+    dense = layer_activations(s=8, b=3, h=16, a=2, dtype="bf16", attention_kernel="flash")
+    kept = moe_activations(dense, m, b=3)
+    tokens = 24
+    want = (sum(dense.values()) - 2 * 4 * 2 * tokens * 16  # the MLP's GELU input and output (4h each)
+            + 2 * tokens * 6 + 2 * 2 * tokens * 2 * 16 + 2 * 3 * tokens * 2 * 12)
+    assert sum(kept.values()) == want
