@@ -140,6 +140,13 @@ def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
     return Routing(choice, pos, tokens.astype(np.int64), (tokens * k + slots).astype(np.int64), bounds, chosen)
 
 
+def balance_gradient(chosen: np.ndarray, seq: int, moe: MoE, scale: float) -> np.ndarray:
+    """The balance loss's gradient in a token's balance scores, (b * s, E) float64 on the host: for the
+    tokens of sequence b, scale * alpha * E * f_be / s, with f_be = its choices of e / (k s)."""
+    coef = scale * moe.aux_coeff * moe.experts * chosen / (moe.top_k * seq * seq)
+    return np.repeat(coef, seq, axis=0)
+
+
 def stack(ops: Ops, parts: list[Any]) -> Any:
     """The experts' gradient partials (one an expert) as one partial of the stacked weight (E, ...): their
     limbs side by side, nothing added or rounded (no kernel: a grouped GEMM writes them so)."""
@@ -261,14 +268,9 @@ class MoELayer:
         balance = scores
         if moe.scores == "sigmoid":
             balance = ops.div(scores, ops.expand_last(ops.finalize(ops.sum(scores, -1, partial=True))))
-        # dL/dp_te = alpha * E * f_e / s for the tokens of each sequence (f_e = its choices of e / (k s))
-        coef = scale * moe.aux_coeff * moe.experts * r.chosen / (moe.top_k * s * s)  # (b, E), float64 on the host
-        xp = ops.xp
-        if self.meta:
-            grad, wide = MetaTensor(tuple(scores.shape), scores.dtype), "fp32"
-        else:
-            grad = xp.asarray(np.repeat(coef, s, axis=0), dtype=scores.dtype)  # (T, E), rounded once to the scores'
-            wide = "fp64" if xp.name(scores.dtype) == "fp64" else "fp32"  # (a loss is kept in fp32 at least)
+        grad = (MetaTensor(tuple(scores.shape), scores.dtype) if self.meta  # (meta: no table the size of the tokens)
+                else ops.constant(balance_gradient(r.chosen, s, moe, scale), scores.dtype))  # rounded once to the scores'
+        wide = "fp64" if not self.meta and ops.xp.name(scores.dtype) == "fp64" else "fp32"  # (a loss: fp32 at least)
         loss = ops.finalize(ops.sum(ops.mul(balance, grad), None, partial=True), wide)
         return loss, grad, balance
 

@@ -19,7 +19,7 @@ kernels use, with dtypes named by their logical names: 'fp32', 'bf16', 'fp16', '
   concat(xs, dim) swapaxes(x, a, b) permute(x, dims) contiguous(x) repeat(x, n, dim)
   take_last(x, index) one_hot(index, n, dtype)
   matmul(a, b) einsum(spec, a, b) sum(x, axis, dtype) max(x, axis)   (max keeps the axis)
-  to_host(x)                                     a numpy array (verification and checkpoints only)
+  to_host(x)                                     a numpy array (verification, checkpoints, MoE routing)
   floor trunc abs isnan clip stack ldexp frexp full_like flip_last argmax_last any truth gather_last arange
                                                  exact mode's limbs, slices and transcendentals
 """
