@@ -13,7 +13,9 @@ from simcluster.model.flops import forward_per_token
 from simcluster.parallel.reference import reference
 from simcluster.run.runner import run_scenario
 
-MOE = ["model.arch=llama", "model.moe_experts=4", "model.moe_aux_coeff=0.01", "run.numerics=exact"]
+MOE = ["model.arch=llama", "model.moe_experts=4", "model.moe_aux_coeff=0.01", "run.numerics=exact", "run.steps=2",
+       "model.hidden=16", "model.heads=2", "model.ffn_hidden=24", "model.seq=8", "model.vocab=32",
+       "model.global_batch=4"]
 
 
 def _verified(*sets: str) -> dict:
@@ -60,7 +62,7 @@ def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
     (("parallel.tp=2", "parallel.dp=4"), "tp=2"),
     (("parallel.cp=2", "parallel.dp=4"), "cp=2"),
     (("model.arch=gpt",), "llama"),
-    (("model.moe_first_dense=3",), "moe_first_dense=3"),
+    (("model.moe_first_dense=3", "model.global_batch=8"), "moe_first_dense=3"),
 ])
 def test_what_it_does_not_run_is_refused_in_one_line(sets, words):
     with pytest.raises(ScenarioError) as err:
