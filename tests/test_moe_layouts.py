@@ -89,3 +89,31 @@ def test_an_moe_layers_activations_replace_the_mlps():
     want = (sum(dense.values()) - 2 * 4 * 2 * tokens * 16  # the MLP's GELU input and output (4h each)
             + 2 * tokens * 6 + 2 * 2 * tokens * 2 * 16 + 2 * 3 * tokens * 2 * 12)
     assert sum(kept.values()) == want
+
+
+def _experts(*sets: str) -> dict:
+    return run_scenario(load(None, MOE + list(sets))).report["experts"]
+
+
+def test_the_report_counts_every_routed_token_once():
+    """4 sequences of 8 tokens, top-2: 64 choices a layer, however the layout splits them and whatever the
+    recomputation runs again (a block run twice must not count twice); what capacity drops is what the
+    experts did not compute."""
+    for sets in (("parallel.dp=2", "cluster.gpus_per_node=2", "model.moe_capacity_factor=0.5"),
+                 ("parallel.pp=2", "parallel.dp=1", "cluster.gpus_per_node=2", "parallel.recompute=full")):
+        e = _experts(*sets)
+        assert e["routing"] == "the run's routing" and e["step"] == 1 and len(e["layers"]) == 2
+        for row in e["layers"]:
+            assert sum(row["tokens_per_expert"]) == 4 * 8 * 2
+            assert row["dropped"] == sum(row["tokens_per_expert"]) - sum(row["computed_per_expert"])
+            assert row["imbalance"] == max(row["tokens_per_expert"]) / 16
+            if "model.moe_capacity_factor=0.5" in sets:  # C = ceil(0.5 * 8 * 2 / 4) = 2 a sequence, 8 a step
+                assert max(row["computed_per_expert"]) <= 8 and row["dropped"] > 0
+
+
+def test_meta_mode_reports_the_stated_shares():
+    """Zipf shares of 2 x 12 choices a sequence over 4 experts: 11, 6, 4, 3 (test_moe.py), 4 sequences."""
+    e = _experts("run.numerics=meta", "model.seq=12", "model.moe_skew=1", "parallel.dp=4", "cluster.gpus_per_node=4")
+    assert e["routing"] == "stated routing, moe_skew 1"
+    assert [r["tokens_per_expert"] for r in e["layers"]] == [[44, 24, 16, 12]] * 2
+    assert e["layers"][0]["imbalance"] == 44 / 24

@@ -83,6 +83,10 @@ class Routing:
     bounds: tuple[int, ...]  # E + 1: expert e's rows are [bounds[e], bounds[e + 1])
     chosen: np.ndarray  # (b, E) choices per sequence and expert, before dropping
 
+    def tally(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens that chose each expert, tokens each expert computed): int64 (E,), the router's statistics."""
+        return self.chosen.sum(0).astype(np.int64), np.diff(np.asarray(self.bounds, dtype=np.int64))
+
 
 def stated(batch: int, seq: int, moe: MoE, skew: float = 0.0) -> Routing:
     """Meta mode's routing, which has no numbers to route by: each sequence's k * s choices shared out in

@@ -312,7 +312,8 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
     yield from dp.finish()
     if ck and ck.save and ck.at == data.steps:
         written = _save(ctx, ck, m, stage, shards, dp, data.steps)
-    return {"loss": losses, "first_step": start, "checkpoint": written, **dp.results(grads, first)}
+    return {"loss": losses, "first_step": start, "checkpoint": written, "routing": getattr(model, "routing", {}),
+            **dp.results(grads, first)}
 
 
 def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DPWrap, step: int) -> Any:
@@ -335,6 +336,9 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
     for rank, (res, c) in enumerate(zip(results, coords)):
         if res["loss"]:  # the stages with a head (the last; ZB-V's first; DualPipe's both ends)
             _agree(out, {f"loss[{res['first_step'] + i}]": v for i, v in enumerate(res["loss"])}, rank)
+    for res in results:  # the router's statistics: each rank counted its own tokens
+        for key, n in res.get("routing", {}).items():
+            out[key] = n if key not in out else out[key] + n
     shapes = m.parameter_shapes()
     for kind in KINDS:
         pieces: dict[tuple[str, int], dict[int, Any]] = {}  # (unit, tp rank) -> chunk index -> flat

@@ -54,6 +54,14 @@ class LlamaShard(TransformerShard):
         self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
         # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
         self.aux_scale = LOSS_SCALE[parallelism.data.precision]
+        self.routing: dict[str, Any] = {}  # the router's statistics by step and layer (tally), this rank's tokens
+
+    def tally(self, step: int, layer: int, counts: tuple[Any, Any]) -> None:
+        """Add a micro-batch's router statistics (tokens that chose each expert, tokens each computed)."""
+        key = f"routing[{step}].layers.{layer}"
+        for name, n in zip(("chosen", "computed"), counts):
+            have = self.routing.get(f"{key}.{name}")
+            self.routing[f"{key}.{name}"] = n if have is None else have + n
 
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: all its experts."""
@@ -141,6 +149,8 @@ class LlamaShard(TransformerShard):
         if self.m.is_moe(i):  # (tp = cp = 1: parallelism.check)
             z, _, routed = self.experts(i).forward(p, c, self.aux_scale / where.total)
             mlp = {"moe": routed}
+            if not self._keep_all:  # (not again when a recomputation runs the block again)
+                self.tally(step, i, routed["routing"].tally())
         else:
             f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
             f3 = ops.matmul(c, p[pre + "mlp.w3"])

@@ -69,7 +69,13 @@ def report_schema() -> dict[str, Any]:
         "memory_peak_bytes": _by_rank({"type": "object", "additionalProperties": INT}, "peak bytes per category"),
         "memory": memory, "trace_events": INT, "verification": verification,
     }
+    layer = _object({"layer": INT, "tokens_per_expert": {"type": "array", "items": INT},
+                     "computed_per_expert": {"type": "array", "items": INT}, "dropped": INT, "imbalance": NUMBER},
+                    "one MoE layer: tokens that chose each expert, tokens each computed, the busiest over the mean")
+    experts = _object({"routing": STRING, "step": INT, "experts": INT, "top_k": INT,
+                       "layers": {"type": "array", "items": layer}},
+                      "a mixture of experts' routing in the last step (report/experts.py)")
     return {"$schema": DIALECT, "title": "simcluster report", "type": "object",
             "description": f"What `simcluster run --json` prints (report_version {REPORT_VERSION}); optional "
-                           "sections: faults, goodput, target, checkpoint, torch.",
-            "required": sorted(properties), "properties": properties}
+                           "sections: faults, goodput, target, checkpoint, experts, torch.",
+            "required": sorted(properties), "properties": properties | {"experts": experts}}

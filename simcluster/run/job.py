@@ -190,7 +190,8 @@ def _from(start: int, outputs: dict[str, Any]) -> dict[str, Any]:
     if not start:
         return outputs
     return {k: v for k, v in outputs.items() if not k.startswith("first_grads.")
-            and not (k.startswith("loss[") and int(k[5:-1]) < start)}
+            and not (k.startswith("loss[") and int(k[5:-1]) < start)
+            and not (k.startswith("routing[") and int(k[8:k.index("]")]) < start)}
 
 
 def faults_of(sc: Scenario) -> Faults | None:

@@ -12,7 +12,7 @@ from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.totals import Totals
-from simcluster.report import critical_batch, goodput
+from simcluster.report import critical_batch, experts, goodput
 from simcluster.run import budget, pipeline_steady, steady
 from simcluster.run.job import Job, faults_of, job_of
 
@@ -84,7 +84,17 @@ def _run_scenario(sc: Scenario, fold: bool, trace: bool) -> Outcome:
     if aims:
         rep["target"] = critical_batch.account(sc.target, step_s=rep["step_time_ns"] * 1e-9, tokens_per_step=job.tokens,
                                       gpus=sc.world_size)
-    return Outcome(sc, result, rep | checkpoints(sc, job, result.results))
+    return Outcome(sc, result, rep | checkpoints(sc, job, result.results) | _experts(sc, job, result))
+
+
+def _experts(sc: Scenario, job: Job, result: RunResult) -> dict[str, Any]:
+    """The report's `experts` entry (report/experts.py) for a model with a mixture of experts."""
+    if sc.run.program != "transformer" or not sc.model.moe_experts or result.hang is not None:
+        return {}
+    model = job.args[0].model
+    if job.mode == "meta":
+        return experts.account(model, "meta", {"global_batch": sc.model.global_batch}, sc.run.steps - 1)
+    return experts.account(model, job.mode, job.outputs(result.results), sc.run.steps - 1)
 
 
 def _aims(sc: Scenario) -> bool:

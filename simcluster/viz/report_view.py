@@ -36,6 +36,12 @@ def format_bytes(n: float) -> str:
 P2P = {"send->": "send (busiest peer)", "recv<-": "recv (busiest peer)"}
 
 
+def _listed(counts: list[int], most: int = 6) -> str:
+    """Counts as "12 9 14 ...", the first `most` of them."""
+    shown = " ".join(f"{n:,}" for n in counts[:most])
+    return shown + (f" ... ({len(counts)})" if len(counts) > most else "")
+
+
 def step_time(r: dict[str, Any]) -> str:
     """The step time as Megatron-LM and torchtitan report one: the steady step, the first step and
     initialisation apart (report.step_times)."""
@@ -175,6 +181,21 @@ class ReportView:
                 t.add_row("", f"... and {len(h['watchdog']) - 4} more ranks (--json lists them)")
         return t
 
+    def _experts(self) -> Table | None:
+        e = self.report.get("experts")
+        if not e or not e["layers"]:
+            return None
+        t = _pairs("experts: the tokens routed to each")
+        t.add_row("routing", f"{e['experts']} experts, top-{e['top_k']}, step {e['step']}: {e['routing']}")
+        busiest = max(e["layers"], key=lambda r: (r["imbalance"], -r["layer"]))
+        shown = e["layers"] if len(e["layers"]) <= 4 else [busiest]
+        for r in shown:
+            t.add_row(f"layer {r['layer']}", escape(f"{_listed(r['tokens_per_expert'])}; busiest "
+                                                    f"{r['imbalance']:.2f}x even; {r['dropped']:,} dropped"))
+        if len(shown) < len(e["layers"]):
+            t.add_row("", f"(the busiest of {len(e['layers'])} layers; --json has them all)")
+        return t
+
     def _goodput(self) -> Table | None:
         g = self.report.get("goodput")
         if not g:
@@ -210,8 +231,8 @@ class ReportView:
             parts = [self._summary(), self._verdict(), self._faults()]
         else:
             # (what a reader needs first, within a screen: the figures, the verdict, whether it fits; then why)
-            parts = [self._summary(), self._verdict(), self._memory(), self._faults(), self._busy(), self._comm(),
-                     self._checkpoint(), self._goodput(), self._target()]
+            parts = [self._summary(), self._verdict(), self._memory(), self._faults(), self._experts(), self._busy(),
+                     self._comm(), self._checkpoint(), self._goodput(), self._target()]
         yield Group(*[p for p in parts if p is not None])
 
 
