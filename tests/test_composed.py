@@ -133,7 +133,7 @@ def test_gradients_summed_over_dp_alone_are_caught(monkeypatch, zero, zero_over)
     def over_dp(self, ctx, *args, **kw):
         init(self, ctx, *args, **kw)
         if zero == 0:
-            self.group = ctx.mesh.dp
+            self.groups = dict.fromkeys(self.groups, ctx.mesh.dp)
         else:
             assert self.cp_first is not None
             self.cp_first = None

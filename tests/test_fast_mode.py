@@ -89,7 +89,7 @@ def test_a_missing_all_reduce_fails_the_bound(monkeypatch, dtype):
 
     def alone(self, ctx, *args, **kw):
         init(self, ctx, *args, **kw)
-        self.group = ctx.mesh.tp  # a group of one here: the all-reduce sums nothing
+        self.groups = dict.fromkeys(self.groups, ctx.mesh.tp)  # a group of one here: the all-reduce sums nothing
 
     monkeypatch.setattr(DPWrap, "__init__", alone)
     verdict = fast_verdict(data(dtype), dp=2)

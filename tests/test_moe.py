@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from simcluster.model.moe import MoE, MoELayer, route, top_k
+from simcluster.model.moe import MoE, MoELayer, local, route, top_k
 from simcluster.numerics.modes import make_ops
 
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
@@ -24,9 +24,9 @@ def _weights(rng, h, moe, dtype=np.float64):
 def _ours(moe, p, x, dy, scale, mode="fast"):
     ops = make_ops(mode)
     layer = MoELayer(ops, moe)
-    y, aux, cache = layer.forward(p, x, scale)
+    y, aux, cache = local(layer.forward(p, x, scale))
     grads = {}
-    dx = layer.backward(p, dy, cache, grads)
+    dx = local(layer.backward(p, dy, cache, grads))
     done = {"moe.router": ops.finalize(grads["moe.router"])}
     for name in [n for n in p if n.startswith("moe.experts.")]:
         done[name] = np.stack([ops.finalize(g) for g in grads[name]])
@@ -159,9 +159,9 @@ def _split_and_whole(route_rule=None):
             ys, dxs, grads = [], [], None
             for part in parts:
                 layer = MoELayer(ops, moe)
-                y, _, cache = layer.forward(p, x[part], 1 / b)
+                y, _, cache = local(layer.forward(p, x[part], 1 / b))
                 g = {}
-                dxs.append(layer.backward(p, dy[part], cache, g))
+                dxs.append(local(layer.backward(p, dy[part], cache, g)))
                 ys.append(y)
                 grads = g if grads is None else {
                     k: ([ops.add_partial(a, c) for a, c in zip(grads[k], v)] if isinstance(v, list)
@@ -202,8 +202,8 @@ def _recorded(mode, moe, skew=0.0, b=2, s=12, h=8):
         p = {k: MetaTensor(v.shape, "fp32") for k, v in p.items()}
         x = MetaTensor(x.shape, "fp32")
     layer = MoELayer(ops, moe, skew=skew)
-    y, _, cache = layer.forward(p, x)
-    layer.backward(p, y, cache, {})
+    y, _, cache = local(layer.forward(p, x))
+    local(layer.backward(p, y, cache, {}))
     return kernels
 
 

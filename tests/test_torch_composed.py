@@ -244,3 +244,10 @@ def test_a_mixture_of_experts_from_the_command_line():
 def test_a_mixture_of_experts_in_fast_mode_on_gloo():
     within_the_fast_tolerance(on_torch(*SMALL, *MOE, "run.numerics=fast", "model.dtype=bf16", "parallel.dp=2",
                                        "cluster.gpus_per_node=2"))
+
+
+def test_expert_parallelism_on_gloo():
+    """ep 2 x dp 2 (4 ranks, each pair sharing out 4 experts): the all-to-all as gloo sends and receives of
+    uneven sizes, byte-identical to the emulator and to one device."""
+    byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4",
+                                       "model.moe_capacity_factor=1.0"))

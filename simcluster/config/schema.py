@@ -147,6 +147,9 @@ class ParallelSection(Section):
     section: ClassVar[str] = "parallel"
 
     dp: int = key(8, "data-parallel degree", minimum=1)
+    ep: int = key(
+        1, "expert-parallel degree (a mixture of experts): each run of ep data-parallel ranks shares out the "
+        "experts, tokens dispatched to them and back by all-to-all; must divide dp and model.moe_experts", minimum=1)
     pp: int = key(1, "pipeline-parallel degree", minimum=1)
     cp: int = key(1, "context-parallel degree", minimum=1)
     tp: int = key(1, "tensor-parallel degree", minimum=1)

@@ -192,7 +192,9 @@ def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",
     replica = mesh.world_size // sizes["dp"]
     block = sizes["dp"]
     if "dp" in axes:
-        least = math.lcm(replica, gpn) // replica
+        # (whole expert-parallel groups too: a shift by whole ep groups maps them, and the groups holding
+        # the same experts, onto themselves)
+        least = math.lcm(math.lcm(replica, gpn) // replica, mesh.ep)
         if sizes["dp"] % least == 0:
             block = least
     t, c = sizes["tp"], sizes["cp"]

@@ -186,8 +186,17 @@ class Slice:
 
 
 def units(cfg: ModelConfig) -> list[str]:
-    """The model's parameter units in forward order: "embed", "block0" .. "block{L-1}", "head"."""
+    """The model's parameter units in forward order: "embed", "block0" .. "block{L-1}", "head" (a block's
+    experts, a unit of their own, come with it: `companions`)."""
     return ["embed"] + [f"block{i}" for i in range(cfg.layers)] + ["head"]
+
+
+def companions(cfg: ModelConfig, unit: str) -> list[str]:
+    """The units that come with a pipeline unit: a mixture of experts' experts{i} with its block{i}, their own
+    unit so that data parallelism can reduce them over the ranks holding the same experts (dp_wrap.py)."""
+    if unit.startswith("block") and cfg.is_moe(int(unit[len("block"):])):
+        return ["experts" + unit[len("block"):]]
+    return []
 
 
 def unit_names(cfg: ModelConfig, unit: str) -> list[str]:
@@ -207,7 +216,8 @@ def _names_by_unit(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     blocks: dict[str, list[str]] = {}
     for n in shapes:
         if n.startswith("layers."):
-            blocks.setdefault("block" + n.split(".", 2)[1], []).append(n)
+            i, rest = n.split(".", 2)[1:]
+            blocks.setdefault(("experts" if rest.startswith("moe.experts.") else "block") + i, []).append(n)
     return {"embed": tuple(n for n in ("wte", "wpe") if n in shapes),
             "head": tuple(n for n in ("lnf.g", "lnf.b", "head") if n in shapes),
             **{u: tuple(names) for u, names in blocks.items()}}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import numpy as np
 
@@ -177,27 +177,60 @@ def init_moe(ops: Ops, moe: MoE, hidden: int, seed: int, prefix: str, dtype: str
     return out
 
 
+def local(steps: Generator[Any, Any, Any]) -> Any:
+    """The value of a layer's forward or backward that needs no communication (every expert here)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the layer communicated: run it inside a rank's program")
+
+
+class Local:
+    """Every expert on this rank: rows grouped by expert are sliced for each, and joined back."""
+
+    def __init__(self, layer: "MoELayer") -> None:
+        self.layer = layer
+
+    def plan(self, bounds: tuple[int, ...]) -> Generator[Any, Any, tuple[int, ...]]:
+        return bounds
+        yield  # (a generator: expert parallelism's plan communicates)
+
+    def there(self, rows: Any, bounds: tuple[int, ...]) -> Generator[Any, Any, list[Any]]:
+        return [self.layer.slice_rows(rows, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
+        yield
+
+    def back(self, outs: list[Any], bounds: tuple[int, ...]) -> Generator[Any, Any, Any]:
+        return self.layer.ops.concat(outs, 0)
+        yield
+
+
 class MoELayer:
     """Forward and backward of the layer through `ops` (exact or fast mode). A `router.bias` among the
     weights (DeepSeek-V3's auxiliary-loss-free balancing: a buffer the training loop moves, no gradient)
     is added to the scores for choosing the experts only."""
 
-    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0) -> None:
+    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, exchange: Any = None) -> None:
         self.ops, self.moe, self.pre, self.skew = ops, moe, prefix, skew
         self.meta = ops.mode is Mode.META  # (routed as `stated` says, with `skew`: there are no numbers)
+        # how the rows reach their experts and come back: on this rank (`Local`), or expert parallelism's
+        # all-to-all (parallel/expert_parallel.py)
+        self.exchange = exchange if exchange is not None else Local(self)
 
     def _view(self, x: Any, shape: tuple[int, ...]) -> Any:
         return MetaTensor(shape, x.dtype) if self.meta else x.reshape(shape)
 
-    def _rows(self, x: Any, lo: int, hi: int) -> Any:
+    def slice_rows(self, x: Any, lo: int, hi: int) -> Any:
+        """Rows [lo, hi) of x (meta mode: their shape)."""
         return MetaTensor((hi - lo,) + tuple(x.shape[1:]), x.dtype) if self.meta else x[lo:hi]
 
     def _middle(self, x: Any) -> Any:
         """(T, n) -> (T, 1, n)."""
         return MetaTensor((x.shape[0], 1, x.shape[1]), x.dtype) if self.meta else x[:, None, :]
 
-    def forward(self, p: dict[str, Any], x: Any, aux_scale: float = 1.0) -> tuple[Any, Any, dict[str, Any]]:
-        """(y (b, s, h), the auxiliary loss summed over the sequences times `aux_scale`, the cache)."""
+    def forward(self, p: dict[str, Any], x: Any, aux_scale: float = 1.0) -> Generator[Any, Any, tuple[Any, Any, dict]]:
+        """(y (b, s, h), the auxiliary loss summed over the sequences times `aux_scale`, the cache); a
+        generator, for the exchange's communication (none on one rank: `local`)."""
         ops, moe, pre = self.ops, self.moe, self.pre
         b, s, h = x.shape
         xf = self._view(x, (b * s, h))
@@ -220,16 +253,18 @@ class MoELayer:
         if moe.route_scale != 1.0:
             gates = ops.scale(gates, moe.route_scale)
         rows = ops.embedding(r.token_of_row, xf)  # (R, h)
+        plan = yield from self.exchange.plan(r.bounds)
+        inputs = yield from self.exchange.there(rows, plan)  # each expert of this rank's, its rows
         acts, out = [], []
-        for e in range(moe.experts):
-            act, o = self._expert(p, e, self._rows(rows, r.bounds[e], r.bounds[e + 1]))
+        for e, x_e in enumerate(inputs):
+            act, o = self._expert(p, e, x_e)
             acts.append(act)
             out.append(o)
-        slots = ops.embedding(r.pos, ops.concat(out, 0))  # (T, k, h): zero where dropped
+        slots = ops.embedding(r.pos, (yield from self.exchange.back(out, plan)))  # (T, k, h): zero where dropped
         y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
         aux, aux_grad, balance = self._aux(scores, r, b, s, aux_scale)
         cache = {"x": xf, "scores": scores, "routing": r, "one_hot": one_hot, "total": total, "unscaled": unscaled,
-                 "gates": gates, "rows": rows, "acts": acts, "slots": slots, "aux_grad": aux_grad,
+                 "gates": gates, "inputs": inputs, "plan": plan, "acts": acts, "slots": slots, "aux_grad": aux_grad,
                  "balance": balance}
         return self._view(y, (b, s, h)), aux, cache
 
@@ -278,9 +313,9 @@ class MoELayer:
         loss = ops.finalize(ops.sum(ops.mul(balance, grad), None, partial=True), wide)
         return loss, grad, balance
 
-    def backward(self, p: dict[str, Any], dy: Any, c: dict[str, Any], grads: dict[str, Any]) -> Any:
+    def backward(self, p: dict[str, Any], dy: Any, c: dict[str, Any], grads: dict[str, Any]) -> Generator[Any, Any, Any]:
         """dx (b, s, h); the weights' gradients go to `grads`: the router's a partial, each expert
-        weight's a list of partials, one an expert."""
+        weight's a list of partials, one an expert of this rank's (a generator, as `forward`)."""
         ops, moe, pre = self.ops, self.moe, self.pre
         b, s, h = dy.shape
         r: Routing = c["routing"]
@@ -289,13 +324,14 @@ class MoELayer:
         d_gates = ops.finalize(ops.sum(ops.mul(dyf, c["slots"]), -1, partial=True))  # (T, k)
         d_out = ops.embedding(r.slot_of_row, self._view(d_slots, (b * s * moe.top_k, h)))  # (R, h)
         expert_grads: dict[str, list[Any]] = {"experts.w_fc": [], "experts.w_out": [], "experts.w_up": []}
-        dx_rows = [self._expert_backward(p, e, self._rows(c["rows"], r.bounds[e], r.bounds[e + 1]), c["acts"][e],
-                                         self._rows(d_out, r.bounds[e], r.bounds[e + 1]), expert_grads)
-                   for e in range(moe.experts)]
+        d_in = yield from self.exchange.there(d_out, c["plan"])
+        dx_rows = [self._expert_backward(p, e, x_e, c["acts"][e], d_in[e], expert_grads)
+                   for e, x_e in enumerate(c["inputs"])]
         for name, partials in expert_grads.items():
             if partials:
                 grads[pre + name] = partials
-        dx = ops.finalize(ops.sum(ops.embedding(r.pos, ops.concat(dx_rows, 0)), 1, partial=True))
+        dx_back = yield from self.exchange.back(dx_rows, c["plan"])
+        dx = ops.finalize(ops.sum(ops.embedding(r.pos, dx_back), 1, partial=True))
         if moe.route_scale != 1.0:
             d_gates = ops.scale(d_gates, moe.route_scale)
         d_picked = d_gates

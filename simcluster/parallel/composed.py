@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator
 import numpy as np
 
 from simcluster import checkpoint
+from simcluster.model.config import companions
 from simcluster.model.gpt import LOSS_SCALE, init_params, unit_names
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -94,7 +95,8 @@ class Stage:
             return None
         weights = self.weights.get(u)
         if weights is None:  # (the same shapes for the whole step, whether held or gathered)
-            weights = self.weights[u] = shape_key([p[k] for k in unit_names(self.parallelism.model, u)])
+            m = self.parallelism.model
+            weights = self.weights[u] = shape_key([p[k] for x in [u, *companions(m, u)] for k in unit_names(m, x)])
         if weights is None:
             return None
         return (kind, weights, shape_key(inputs))
@@ -192,14 +194,16 @@ class Stage:
 
     def hand_over(self, unit: str, j: int) -> Generator[Any, Any, None]:
         """Micro-batch j's gradients of `unit` are complete: to the data-parallel wrapper."""
-        mine = self.grads[j]
-        grads = {k: mine.pop(k) for k in unit_names(self.parallelism.model, unit)}
+        mine, m = self.grads[j], self.parallelism.model
+        grads = {k: mine.pop(k) for k in unit_names(m, unit)}
         names = [k for k in grads if shard_kind(k) == "replicated"] if self.model.sp else []
         if names:  # replicated over tp, but each tp rank saw only its tokens (SP)
             with self.ctx.annotate("backward", f"SP{j}"):
                 summed = yield [self.ctx.comm.all_reduce(grads[k], group=self.model.tp, async_op=True) for k in names]
             grads |= dict(zip(names, summed))
         yield from self.dp.gradients(unit, grads, self.through[unit])
+        for x in companions(m, unit):  # a block's experts, reduced over the ranks that hold them
+            yield from self.dp.gradients(x, {k: mine.pop(k) for k in unit_names(m, x)}, self.through[unit])
 
 
 def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict[str, Any]]:
@@ -246,21 +250,31 @@ def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
 @dataclass(frozen=True)
 class _Shards:
     """The parameters this rank holds: their names by unit, and how each is split over tp."""
-    names: dict[str, list[str]]
+    names: dict[str, list[str]]  # (a block's experts a unit of their own: config.companions)
     kinds: dict[str, str]  # tensor_parallel.shard_kind
     t: int
     r: int
+    ep: int = 1  # experts shared out over ep ranks: this rank holds the e-th ep-th of each expert tensor
+    e: int = 0
 
     @staticmethod
     def of(ctx: Context, parallelism: Parallelism, stage: _Placed) -> _Shards:
         m, t = parallelism.model, ctx.mesh.tp.size
-        names = {u: unit_names(m, u) for u in stage.mine}
-        return _Shards(names, {k: shard_kind(k, m, t) for u in stage.mine for k in names[u]}, t, ctx.mesh.coord("tp"))
+        units = [x for u in stage.mine for x in [u, *companions(m, u)]]
+        names = {u: unit_names(m, u) for u in units}
+        ep = ctx.mesh.ep
+        return _Shards(names, {k: shard_kind(k, m, t) for u in units for k in names[u]}, t, ctx.mesh.coord("tp"),
+                       ep.size, ep.rank_of(ctx.rank))
 
     def split(self, ops: Any, full: dict[str, Any], host: bool) -> dict[str, Any]:
         """This rank's share of each whole tensor (`host`: read from a file, made the kernel set's first)."""
-        return {k: shard(ops.constant(full[k], full[k].dtype) if host else full[k], self.kinds[k], self.t, self.r)
-                for k in self.kinds}
+        out = {k: shard(ops.constant(full[k], full[k].dtype) if host else full[k], self.kinds[k], self.t, self.r)
+               for k in self.kinds}
+        if self.ep > 1:  # its experts of each (E, ...) tensor
+            for u, names in self.names.items():
+                for k in names if u.startswith("experts") else ():
+                    out[k] = ops.split(out[k], self.ep, 0)[self.e]
+        return out
 
 
 def _weights(ctx: Context, parallelism: Parallelism, shards: _Shards,
@@ -277,8 +291,8 @@ def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Sh
     t, r, kinds, names = shards.t, shards.r, shards.kinds, shards.names
     # tensors whose copy on an earlier tp rank counts in the global gradient norm
     elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
-    elsewhere |= {k for u in stage.copies for k in names[u]}
-    dp = DPWrap(ctx, parallelism.data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in stage.mine},
+    elsewhere |= {k for u in stage.copies for x in [u, *companions(parallelism.model, u)] for k in names[x]}
+    dp = DPWrap(ctx, parallelism.data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in names},
                 init, zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=stage.twin)
     if loaded:
         dp.restore({state: shards.split(ctx.ops, v, True) for state, v in loaded.items()}, start)
@@ -322,8 +336,8 @@ def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DP
     snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
     return checkpoint.write_rank(ck.staging, ctx.rank, step, [
         dict(zip(("index", "which"), checkpoint.element_index(
-            [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.n, dp.k)),
-             names=names[u], mask=dp.owned[u], states=snap[u]) for u in stage.mine])
+            [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.ns[u], dp.ks[u])),
+             names=names[u], mask=dp.owned[u], states=snap[u]) for u in names])
 
 
 def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parallelism: Parallelism) -> dict[str, Any]:
@@ -340,26 +354,33 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
         for key, n in res.get("routing", {}).items():
             out[key] = n if key not in out else out[key] + n
     shapes = m.parameter_shapes()
+    ep = parallelism.ep
     for kind in KINDS:
-        pieces: dict[tuple[str, int], dict[int, Any]] = {}  # (unit, tp rank) -> chunk index -> flat
+        # (unit, tp rank, ep rank: a block's experts are shared out over ep) -> chunk index -> flat
+        pieces: dict[tuple[str, int, int], dict[int, Any]] = {}
         for rank, (res, c) in enumerate(zip(results, coords)):
-            k, _ = res["chunk"]
             for unit, arrays in res["units"].items():
-                got = pieces.setdefault((unit, c["tp"]), {})
+                k, _ = res.get("chunks", {}).get(unit, res["chunk"])
+                e = c["dp"] % ep if unit.startswith("experts") else 0
+                got = pieces.setdefault((unit, c["tp"], e), {})
                 if k in got and np.asarray(got[k]).tobytes() != np.asarray(arrays[kind]).tobytes():
                     out[f"{kind}.{unit}[chunk {k}]@rank{rank}"] = arrays[kind]
                 got.setdefault(k, arrays[kind])
-        for unit in sorted({u for u, _ in pieces}):
+        for unit in sorted({u for u, _, _ in pieces}):
             by_tp = []
             for tr in range(t):
-                chunks = pieces[(unit, tr)]
-                flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
-                tensors, at = {}, 0
-                for name in unit_names(m, unit):
-                    local = shard_shape(shapes[name], shard_kind(name, m, t), t)
-                    n = math.prod(local)
-                    tensors[name] = flat[at:at + n].reshape(local)
-                    at += n
+                tensors = {}
+                for e in range(ep if unit.startswith("experts") else 1):
+                    chunks = pieces[(unit, tr, e)]
+                    flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
+                    at = 0
+                    for name in unit_names(m, unit):
+                        local = shard_shape(shapes[name], shard_kind(name, m, t), t)
+                        local = (local[0] // ep,) + local[1:] if unit.startswith("experts") else local
+                        n = math.prod(local)
+                        part = flat[at:at + n].reshape(local)
+                        tensors[name] = part if e == 0 else np.concatenate([tensors[name], part])  # experts in order
+                        at += n
                 by_tp.append(tensors)
             for name in unit_names(m, unit):
                 parts = [tensors[name] for tensors in by_tp]

@@ -69,9 +69,19 @@ class DPWrap:
         self.cp_first = mesh.cp if self.stage and zero_over == "dp" and mesh.cp.size > 1 else None
         self.n = self.group.size if self.stage else 1
         self.k = self.group.rank_of(ctx.rank) if self.stage else 0
+        # a mixture of experts' units (experts{i}): summed, and sharded, over the ranks holding the same
+        # experts (mesh.expert_groups; the dp group where every rank holds them all)
+        edp = mesh.edp
+        experts = {u for u in self.units if u.startswith("experts")}
+        self.sums = {u: edp if u in experts else both for u in self.units}
+        self.groups = {u: edp if u in experts else self.group for u in self.units}
+        self.ns = {u: (edp.size if self.stage else 1) if u in experts else self.n for u in self.units}
+        self.ks = {u: (edp.rank_of(ctx.rank) if self.stage else 0) if u in experts else self.k for u in self.units}
         tied = data.model.tied_head and "embed" in names
         self.needs = {u: [u] + (["embed"] if u == "head" and tied else []) for u in self.units}
-        self.master = {u: ops.chunk(ops.pad(ops.flat([init[k] for k in names[u]]), self.n), self.n, self.k)
+        for u in experts:  # a block's experts come with it
+            self.needs["block" + u.removeprefix("experts")].append(u)
+        self.master = {u: ops.chunk(ops.pad(ops.flat([init[k] for k in names[u]]), self.ns[u]), self.ns[u], self.ks[u])
                        for u in self.units}  # fp32
         self.state = adam_init(ops, self.master)
         self.owned = self._owned(counted_elsewhere)
@@ -105,15 +115,16 @@ class DPWrap:
         names tensors another tp rank has). The global gradient norm counts them, a checkpoint writes them."""
         if self.ops.mode.value == "meta":
             return None
-        mesh, n = self.ctx.mesh, self.n
-        replica = self.ctx.rank != self.sum_group.ranks[0] if self.stage == 0 else (
-            self.cp_first is not None and mesh.coord("cp") != 0)
+        mesh = self.ctx.mesh
         out = {}
         for u in self.units:
+            n = self.ns[u]
+            replica = self.ctx.rank != self.sums[u].ranks[0] if self.stage == 0 else (
+                self.cp_first is not None and mesh.coord("cp") != 0)
             mask = np.concatenate([np.full(int(np.prod(s)), k not in elsewhere and not replica)
                                    for k, s in zip(self.names[u], self.shapes[u])])
             mask = np.concatenate([mask, np.zeros(-len(mask) % n, bool)])
-            out[u] = mask.reshape(n, -1)[self.k]
+            out[u] = mask.reshape(n, -1)[self.ks[u]]
         return out
 
     # -- weights ------------------------------------------------------------------------------------
@@ -142,9 +153,10 @@ class DPWrap:
                     self.writes = []
                 fetched = yield [comm.copy(c, src=self.kept, dst="gpu", async_op=True) for c in chunks.values()]
                 chunks = dict(zip(chunks, fetched))
-                self.inflight[unit] = {x: comm.all_gather(c, group=self.group, async_op=True) for x, c in chunks.items()}
+                self.inflight[unit] = {x: comm.all_gather(c, group=self.groups[x], async_op=True)
+                                       for x, c in chunks.items()}
             return
-        self.inflight[unit] = {x: comm.all_gather(c, group=self.group, async_op=True) for x, c in chunks.items()}
+        self.inflight[unit] = {x: comm.all_gather(c, group=self.groups[x], async_op=True) for x, c in chunks.items()}
 
     def take(self, unit: str, ahead: str | None = None) -> Generator[Any, Any, dict[str, Any]]:
         """The unit's working weights by name; with ZeRO-3 and prefetch, `ahead`'s gather is issued too."""
@@ -175,7 +187,7 @@ class DPWrap:
         """One micro-batch's complete gradients (exact partials) of `unit`."""
         ops = self.ops
         flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision)) for k in self.names[unit]]),
-                       self.n)
+                       self.ns[unit])
         self.seen[unit] = self.seen.get(unit, 0) + 1
         if self.stage < 2:
             self.acc[unit] = flat if unit not in self.acc else ops.add_partial(self.acc[unit], flat)
@@ -190,11 +202,11 @@ class DPWrap:
     def _reduce(self, unit: str, flat: Any) -> Generator[Any, Any, None]:
         comm = self.ctx.comm
         if self.stage == 0:
-            self.pending.append((unit, comm.all_reduce(flat, group=self.group, async_op=True, donate=True)))
+            self.pending.append((unit, comm.all_reduce(flat, group=self.groups[unit], async_op=True, donate=True)))
             return
         if self.cp_first is not None:  # ZeRO over dp alone: the cp ranks' sum first
             flat = yield comm.all_reduce(flat, group=self.cp_first)
-        work = comm.reduce_scatter(flat, group=self.group, async_op=True, donate=True)
+        work = comm.reduce_scatter(flat, group=self.groups[unit], async_op=True, donate=True)
         if self.host is not None:  # down to the host once reduced (waited on the copy stream, not the compute one)
             with self.ctx.stream("copy:gpu->cpu"):
                 part = yield work
@@ -287,7 +299,7 @@ class DPWrap:
         elif moves:
             chunks = chunks | dict(zip(moves, (yield list(moves.values()))))
         if self.stage in (1, 2):
-            flats = yield [self.ctx.comm.all_gather(chunks[u], group=self.group, async_op=True) for u in self.units]
+            flats = yield [self.ctx.comm.all_gather(chunks[u], group=self.groups[u], async_op=True) for u in self.units]
             self.working = self._unflat(dict(zip(self.units, flats)))
         self._new_weights(chunks)
 
@@ -333,8 +345,8 @@ class DPWrap:
         ops = self.ops
 
         def chunked(tensors: dict[str, Any]) -> dict[str, Any]:
-            return {u: ops.chunk(ops.pad(ops.flat([tensors[k] for k in self.names[u]]), self.n), self.n, self.k)
-                    for u in self.units}
+            return {u: ops.chunk(ops.pad(ops.flat([tensors[k] for k in self.names[u]]), self.ns[u]), self.ns[u],
+                                 self.ks[u]) for u in self.units}
         self.state = AdamState(chunked(states["adam_m"]), chunked(states["adam_v"]), step)
         if "working" in states:
             self._new_weights(chunked(states["working"]))
@@ -346,4 +358,4 @@ class DPWrap:
         Adam moments."""
         return {"units": {u: {"params": self.master[u], "grads": grads[u], "first_grads": first[u],
                               "adam_m": self.state.m[u], "adam_v": self.state.v[u]} for u in self.units},
-                "chunk": (self.k, self.n)}
+                "chunk": (self.k, self.n), "chunks": {u: (self.ks[u], self.ns[u]) for u in self.units}}

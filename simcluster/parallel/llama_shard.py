@@ -26,6 +26,7 @@ from simcluster.model.moe import MoELayer, stack
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.expert_parallel import Exchange
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.transformer_shard import TransformerShard, weight_gradients
 from simcluster.program.context import Context
@@ -65,7 +66,10 @@ class LlamaShard(TransformerShard):
 
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: all its experts."""
-        return MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
+        layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
+        if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
+            layer.exchange = Exchange(self.ctx, layer)
+        return layer
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
@@ -147,7 +151,7 @@ class LlamaShard(TransformerShard):
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
         c = yield from self.gather(c_mine)
         if self.m.is_moe(i):  # (tp = cp = 1: parallelism.check)
-            z, _, routed = self.experts(i).forward(p, c, self.aux_scale / where.total)
+            z, _, routed = yield from self.experts(i).forward(p, c, self.aux_scale / where.total)
             mlp = {"moe": routed}
             if not self._keep_all:  # (not again when a recomputation runs the block again)
                 self.tally(step, i, routed["routing"].tally())
@@ -178,7 +182,7 @@ class LlamaShard(TransformerShard):
         dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
         if self.m.is_moe(i):  # its weight gradients at once, deferred or not (the router's is in the backward)
             moe_grads: dict[str, Any] = {}
-            dc = self.experts(i).backward(p, dz, c["moe"], moe_grads)
+            dc = yield from self.experts(i).backward(p, dz, c["moe"], moe_grads)
             for name, g in moe_grads.items():
                 weight_grad(name, lambda g=g: stack(ops, g) if isinstance(g, list) else g)
         else:

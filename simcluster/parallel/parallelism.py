@@ -43,6 +43,7 @@ class Parallelism:
     # stage all-gathers the parts over tp (Narayanan et al. 2021, section 4.1)
     scatter_gather: bool = False
     checkpoint: Any = None  # checkpoint.Checkpointing: save after a step, or resume (exact and fast modes)
+    ep: int = 1  # expert parallelism: experts shared out over runs of ep data-parallel ranks (mesh.expert_groups)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -116,6 +117,13 @@ class Parallelism:
         if m.moe_experts and (tp > 1 or cp > 1):
             raise ValueError(f"a mixture of experts runs with data and pipeline parallelism and ZeRO so far, not "
                              f"with tp={tp} or cp={cp}: set parallel.tp = parallel.cp = 1")
+        if self.ep > 1:
+            if not m.moe_experts or m.moe_experts % self.ep or dp % self.ep:
+                raise ValueError(f"expert parallelism ep={self.ep} needs a mixture of experts whose count it divides "
+                                 f"(model.moe_experts={m.moe_experts}) and must divide dp={dp}")
+            if self.schedule is Schedule.DUALPIPE or self.checkpoint is not None:
+                raise ValueError("expert parallelism with DualPipe or checkpoints is not built yet: set "
+                                 "parallel.ep = 1, or another schedule and no checkpoint")
         if m.moe_experts and m.moe_first_dense > m.layers:
             raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
         if m.tied_head and pp > 1:

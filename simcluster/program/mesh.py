@@ -62,11 +62,14 @@ def _check_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
 class DeviceMesh:
     """`np.arange(world).reshape(dp, pp, cp, tp)` with the process groups along any axes."""
 
-    def __init__(self, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> None:
+    def __init__(self, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> None:
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-        for axis, n in sizes.items():
+        for axis, n in (sizes | {"ep": ep}).items():
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"mesh axis {axis} must be a positive integer, got {n!r}")
+        if dp % ep:
+            raise ValueError(f"expert parallelism is carved out of data parallelism: ep={ep} must divide dp={dp}")
+        self.ep = int(ep)  # experts sharded over runs of ep consecutive data-parallel ranks (expert_groups)
         self.sizes: dict[str, int] = {a: int(sizes[a]) for a in AXES}
         self.world_size = int(np.prod(list(self.sizes.values())))
         self.ranks = np.arange(self.world_size).reshape(tuple(self.sizes[a] for a in AXES))
@@ -75,7 +78,8 @@ class DeviceMesh:
         self._along: dict[tuple, ProcessGroup] = {}
 
     def __repr__(self) -> str:
-        return "DeviceMesh(" + ", ".join(f"{a}={n}" for a, n in self.sizes.items()) + ")"
+        return ("DeviceMesh(" + ", ".join(f"{a}={n}" for a, n in self.sizes.items())
+                + (f", ep={self.ep}" if self.ep > 1 else "") + ")")
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
@@ -107,6 +111,20 @@ class DeviceMesh:
             seen.setdefault(g.ranks, g)
         return [seen[k] for k in sorted(seen)]
 
+    def expert_groups(self, rank: int) -> tuple[ProcessGroup, ProcessGroup]:
+        """`rank`'s expert-parallel group, the ep consecutive ranks of its data-parallel group that share
+        out the experts between them (Megatron-Core's expert_model_parallel_group), and its expert
+        data-parallel group, the dp/ep ranks that hold the same experts (expert_data_parallel_group)."""
+        dp = self.group(rank, "dp")
+        members, d = dp.ranks, self.coords(rank)["dp"]
+        if self.ep == 1:  # every dp rank holds every expert: the dp group itself reduces them
+            alone = ProcessGroup("ep", (rank,))
+            return self._interned.setdefault(alone, alone), dp
+        first = d // self.ep * self.ep
+        ep = ProcessGroup("ep", members[first:first + self.ep])
+        edp = ProcessGroup("edp", members[d % self.ep::self.ep])
+        return self._interned.setdefault(ep, ep), self._interned.setdefault(edp, edp)
+
     def mirror(self, rank: int) -> ProcessGroup:
         """`rank` and the rank at the mirrored pipeline stage (p-1-s; every other coordinate the same):
         DualPipe's two copies of the same layers."""
@@ -124,7 +142,11 @@ class DeviceMesh:
             for axes in combinations(AXES, n):
                 out.extend(self.groups(*axes))
         pairs = {g.ranks: g for g in map(self.mirror, range(self.world_size)) if g.size == 2}
-        return out + [pairs[k] for k in sorted(pairs)]
+        out += [pairs[k] for k in sorted(pairs)]
+        if self.ep > 1:  # (with ep = 1 the groups are a rank alone and the dp groups)
+            experts = {g.ranks: g for r in range(self.world_size) for g in self.expert_groups(r)}
+            out += [experts[k] for k in sorted(experts)]
+        return out
 
     def view(self, rank: int) -> "MeshView":
         return MeshView(self, rank)
@@ -141,6 +163,7 @@ class MeshView:
         # this rank's group along each axis and the world (plain attributes: programs use them per call)
         self.dp, self.pp, self.cp, self.tp = (self.group(a) for a in AXES)
         self.world = self.group()
+        self.ep, self.edp = mesh.expert_groups(rank)  # (ep = 1: this rank alone, and its dp group's ranks)
 
     def group(self, *axes: str) -> ProcessGroup:
         g = self._groups.get(axes)

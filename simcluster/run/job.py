@@ -134,7 +134,8 @@ def _limbs(x: Any) -> Any:
 
 def job_of(sc: Scenario, *, fold: bool = True) -> Job:
     """The scenario's program, arguments and checks (a ScenarioError says what is impossible)."""
-    mesh = DeviceMesh(**sc.parallel.degrees)
+    with _as_scenario_error():
+        mesh = DeviceMesh(**sc.parallel.degrees, ep=sc.parallel.ep)
     mode, program = sc.run.numerics, sc.run.program
     coords = [mesh.coords(r) for r in range(mesh.world_size)]
     if program == "transformer":

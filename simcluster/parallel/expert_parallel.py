@@ -1,0 +1,122 @@
+"""Expert parallelism: a mixture of experts' experts shared out over an ep group, tokens sent to them and back.
+
+Megatron-Core's layout (Shoeybi et al.; its MoE's "alltoall" token dispatcher): the ep group is ep
+consecutive data-parallel ranks (mesh.expert_groups); rank q of it holds experts [q E/ep, (q+1) E/ep).
+Each rank routes its own tokens (model/moe.py: the rows grouped by expert), then
+  plan:  the rows it has for each expert, all-gathered over the group (the receivers' sizes: Megatron
+         reads these counts back to the host too);
+  there: to each rank, the rows for its experts, and from each, the rows it has for mine; an expert's
+         input is the rows every rank sent it, in rank order;
+  back:  each expert's outputs returned to the ranks the rows came from, which put them back in the
+         order they sent them.
+The backward pass sends the output gradients the same way and the input gradients back. The exchange
+is NCCL's all-to-all as it is built, a send and a receive for each peer issued together; nothing is
+sent to oneself, nor an empty message. Each rank's weight gradient of an expert sums the rows it
+computed, from every rank of the group, as one exact partial, and data parallelism then sums it over
+the ranks holding the same experts (expert data parallelism, dp_wrap.py): the single device's bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import numpy as np
+
+from simcluster.numerics.ops import Mode
+from simcluster.numerics.tensor import MetaTensor
+from simcluster.program.context import Context
+
+
+class Plan:
+    """Who sends what: `counts[q][e]` rows rank q of the group has for expert e (host integers)."""
+
+    def __init__(self, counts: list[list[int]], me: int, ep: int) -> None:
+        self.counts, self.me, self.ep = counts, me, ep
+        self.local = len(counts[0]) // ep  # experts a rank holds
+
+    def mine(self, q: int) -> list[int]:
+        """Rows rank q sends me, for each of my experts."""
+        return self.counts[q][self.me * self.local:(self.me + 1) * self.local]
+
+    def to(self, q: int) -> int:
+        """Rows I send rank q: mine for its experts."""
+        return sum(self.counts[self.me][q * self.local:(q + 1) * self.local])
+
+
+class Exchange:
+    """The all-to-all of one MoE layer on one rank of its ep group (model/moe.py calls it)."""
+
+    def __init__(self, ctx: Context, layer: Any) -> None:
+        self.ctx, self.layer, self.group = ctx, layer, ctx.mesh.ep
+        self.me, self.ep = self.group.rank_of(ctx.rank), self.group.size
+
+    def plan(self, bounds: tuple[int, ...]) -> Generator[Any, Any, Plan]:
+        """Every rank's rows per expert (all-gathered: fp32 holds whole counts exactly)."""
+        ops, experts = self.ctx.ops, len(bounds) - 1
+        mine = [bounds[e + 1] - bounds[e] for e in range(experts)]
+        sent = MetaTensor((experts,), "fp32") if ops.mode is Mode.META else ops.from_host(counts_array(mine))
+        every = yield self.ctx.comm.all_gather(sent, group=self.group, dim=0)
+        if ops.mode is Mode.META:  # (a stated routing: every rank has the same counts)
+            return Plan([mine] * self.ep, self.me, self.ep)
+        flat = read_counts(ops.xp.to_host(every))
+        return Plan([flat[q * experts:(q + 1) * experts] for q in range(self.ep)], self.me, self.ep)
+
+    def _dtype(self, x: Any) -> str:
+        return x.dtype if x.__class__ is MetaTensor else self.ctx.ops.xp.name(x.dtype)
+
+    def _swap(self, outgoing: list[Any], sizes: list[int], like: Any) -> Generator[Any, Any, list[Any]]:
+        """Send outgoing[q] to rank q of the group and receive sizes[q] rows from it, all at once; my own
+        block stays. Returns the blocks by rank."""
+        comm, ranks, h = self.ctx.comm, self.group.ranks, like.shape[-1]
+        works, got = [], {}
+        for q in range(self.ep):
+            if q == self.me:
+                continue
+            if outgoing[q].shape[0]:
+                works.append(comm.send(outgoing[q], dst=ranks[q], async_op=True))
+            if sizes[q]:
+                got[q] = len(works)
+                works.append(comm.recv(src=ranks[q], like=MetaTensor((sizes[q], h), self._dtype(like)), async_op=True))
+        done = yield works
+        return [outgoing[q] if q == self.me else done[got[q]] if q in got else self.layer.slice_rows(like, 0, 0)
+                for q in range(self.ep)]
+
+    def there(self, rows: Any, plan: Plan) -> Generator[Any, Any, list[Any]]:
+        """My experts' inputs: from each rank the rows it has for them, joined expert by expert."""
+        ops, cut, n = self.ctx.ops, self.layer.slice_rows, plan.local
+        bounds = [0]
+        for c in plan.counts[self.me]:
+            bounds.append(bounds[-1] + c)
+        outgoing = [cut(rows, bounds[q * n], bounds[(q + 1) * n]) for q in range(self.ep)]
+        blocks = yield from self._swap(outgoing, [sum(plan.mine(q)) for q in range(self.ep)], rows)
+        inputs = []
+        for e in range(n):
+            parts = []
+            for q, block in enumerate(blocks):
+                at = sum(plan.mine(q)[:e])
+                parts.append(cut(block, at, at + plan.mine(q)[e]))
+            inputs.append(parts[0] if self.ep == 1 else ops.concat(parts, 0))
+        return inputs
+
+    def back(self, outs: list[Any], plan: Plan) -> Generator[Any, Any, Any]:
+        """Each expert's output rows back to the ranks they came from; mine joined in the order I sent them."""
+        ops, cut = self.ctx.ops, self.layer.slice_rows
+        outgoing = []
+        for q in range(self.ep):
+            parts = []
+            for e, out in enumerate(outs):
+                at = sum(plan.mine(p)[e] for p in range(q))
+                parts.append(cut(out, at, at + plan.mine(q)[e]))
+            outgoing.append(ops.concat(parts, 0))
+        blocks = yield from self._swap(outgoing, [plan.to(q) for q in range(self.ep)], outs[0])
+        return ops.concat(blocks, 0)
+
+
+def counts_array(counts: list[int]) -> np.ndarray:
+    """A rank's rows per expert as the fp32 array it all-gathers (whole numbers below 2^24: exact)."""
+    return np.asarray(counts, dtype=np.float32)
+
+
+def read_counts(gathered: np.ndarray) -> list[int]:
+    """The all-gathered counts, read back on the host."""
+    return [int(v) for v in np.asarray(gathered).reshape(-1)]

@@ -1,0 +1,101 @@
+"""Expert parallelism (parallel.ep): experts shared out over runs of ep data-parallel ranks, tokens sent to
+them and back (parallel/expert_parallel.py). Byte-identical to one device in exact mode; gradients reduced
+over the wrong ranks caught; the all-to-all's bytes, the experts' memory and a skew's straggler in closed
+form; folded as unfolded; what it does not run refused in one line."""
+
+import pytest
+
+from simcluster.config.scenario import load
+from simcluster.config.schema import ScenarioError
+from simcluster.parallel.reference import reference
+from simcluster.run.runner import run_scenario
+
+SMALL = ["model.arch=llama", "model.moe_experts=4", "model.moe_aux_coeff=0.01", "run.numerics=exact", "run.steps=2",
+         "model.hidden=16", "model.heads=2", "model.ffn_hidden=24", "model.seq=8", "model.vocab=32",
+         "model.global_batch=4"]
+
+
+def _report(*sets: str, fold: bool = True) -> dict:
+    return run_scenario(load(None, SMALL + list(sets)), fold=fold).report
+
+
+@pytest.mark.parametrize("sets", [
+    ("parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "parallel.zero=1", "model.moe_capacity_factor=1.0"),
+    ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "parallel.zero=3", "model.micro_batch=1"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.zero=2",
+     "model.moe_capacity_factor=0.5", "model.dtype=bf16"),
+    ("parallel.dp=4", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=8", "parallel.schedule=zb-v",
+     "model.micro_batch=1", "model.global_batch=8", "model.layers=4", "parallel.recompute=full",
+     "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5"),
+], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-zero2-dropping", "dp4-ep2-pp2-zbv-recompute-deepseek"])
+def test_expert_parallel_layouts_are_byte_identical_to_one_device(sets):
+    v = _report(*sets)["verification"]
+    assert v["bit_exact"] and not v["mismatches"]
+    assert "params.layers.1.moe.experts.w_fc" in v["outputs"] and "routing[1].layers.0.chosen" in v["outputs"]
+
+
+def test_expert_gradients_reduced_over_every_data_parallel_rank_are_caught(monkeypatch):
+    """The broken variant: an experts unit reduced over the whole dp group, as the dense weights are, which
+    adds the gradients of other ranks' experts into each rank's."""
+    from simcluster.parallel.dp_wrap import DPWrap
+
+    init = DPWrap.__init__
+
+    def over_dp(self, ctx, *args, **kw):
+        init(self, ctx, *args, **kw)
+        self.groups = {u: ctx.mesh.dp if u.startswith("experts") else g for u, g in self.groups.items()}
+
+    monkeypatch.setattr(DPWrap, "__init__", over_dp)
+    reference.cache_clear()
+    v = _report("parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "parallel.zero=0")["verification"]
+    reference.cache_clear()
+    assert not v["bit_exact"] and v["mismatches"]
+
+
+META = ["model.arch=llama", "model.moe_experts=8", "run.numerics=meta", "model.hidden=256", "model.heads=4",
+        "model.ffn_hidden=512", "model.seq=64", "model.global_batch=8", "model.layers=2", "parallel.zero=0",
+        "model.dtype=fp32", "cluster.gpus_per_node=4", "parallel.dp=4"]
+
+
+def test_the_all_to_all_moves_each_ranks_rows_for_other_ranks_experts():
+    """Evenly routed (meta: stated), a rank's 2 sequences x 64 tokens x top-2 = 256 rows go 32 to each
+    of 8 experts, 64 to each rank's 2 (ep 4); 3 peers x 64 rows x h 256 x 4 bytes out and back in the
+    forward pass, again in the backward: 786,432 bytes a layer a step; 2 layers, 3 steps."""
+    comm = {(c["group"], c["collective"]): c for c in run_scenario(
+        load(None, META + ["parallel.ep=4"])).report["communication"]}
+    assert comm[("p2p", "send")]["bytes_per_rank"] == 3 * 2 * 4 * 3 * 64 * 256 * 4
+    assert comm[("ep", "all_gather")]["calls_per_rank"] == 2 * 3  # the plan: a layer a step (the backward reuses it)
+
+
+def test_each_rank_holds_its_share_of_the_experts():
+    """fp32 DDP: 4 bytes a parameter held; the experts' 2 layers x 3 x 8 x 256 x 512 parameters held a
+    quarter each with ep 4, the rest whole."""
+    def held(ep):
+        return run_scenario(load(None, META + [f"parallel.ep={ep}"])).report["memory_peak_bytes"]["0"]["parameters"]
+    experts = 2 * 3 * 8 * 256 * 512
+    assert held(1) - held(4) == 4 * experts * 3 // 4
+
+
+def test_a_skewed_routing_makes_the_busiest_experts_rank_the_straggler():
+    """Zipf-skewed (stated) routing: expert 0, on the first rank of each ep group, takes the most rows, so
+    that rank computes longest, and the report's imbalance is the stated one; folded as unfolded."""
+    sets = META + ["parallel.ep=4", "model.moe_skew=1"]
+    folded = run_scenario(load(None, sets)).report
+    unfolded = run_scenario(load(None, sets), fold=False).report
+    assert folded["busy_ns"] == unfolded["busy_ns"] and folded["step_time_ns"] == unfolded["step_time_ns"]
+    compute = {r: streams["compute"] for r, streams in folded["busy_ns"].items()}
+    assert compute["0"] == max(compute.values()) and compute["0"] > compute["3"]
+    assert folded["experts"]["layers"][0]["imbalance"] > 2
+
+
+@pytest.mark.parametrize("sets,words", [
+    (("parallel.dp=4", "parallel.ep=3", "cluster.gpus_per_node=4"), "ep=3 must divide dp=4"),
+    (("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_experts=6"), "moe_experts=6"),
+    (("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.schedule=dualpipe",
+      "model.micro_batch=1"), "DualPipe"),
+    (("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_experts=0"), "mixture of experts"),
+])
+def test_what_expert_parallelism_does_not_run_is_refused_in_one_line(sets, words):
+    with pytest.raises(ScenarioError) as err:
+        _report(*sets)
+    assert words in str(err.value) and "\n" not in str(err.value)
