@@ -221,7 +221,7 @@ class Layout:
 
     def __repr__(self) -> str:
         p, d = self.parallelism, self.parallelism.data
-        degrees = ", ".join(f"{a}={n}" for a, n in self.mesh.sizes.items())
+        degrees = ", ".join(f"{a}={n}" for a, n in (self.mesh.sizes | {"ep": self.mesh.ep}).items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
                 f"sp={p.sp}, scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
                 f"micro_batches={d.micro_batches}, "
@@ -266,7 +266,8 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
 
 def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
-    stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over, and
+    stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over,
+    expert parallelism for a mixture of experts (which runs without tp and cp), and
     micro-batch count that `Parallelism.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
     other TrainingConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
@@ -280,10 +281,10 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
     @st.composite
     def draw(d: Any) -> Layout:
         tps = [t for t in divisors(math.gcd(m.heads, m.ffn_hidden, m.vocab))
-               if t <= max_world and (m.kv_heads % t == 0 or t % m.kv_heads == 0)]
+               if t <= max_world and (m.kv_heads % t == 0 or t % m.kv_heads == 0) and not (m.moe_experts and t > 1)]
         tp = d(st.sampled_from(tps))
         attention = d(st.sampled_from(ATTENTIONS))
-        cps = [c for c in divisors(m.seq) if c * tp <= max_world
+        cps = [c for c in divisors(m.seq) if c * tp <= max_world and not (m.moe_experts and c > 1)
                and not (c > 1 and attention in ("ring", "allgather") and m.causal and m.seq % (2 * c))
                and not (c > 1 and attention == "ulysses" and (m.heads // tp) % c)]
         cp = d(st.sampled_from(cps))
@@ -299,13 +300,17 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         schedule, pp, dps = d(st.sampled_from(feasible))
         virtual = d(st.integers(1, m.layers // pp)) if schedule is Schedule.INTERLEAVED else 1
         dp = d(st.sampled_from(dps))
+        # a mixture of experts: expert parallelism over runs of dp ranks (not beside DualPipe)
+        eps = [e for e in divisors(math.gcd(dp, m.moe_experts)) if e == 1 or schedule is not Schedule.DUALPIPE] \
+            if m.moe_experts else [1]
+        ep = d(st.sampled_from(eps))
         micro = d(st.sampled_from(_micro_batch_counts(schedule, pp, None if global_batch is None else global_batch // dp)))
         batch = global_batch or dp * micro * d(st.integers(1, 2))
         data = TrainingConfig(model=m, global_batch=batch, micro_batches=micro,
                         zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
         parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
-                    zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()))
-        mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp)
+                    zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep)
+        mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
         try:
             parallelism.check(dp, pp, cp, tp)
         except ValueError as exc:  # a rule this strategy does not know: a bug here, not in the caller's test

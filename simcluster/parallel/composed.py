@@ -327,7 +327,7 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
     if ck and ck.save and ck.at == data.steps:
         written = _save(ctx, ck, m, stage, shards, dp, data.steps)
     return {"loss": losses, "first_step": start, "checkpoint": written, "routing": getattr(model, "routing", {}),
-            **dp.results(grads, first)}
+            "expert_shard": (ctx.mesh.ep.rank_of(ctx.rank), ctx.mesh.ep.size), **dp.results(grads, first)}
 
 
 def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DPWrap, step: int) -> Any:
@@ -354,14 +354,14 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
         for key, n in res.get("routing", {}).items():
             out[key] = n if key not in out else out[key] + n
     shapes = m.parameter_shapes()
-    ep = parallelism.ep
+    ep = max(res.get("expert_shard", (0, 1))[1] for res in results)  # (the run's, whatever `parallelism` says)
     for kind in KINDS:
         # (unit, tp rank, ep rank: a block's experts are shared out over ep) -> chunk index -> flat
         pieces: dict[tuple[str, int, int], dict[int, Any]] = {}
         for rank, (res, c) in enumerate(zip(results, coords)):
             for unit, arrays in res["units"].items():
                 k, _ = res.get("chunks", {}).get(unit, res["chunk"])
-                e = c["dp"] % ep if unit.startswith("experts") else 0
+                e = res.get("expert_shard", (0, 1))[0] if unit.startswith("experts") else 0
                 got = pieces.setdefault((unit, c["tp"], e), {})
                 if k in got and np.asarray(got[k]).tobytes() != np.asarray(arrays[kind]).tobytes():
                     out[f"{kind}.{unit}[chunk {k}]@rank{rank}"] = arrays[kind]
