@@ -99,3 +99,24 @@ def test_what_expert_parallelism_does_not_run_is_refused_in_one_line(sets, words
     with pytest.raises(ScenarioError) as err:
         _report(*sets)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_plan_searches_expert_parallelism():
+    """Every ep dividing dp and the experts is searched (and --fix narrows it); a layout's estimated memory
+    drops by what its experts cost held an ep-th each: 16 bytes a parameter of model states in bf16 with DDP,
+    and 4 of the optimizer step's fp32 gradients, which here outweigh the recomputed activations."""
+    from simcluster.analysis.estimate import estimate
+    from simcluster.analysis.planner import layouts, parse_fixed
+
+    sc = load("moe", at_scale=True)
+    eps = {lay.ep for lay in layouts(sc) if lay.dp == 64}
+    assert eps == {1, 2, 4, 8}
+    assert {lay.ep for lay in layouts(sc, parse_fixed(["ep=2"]))} == {2}
+    base = dict(tp=1, pp=1, cp=1, dp=64, zero=0, micro_batch=1, recompute="full", schedule="1f1b", virtual=1)
+    from simcluster.analysis.estimate import Layout
+
+    one, eight = (estimate(sc, Layout(**base, ep=ep)) for ep in (1, 8))
+    m = sc.model
+    experts = m.layers * 3 * m.moe_experts * m.hidden * m.ffn_hidden
+    assert one.memory_bytes - eight.memory_bytes == pytest.approx((16 + 4) * experts * 7 / 8, rel=1e-9)
+    assert "EP8" in eight.layout.label() and "CP" not in eight.layout.label()

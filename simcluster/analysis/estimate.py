@@ -13,6 +13,8 @@ layers, the last one's LM head too) at the device's achievable rate, stretched b
 tensor-parallel collectives on the critical path, the context-parallel exchanges (Ulysses'
 all-to-alls, all-gather KV's gathers, the ring's transfers beyond what each block's attention hides),
 ZeRO-3's gathers and what the data-parallel gradient reduction leaves exposed after the backward pass.
+A mixture of experts: its experts' states an ep-th a rank, sharded by ZeRO over the dp/ep ranks holding
+them, its routed activations (activations.moe_activations), and expert parallelism's all-to-all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from simcluster.config.scenario import Scenario, ScenarioError
-from simcluster.model.activations import layer_bytes
+from simcluster.model.activations import layer_activations, moe_activations
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, step_flops
 from simcluster.model.precision import model_state_bytes
@@ -52,18 +54,21 @@ class Layout:
     schedule: str
     virtual: int
     sp: int = 1  # sequence parallelism with tp (1: on; 0: off, as Megatron-LM before 2022)
+    ep: int = 1  # expert parallelism (a mixture of experts), carved out of dp
 
     def label(self) -> str:
         sched = "" if self.pp == 1 else (f" interleaved v{self.virtual}" if self.schedule == "interleaved" else
                                          " " + self.schedule.upper())
         sp = " no-SP" if self.tp > 1 and not self.sp else ""
+        if self.ep > 1:  # (experts run with cp 1: EP where CP would be, the line as long)
+            return f"TP{self.tp}{sp} PP{self.pp}{sched} DP{self.dp} EP{self.ep}"
         return f"TP{self.tp}{sp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
         return replace(sc, variants=(), model=replace(sc.model, micro_batch=self.micro_batch),
                        parallel=replace(sc.parallel, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, zero=self.zero,
                                         recompute=self.recompute, schedule=self.schedule,
-                                        virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp)))
+                                        virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp), ep=self.ep))
 
 
 @dataclass(frozen=True)
@@ -77,26 +82,37 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     """The closed-form memory and time of a layout (module docstring); None if the parallelism refuses it."""
     lsc = layout.scenario(sc)
     try:
-        parallelism = parallelism_of(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp))
-    except ScenarioError:
+        parallelism = parallelism_of(lsc, DeviceMesh(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
+                                                     ep=layout.ep))
+    except (ScenarioError, ValueError):
         return None
     spec = lsc.cluster_spec()
     model, data = parallelism.model, parallelism.data
-    t, p, c, v = layout.tp, layout.pp, layout.cp, layout.virtual
+    t, p, c, v, e = layout.tp, layout.pp, layout.cp, layout.virtual, layout.ep
     m = data.micro_batches
     shapes = model.parameter_shapes()
-    per_layer = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0.")) / t
+    # a layer's parameters on a rank, an average layer's: a mixture of experts' experts (3-d) an ep-th each
+    dense = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.") and len(s) < 3) / model.layers / t
+    experts = sum(math.prod(s) for s in shapes.values() if len(s) == 3) / model.layers / t / e
     edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last; one stage: both)
-    psi = math.ceil(model.layers / p) * per_layer + edge * (2 if p == 1 and not model.tied_head else 1)
+    psi = math.ceil(model.layers / p) * (dense + experts) + edge * (2 if p == 1 and not model.tied_head else 1)
+    expert_psi = math.ceil(model.layers / p) * experts
     # what the fullest stage holds: ZB-V's first stage has the embedding and the head (its V's two ends)
     held_psi = psi + (edge if layout.schedule == "zb-v" and p > 1 and not model.tied_head else 0.0)
-    n = layout.dp * c  # ZeRO shards over dp x cp
+    n = layout.dp * c  # ZeRO shards over dp x cp (a mixture of experts' experts over the dp/ep holding them)
     state = model_state_bytes(1, data.precision)
+
+    def held(count: float, over: int) -> float:
+        shard = {0: (1, 1, 1), 1: (1, 1, over), 2: (1, over, over), 3: (over, over, over)}[layout.zero]
+        return count * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
+    states = held(held_psi - expert_psi, n) + held(expert_psi, layout.dp // e)
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
-    states = held_psi * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
-    act = layer_bytes(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
-                      sp=t > 1 and bool(layout.sp),
-                      recompute=layout.recompute, dtype=model.dtype, attention_kernel=model.attention_kernel)
+    kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
+                             sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
+                             attention_kernel=model.attention_kernel)
+    if model.moe_experts and layout.recompute != "full":
+        kept = moe_activations(kept, model, b=layout.micro_batch)
+    act = sum(kept.values())
     if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
         place = placement(parallelism.schedule, parallelism.shape(p))
         sizes = [len(r) for r in partition(model.layers, place.pieces)]
@@ -132,8 +148,16 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     # the context-parallel group (stride tp): inside a node while tp x cp fits one, else over k nodes
     nodes = 1 if spec.torus or t * c <= spec.gpus_per_node else t * c // spec.gpus_per_node
     exchange = _context_exchange(lsc.parallel.attention, layout, model, spec, nvlink, nodes) * model.layers / p * m
+    # expert parallelism's all-to-all: a rank's routed rows for other ranks' experts, out and back, a
+    # forward (twice under full recomputation) and a backward, each MoE layer of the busiest stage (the ep
+    # group: dp ranks, a stride of pp cp tp apart, inside a node while ep of them fit one)
+    if e > 1:
+        rows = layout.micro_batch * model.seq * model.moe_top_k * (e - 1) / e
+        link = nvlink if e * p * c * t <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
+        exchange += passes * 2 * rows * model.hidden * 2 / link * math.ceil(model.layers / p) * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers
-                    + _reduction(sc, layout, psi, n, m, across, compute))
+                    + _reduction(sc, layout, psi - expert_psi, n, m, across, compute)
+                    + _reduction(sc, layout, expert_psi, layout.dp // e, m, across, compute))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -15,6 +15,7 @@ The estimate only chooses what to simulate: every figure in the table is the sim
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -102,14 +103,19 @@ def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Itera
                 continue
             for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
                 dp = world // (tp * pp * cp)
-                schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s in BUBBLE
-                                                           for v in (chunks if s == "interleaved" else (1,))]
-                for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
-                    for mb in MICRO_BATCHES:
-                        for recompute in RECOMPUTE:
-                            for schedule, virtual in schedules:
-                                for sp in (sps if tp > 1 else sps[:1]):  # (tp 1: no sp either way)
-                                    yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp)
+                for ep in _divisors(math.gcd(dp, sc.model.moe_experts)) if sc.model.moe_experts else (1,):
+                    yield from _variants(tp, pp, cp, dp, ep, sps, chunks)
+
+
+def _variants(tp: int, pp: int, cp: int, dp: int, ep: int, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:
+    """A layout's degrees with each ZeRO stage, micro-batch, recomputation, schedule and sp."""
+    schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s in BUBBLE for v in (chunks if s == "interleaved" else (1,))]
+    for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
+        for mb in MICRO_BATCHES:
+            for recompute in RECOMPUTE:
+                for schedule, virtual in schedules:
+                    for sp in (sps if tp > 1 else sps[:1]):  # (tp 1: no sp either way)
+                        yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp, ep)
 
 
 def bottleneck(report: dict[str, Any]) -> str:
