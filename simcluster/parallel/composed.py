@@ -334,9 +334,16 @@ def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DP
     """This rank's file of the checkpoint: the states it owns, copied to the host, which writes the file."""
     shapes, ops, names, kinds, t, r = m.parameter_shapes(), ctx.ops, shards.names, shards.kinds, shards.t, shards.r
     snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
+
+    def piece(u: str, i: int, x: Any) -> Any:  # this rank's piece of a whole tensor (of its indices, here)
+        x = shard(x, kinds[names[u][i]], t, r)
+        if u.startswith("experts") and shards.ep > 1:  # its experts
+            n = x.shape[0] // shards.ep
+            x = x[shards.e * n:(shards.e + 1) * n]
+        return x
     return checkpoint.write_rank(ck.staging, ctx.rank, step, [
         dict(zip(("index", "which"), checkpoint.element_index(
-            [shapes[k] for k in names[u]], lambda i, x, u=u: shard(x, kinds[names[u][i]], t, r), dp.ns[u], dp.ks[u])),
+            [shapes[k] for k in names[u]], lambda i, x, u=u: piece(u, i, x), dp.ns[u], dp.ks[u])),
              names=names[u], mask=dp.owned[u], states=snap[u]) for u in names])
 
 

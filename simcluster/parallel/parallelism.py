@@ -121,9 +121,9 @@ class Parallelism:
             if not m.moe_experts or m.moe_experts % self.ep or dp % self.ep:
                 raise ValueError(f"expert parallelism ep={self.ep} needs a mixture of experts whose count it divides "
                                  f"(model.moe_experts={m.moe_experts}) and must divide dp={dp}")
-            if self.schedule is Schedule.DUALPIPE or self.checkpoint is not None:
-                raise ValueError("expert parallelism with DualPipe or checkpoints is not built yet: set "
-                                 "parallel.ep = 1, or another schedule and no checkpoint")
+            if self.schedule is Schedule.DUALPIPE:
+                raise ValueError("expert parallelism with DualPipe is not built yet: set parallel.ep = 1, or "
+                                 "another schedule")
         if m.moe_experts and m.moe_first_dense > m.layers:
             raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
         if m.tied_head and pp > 1:
