@@ -63,7 +63,7 @@ MOE = ModelConfig(arch="llama", tied_head=False, layers=4, hidden=8, heads=2, ff
                   moe_experts=4, moe_ffn_hidden=6, moe_aux_coeff=0.01, moe_capacity_factor=1.0)
 
 
-@settings(max_examples=12)
+@settings(max_examples=6)
 @given(layouts(MOE, max_world=8))
 def test_any_drawn_layout_with_experts_is_bit_exact(layout):
     assert layout.parallelism.ep == layout.mesh.ep
