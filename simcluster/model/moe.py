@@ -1,6 +1,6 @@
-"""A mixture-of-experts FFN on one device: router, dispatch, experts, combine, auxiliary loss.
+"""A mixture-of-experts FFN: router, dispatch, experts, combine, auxiliary loss.
 
-The layer replaces a block's MLP (issue 39's first part; expert parallelism builds on it). For tokens
+The layer replaces a block's MLP (the Llama's: llama_shard.py). For tokens
 x (b, s, h):
 
 - router: logits = x W_r (h -> E experts), probabilities p = softmax(logits) over the experts (the
@@ -28,7 +28,9 @@ Every sum a parallel layout might split (a weight gradient over tokens, a combin
 exact partial in exact mode. Routing needs the probabilities on the host (Megatron-Core reads the
 token counts back too, to size its grouped GEMM). Meta mode has no numbers to route by: it is routed
 as stated (`stated`: uniform, or skewed by a parameter) and records the same kernels, each expert's
-GEMMs sized by the tokens the statement gives it.
+GEMMs sized by the tokens the statement gives it. The rows reach their experts through an exchange:
+`Local` slices them on this rank; expert parallelism's sends them to the ranks holding their experts
+and back (parallel/expert_parallel.py), which is why forward and backward are generators.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ over cp are the GPT's:
     heads/kv_heads query heads; tp splits the kv heads with their query heads; inside attention
     each kv head is repeated for its query heads (as Llama's reference code does) and the gradients
     of the repeats are summed exactly back onto it;
-  - a SwiGLU MLP (Shazeer 2020): w2(silu(x w1) * (x w3)), w1 and w3 column parallel, w2 row parallel.
+  - a SwiGLU MLP (Shazeer 2020): w2(silu(x w1) * (x w3)), w1 and w3 column parallel, w2 row parallel; or,
+    after model.moe_first_dense layers, a mixture of SwiGLU experts (model/moe.py; tp = cp = 1).
 With tp = cp = pp = 1 this is the single-device model: the reference every layout is compared with,
 itself checked against torch autograd.
 """
@@ -65,7 +66,8 @@ class LlamaShard(TransformerShard):
             self.routing[f"{key}.{name}"] = n if have is None else have + n
 
     def experts(self, i: int) -> MoELayer:
-        """Block i's mixture of experts (model/moe.py) on this rank: all its experts."""
+        """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
+        this rank's share of them, the rows exchanged with the ep group (parallel/expert_parallel.py)."""
         layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
         if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
             layer.exchange = Exchange(self.ctx, layer)
