@@ -26,12 +26,13 @@ def _report(*sets: str, fold: bool = True) -> dict:
      "model.moe_capacity_factor=0.5", "model.dtype=bf16"),
     ("parallel.dp=4", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=8", "parallel.schedule=zb-v",
      "model.micro_batch=1", "model.global_batch=8", "model.layers=4", "parallel.recompute=full",
-     "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5"),
+     "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5",
+     "model.moe_shared_experts=1", "model.moe_first_dense=1"),
 ], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-zero2-dropping", "dp4-ep2-pp2-zbv-recompute-deepseek"])
 def test_expert_parallel_layouts_are_byte_identical_to_one_device(sets):
     v = _report(*sets)["verification"]
     assert v["bit_exact"] and not v["mismatches"]
-    assert "params.layers.1.moe.experts.w_fc" in v["outputs"] and "routing[1].layers.0.chosen" in v["outputs"]
+    assert "params.layers.1.moe.experts.w_fc" in v["outputs"] and "routing[1].layers.1.chosen" in v["outputs"]
 
 
 def test_expert_gradients_reduced_over_every_data_parallel_rank_are_caught(monkeypatch):

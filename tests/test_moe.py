@@ -18,6 +18,11 @@ def _weights(rng, h, moe, dtype=np.float64):
            "moe.experts.w_out": (rng.standard_normal((e, f, h)) / np.sqrt(f)).astype(dtype)}
     if moe.activation == "swiglu":
         out["moe.experts.w_up"] = (rng.standard_normal((e, h, f)) / np.sqrt(h)).astype(dtype)
+    if moe.shared:
+        n = moe.shared * f
+        out |= {"moe.shared.w1": (rng.standard_normal((h, n)) / np.sqrt(h)).astype(dtype),
+                "moe.shared.w3": (rng.standard_normal((h, n)) / np.sqrt(h)).astype(dtype),
+                "moe.shared.w2": (rng.standard_normal((n, h)) / np.sqrt(n)).astype(dtype)}
     return out
 
 
@@ -27,7 +32,7 @@ def _ours(moe, p, x, dy, scale, mode="fast"):
     y, aux, cache = local(layer.forward(p, x, scale))
     grads = {}
     dx = local(layer.backward(p, dy, cache, grads))
-    done = {"moe.router": ops.finalize(grads["moe.router"])}
+    done = {k: ops.finalize(grads[k]) for k in p if k == "moe.router" or k.startswith("moe.shared.")}
     for name in [n for n in p if n.startswith("moe.experts.")]:
         done[name] = np.stack([ops.finalize(g) for g in grads[name]])
     return y, aux, dx, done, cache["routing"]
@@ -67,6 +72,8 @@ def _torch(moe, p, x, dy, scale, bias=None):
                 out = torch.nn.functional.silu(hidden) * (xf[rows] @ t["moe.experts.w_up"][ex])
             out = out @ t["moe.experts.w_out"][ex]
             y = y.index_add(0, torch.nonzero(rows)[:, 0], gates[rows, j:j + 1] * out)
+    if moe.shared:  # every token through the shared experts too
+        y = y + (torch.nn.functional.silu(xf @ t["moe.shared.w1"]) * (xf @ t["moe.shared.w3"])) @ t["moe.shared.w2"]
     loss = (y.reshape(b, s, h) * torch.tensor(dy)).sum()
     aux = torch.zeros((), dtype=torch.float64)
     if moe.aux_coeff:
@@ -101,13 +108,13 @@ def test_forward_and_backward_match_torch_autograd(top, normalize, capacity, aux
         assert abs(float(got_aux) - want_aux) <= 1e-12 * abs(want_aux)
 
 
-@pytest.mark.parametrize("activation,capacity", [("swiglu", 0.0), ("swiglu", 0.75)])
-def test_deepseek_routing_and_swiglu_experts_match_torch_autograd(activation, capacity):
+@pytest.mark.parametrize("capacity,shared", [(0.0, 1), (0.75, 0), (0.0, 2)])
+def test_deepseek_routing_and_swiglu_experts_match_torch_autograd(capacity, shared):
     """DeepSeek-V3's router: sigmoid scores, a selection bias (no gradient), the chosen scores normalised and
-    scaled, the balance loss over the scores normalised per token; SwiGLU experts."""
+    scaled, the balance loss over the scores normalised per token; SwiGLU experts, and shared ones."""
     rng = np.random.default_rng(11)
     moe = MoE(experts=6, top_k=2, ffn_hidden=4, aux_coeff=0.01, capacity_factor=capacity, normalize=True,
-              activation=activation, scores="sigmoid", route_scale=2.5)
+              activation="swiglu", scores="sigmoid", route_scale=2.5, shared=shared)
     b, s, h = 2, 7, 8
     p, x, dy = _weights(rng, h, moe), rng.standard_normal((b, s, h)), rng.standard_normal((b, s, h))
     bias = rng.standard_normal(6) * 0.3

@@ -72,11 +72,11 @@ def test_what_it_does_not_run_is_refused_in_one_line(sets, words):
 
 def test_model_flops_count_the_router_and_top_k_experts():
     m = ModelConfig(arch="llama", tied_head=False, layers=2, hidden=16, heads=2, ffn_hidden=40, seq=8, vocab=32,
-                    moe_experts=6, moe_top_k=2, moe_ffn_hidden=12, moe_first_dense=1)
+                    moe_experts=6, moe_top_k=2, moe_ffn_hidden=12, moe_first_dense=1, moe_shared_experts=1)
     weights, _, _ = forward_per_token(m)
     attention = 4 * 16 * 16  # wq, wk, wv, wo (kv_heads = heads)
     dense_mlp = 3 * 16 * 40
-    moe = 16 * 6 + 2 * 3 * 16 * 12  # the router, and two experts' three products
+    moe = 16 * 6 + 2 * 3 * 16 * 12 + 3 * 16 * 12  # the router, two experts' three products, the shared one's
     assert weights == 2.0 * (2 * attention + dense_mlp + moe)
 
 

@@ -107,6 +107,9 @@ class ModelSection(Section):
         "softmax", "the router's scores: a softmax over the experts, or a sigmoid each (DeepSeek-V3)")
     moe_normalize: bool = key(False, "divide the chosen scores by their sum (Mixtral, Qwen, DeepSeek)")
     moe_route_scale: float = key(1.0, "the gates' factor (DeepSeek-V3: 2.5)", minimum=0)
+    moe_shared_experts: int = key(
+        0, "shared experts every token also goes through, each of moe_ffn_hidden (DeepSeek-MoE, DeepSeek-V3: 1)",
+        minimum=0)
     moe_skew: float = key(
         0.0, "meta mode, which has no numbers to route by: experts' shares of the tokens in proportion to "
         "(e + 1)^-skew (0: balanced; 1: Zipf's law)", minimum=0)

@@ -62,6 +62,7 @@ class ModelConfig:
     moe_normalize: bool = False
     moe_route_scale: float = 1.0
     moe_skew: float = 0.0  # meta mode's stated routing (moe.stated): 0 uniform, 1 Zipf
+    moe_shared_experts: int = 0  # every token through these too (DeepSeek-MoE), each of moe_ffn_hidden
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
@@ -100,7 +101,8 @@ class ModelConfig:
         if not self.moe_experts:
             return None
         return MoE(self.moe_experts, self.moe_top_k, self.moe_ffn_hidden or self.ffn_hidden, self.moe_aux_coeff,
-                   self.moe_capacity_factor, self.moe_normalize, "swiglu", self.moe_scores, self.moe_route_scale)
+                   self.moe_capacity_factor, self.moe_normalize, "swiglu", self.moe_scores, self.moe_route_scale,
+                   self.moe_shared_experts)
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has the mixture of experts (after the first dense ones)."""
@@ -126,6 +128,9 @@ class ModelConfig:
                     e, f = self.moe_experts, self.moe_ffn_hidden or F
                     shapes |= {p + "moe.router": (h, e), p + "moe.experts.w_fc": (e, h, f),
                                p + "moe.experts.w_up": (e, h, f), p + "moe.experts.w_out": (e, f, h)}
+                    if self.moe_shared_experts:  # one SwiGLU of their inner sizes side by side
+                        n = self.moe_shared_experts * f
+                        shapes |= {p + "moe.shared.w1": (h, n), p + "moe.shared.w3": (h, n), p + "moe.shared.w2": (n, h)}
                 else:
                     shapes |= {p + "mlp.w1": (h, F), p + "mlp.w3": (h, F), p + "mlp.w2": (F, h)}
             return shapes | {"lnf.g": (h,), "head": (h, V)}

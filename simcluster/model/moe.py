@@ -18,7 +18,9 @@ x (b, s, h):
   expert's FFN h -> F -> h with GELU, no biases (Megatron-Core's experts), each expert a GEMM sized by
   the tokens it received, so imbalance is timed as it falls;
 - combine: y_t = sum_j g_tj * expert_j(x_t), the sum over a token's k slots exact (a partial rounded
-  once), so its order -- which rank computed which expert -- never changes a bit;
+  once), so its order -- which rank computed which expert -- never changes a bit; plus, with `shared`
+  experts (DeepSeek-MoE's), their output, every token through them: n of them are one FFN of n times
+  an expert's inner size (a sum of FFNs is the FFN of their inner dimensions side by side);
 - auxiliary load-balancing loss, per sequence (Switch's form over each sequence's tokens, as
   DeepSeek-V3's complementary sequence-wise loss): L = alpha * E * sum_e f_e P_e with f_e the share of
   the sequence's k*s choices that went to e (before dropping: a count, no gradient) and P_e the mean
@@ -56,6 +58,7 @@ class MoE:
     activation: str = "gelu"  # the experts' FFN: "gelu" (GPT) or "swiglu" (Llama, Mixtral, DeepSeek)
     scores: str = "softmax"  # the router's: "softmax" over the experts, or "sigmoid" each (DeepSeek-V3)
     route_scale: float = 1.0  # the gates' factor (DeepSeek-V3: 2.5)
+    shared: int = 0  # shared experts every token goes through, as one FFN of shared x ffn_hidden (DeepSeek: 1)
 
     def __post_init__(self) -> None:
         if self.activation not in ("gelu", "swiglu") or self.scores not in ("softmax", "sigmoid"):
@@ -264,10 +267,14 @@ class MoELayer:
             out.append(o)
         slots = ops.embedding(r.pos, (yield from self.exchange.back(out, plan)))  # (T, k, h): zero where dropped
         y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
+        shared = None
+        if moe.shared:
+            shared, out_shared = self._shared(p, xf)
+            y = ops.add(y, out_shared)
         aux, aux_grad, balance = self._aux(scores, r, b, s, aux_scale)
         cache = {"x": xf, "scores": scores, "routing": r, "one_hot": one_hot, "total": total, "unscaled": unscaled,
                  "gates": gates, "inputs": inputs, "plan": plan, "acts": acts, "slots": slots, "aux_grad": aux_grad,
-                 "balance": balance}
+                 "balance": balance, "shared": shared}
         return self._view(y, (b, s, h)), aux, cache
 
     def _expert(self, p: dict[str, Any], e: int, x: Any) -> tuple[dict[str, Any], Any]:
@@ -279,6 +286,25 @@ class MoELayer:
         up = ops.matmul(x, self._expert_weight(p, "experts.w_up", e))
         g = ops.mul(ops.silu(f), up)
         return {"f": f, "up": up, "g": g}, ops.matmul(g, self._expert_weight(p, "experts.w_out", e))
+
+    def _shared(self, p: dict[str, Any], x: Any) -> tuple[dict[str, Any], Any]:
+        """The shared experts' SwiGLU over every token (T, h)."""
+        ops, pre = self.ops, self.pre
+        f, up = ops.matmul(x, p[pre + "shared.w1"]), ops.matmul(x, p[pre + "shared.w3"])
+        g = ops.mul(ops.silu(f), up)
+        return {"f": f, "up": up, "g": g}, ops.matmul(g, p[pre + "shared.w2"])
+
+    def _shared_backward(self, p: dict[str, Any], x: Any, act: dict[str, Any], dout: Any,
+                         grads: dict[str, Any]) -> Any:
+        ops, pre = self.ops, self.pre
+        grads[pre + "shared.w2"] = ops.einsum("tf,th->fh", act["g"], dout, partial=True)
+        dg = ops.matmul(dout, ops.transpose(p[pre + "shared.w2"]))
+        d_up = ops.mul(dg, ops.silu(act["f"]))
+        df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
+        grads[pre + "shared.w1"] = ops.einsum("th,tf->hf", x, df, partial=True)
+        grads[pre + "shared.w3"] = ops.einsum("th,tf->hf", x, d_up, partial=True)
+        return ops.add(ops.matmul(df, ops.transpose(p[pre + "shared.w1"])),
+                       ops.matmul(d_up, ops.transpose(p[pre + "shared.w3"])))
 
     def _expert_weight(self, p: dict[str, Any], name: str, e: int) -> Any:
         w = p[self.pre + name]
@@ -357,4 +383,6 @@ class MoELayer:
             d_logits = ops.sub(ds, ops.mul(ds, scores))
         grads[pre + "router"] = ops.einsum("th,te->he", c["x"], d_logits, partial=True)
         dx = ops.add(dx, ops.matmul(d_logits, ops.transpose(p[pre + "router"])))
+        if c["shared"] is not None:
+            dx = ops.add(dx, self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)), grads))
         return self._view(dx, (b, s, h))
