@@ -208,3 +208,17 @@ def test_a_file_name_in_the_manifest_cannot_leave_the_folder(one_checkpoint, tmp
     with pytest.raises(CheckpointError, match=r"files\.\.\./rank.*is not a rank file's name"):
         read_manifest(str(tmp_path))
     assert os.path.exists(one_checkpoint / name)
+
+
+def test_a_refused_run_leaves_no_checkpoint_folder_behind(tmp_path):
+    """A save refused after its folder was locked (here: an option the layout cannot run with) removes the
+    folder it made for the lock."""
+    from simcluster.config.scenario import load
+    from simcluster.config.schema import ScenarioError
+    from simcluster.run.runner import run_scenario
+
+    folder = tmp_path / "ck"
+    with pytest.raises(ScenarioError):
+        run_scenario(load(None, ["model.arch=llama", "model.moe_experts=4", "model.moe_bias_rate=0.001",
+                                 "parallel.dp=2", "cluster.gpus_per_node=2", f"run.save_checkpoint={str(folder)!r}"]))
+    assert not folder.exists()

@@ -95,6 +95,8 @@ def test_a_skewed_routing_makes_the_busiest_experts_rank_the_straggler():
     (("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.schedule=dualpipe",
       "model.micro_batch=1"), "DualPipe"),
     (("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_experts=0"), "mixture of experts"),
+    (("parallel.dp=2", "cluster.gpus_per_node=2", "model.moe_bias_rate=0.001", "run.save_checkpoint='ck'"),
+     "moe_bias_rate"),
 ])
 def test_what_expert_parallelism_does_not_run_is_refused_in_one_line(sets, words):
     with pytest.raises(ScenarioError) as err:
@@ -133,3 +135,54 @@ def test_an_expert_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
                  ("parallel.dp=2", "cluster.gpus_per_node=2"), ("parallel.dp=1", "cluster.gpus_per_node=1")):
         v = _report(*sets, f"run.resume={folder!r}")["verification"]
         assert v["bit_exact"] and not v["mismatches"], sets
+
+
+BIASED = ["model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_bias_rate=0.01"]
+
+
+def _outputs(*sets: str) -> tuple[dict, dict]:
+    from simcluster.run.job import job_of
+
+    sc = load(None, SMALL + BIASED + list(sets))
+    run = run_scenario(sc)
+    return run.report, job_of(sc).outputs(run.result.results)
+
+
+def test_deepseeks_bias_moves_towards_an_even_load_byte_identical_to_one_device():
+    """After step 0 each expert's bias is 0.01 x sign(mean load - its load), the loads summed over every
+    data-parallel rank (fp32: exactly those numbers); later steps choose with it, under ep 2 x pp 2 as on one
+    device. Step 1 (its weights are the unbiased run's: the bias has no gradient) routes more tokens to the
+    experts whose bias rose and fewer to those whose bias fell than without it."""
+    import numpy as np
+
+    report, out = _outputs("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4",
+                           "run.steps=1")
+    assert report["verification"]["bit_exact"]
+    for i in (0, 1):
+        loads = out[f"routing[0].layers.{i}.chosen"]
+        want = (0.01 * np.sign(loads.mean() - loads)).astype(np.float32)
+        assert out[f"router_bias.layers.{i}"].tobytes() == want.tobytes()
+    v = _outputs("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4")[0]["verification"]
+    assert v["bit_exact"] and "router_bias.layers.1" in v["outputs"]
+    steps = ("run.steps=2", "model.layers=1", "parallel.dp=1", "cluster.gpus_per_node=1")
+    _, biased = _outputs(*steps, "model.moe_bias_rate=0.1")
+    plain = _outputs(*steps, "model.moe_bias_rate=0")[1]["routing[1].layers.0.chosen"]
+    moved = np.sign(biased["routing[0].layers.0.chosen"].mean() - biased["routing[0].layers.0.chosen"])
+    change = biased["routing[1].layers.0.chosen"] - plain
+    assert (change[moved > 0] >= 0).all() and (change[moved < 0] <= 0).all() and change.any()
+
+
+def test_a_bias_moved_by_a_ranks_own_loads_is_caught(monkeypatch):
+    """The broken variant: each rank moves the bias by the loads of its own tokens (no sum over dp)."""
+    from simcluster.parallel.llama_shard import LlamaShard
+
+    balance = LlamaShard.balance
+
+    def alone(self, step, group):
+        return (yield from balance(self, step, self.ctx.mesh.tp))  # (a group of one: its own loads)
+
+    monkeypatch.setattr(LlamaShard, "balance", alone)
+    reference.cache_clear()
+    v = _outputs("parallel.dp=2", "cluster.gpus_per_node=2")[0]["verification"]
+    reference.cache_clear()
+    assert not v["bit_exact"]

@@ -132,15 +132,12 @@ def check_scenario(sc: Scenario) -> None:
         if not start <= ck.at <= r.steps:
             raise CheckpointError(f"--at-step {ck.at} must be between {start} (where the run starts) and "
                                   f"run.steps = {r.steps}")
-        folder = Path(ck.save)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            if not os.access(folder, os.W_OK):
-                raise CheckpointError(f"--save-checkpoint {ck.save!r}: no permission to write there")
-        except FileExistsError:
-            raise CheckpointError(f"--save-checkpoint {ck.save!r} is a file; give a folder") from None
-        except OSError as exc:
-            raise CheckpointError(f"--save-checkpoint {ck.save!r}: {exc.strerror or exc}") from None
+        folder = Path(ck.save)  # (made when the run locks it, and removed again if the run is refused)
+        there = next(p for p in (folder, *folder.absolute().parents) if p.exists() or p == Path("/"))
+        if not there.is_dir():
+            raise CheckpointError(f"--save-checkpoint {ck.save!r}: {str(there)!r} is a file; give a folder")
+        if not os.access(there, os.W_OK):
+            raise CheckpointError(f"--save-checkpoint {ck.save!r}: no permission to write there")
 
 
 def start_step(sc: Scenario) -> int:

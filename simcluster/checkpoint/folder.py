@@ -15,6 +15,7 @@ previous checkpoint whole, and --resume DIR takes the newest complete one (resol
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -99,6 +100,7 @@ def locked(folder: Path, staging: Path) -> Iterator[None]:
     """Around a run that saves into `folder` by way of `staging`: the folder's lock held, so that a second
     save into it at the same time is refused in one line; what an earlier, killed save left behind
     removed; and if this run fails, what it wrote. (A killed process's lock goes with it.)"""
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -120,6 +122,11 @@ def locked(folder: Path, staging: Path) -> Iterator[None]:
             yield
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            if created:  # a run refused before it saved anything: no folder of a lock alone left behind
+                with contextlib.suppress(OSError):
+                    if set(os.listdir(folder)) <= {LOCK}:
+                        (folder / LOCK).unlink()
+                        folder.rmdir()
             raise
     finally:
         os.close(fd)

@@ -110,6 +110,9 @@ class ModelSection(Section):
     moe_shared_experts: int = key(
         0, "shared experts every token also goes through, each of moe_ffn_hidden (DeepSeek-MoE, DeepSeek-V3: 1)",
         minimum=0)
+    moe_bias_rate: float = key(
+        0.0, "DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by this much after "
+        "each step, towards an even load (DeepSeek-V3: 0.001; 0: no bias)", minimum=0)
     moe_skew: float = key(
         0.0, "meta mode, which has no numbers to route by: experts' shares of the tokens in proportion to "
         "(e + 1)^-skew (0: balanced; 1: Zipf's law)", minimum=0)

@@ -63,6 +63,7 @@ class ModelConfig:
     moe_route_scale: float = 1.0
     moe_skew: float = 0.0  # meta mode's stated routing (moe.stated): 0 uniform, 1 Zipf
     moe_shared_experts: int = 0  # every token through these too (DeepSeek-MoE), each of moe_ffn_hidden
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's bias update speed (moe.bias_step; 0: no bias)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):

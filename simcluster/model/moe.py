@@ -156,6 +156,20 @@ def balance_gradient(chosen: np.ndarray, seq: int, moe: MoE, scale: float) -> np
     return np.repeat(coef, seq, axis=0)
 
 
+def host_float32(counts: Any) -> np.ndarray:
+    """Host integers as the fp32 array a collective sums (whole numbers below 2^24: exact)."""
+    return np.asarray(counts, dtype=np.float32)
+
+
+def bias_step(loads: np.ndarray, rate: float) -> np.ndarray:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): after each step, each expert's
+    selection bias moves by `rate` towards an even load -- up for an expert that took fewer of the
+    step's tokens than the mean, down for more -- from the step's loads (E,) over every rank: the
+    change, fp32."""
+    loads = np.asarray(loads, dtype=np.float64)
+    return (rate * np.sign(loads.mean() - loads)).astype(np.float32)
+
+
 def stack(ops: Ops, parts: list[Any]) -> Any:
     """The experts' gradient partials (one an expert) as one partial of the stacked weight (E, ...): their
     limbs side by side, nothing added or rounded (no kernel: a grouped GEMM writes them so)."""

@@ -316,6 +316,8 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
         work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         grads = yield from dp.step(step)
+        if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
+            yield from model.balance(step, dp.sum_group)
         first = first or grads
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):
@@ -327,6 +329,7 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
     if ck and ck.save and ck.at == data.steps:
         written = _save(ctx, ck, m, stage, shards, dp, data.steps)
     return {"loss": losses, "first_step": start, "checkpoint": written, "routing": getattr(model, "routing", {}),
+            "router_bias": {k: ops.xp.to_host(v) for k, v in getattr(model, "biases", {}).items()},
             "expert_shard": (ctx.mesh.ep.rank_of(ctx.rank), ctx.mesh.ep.size), **dp.results(grads, first)}
 
 
@@ -357,9 +360,10 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
     for rank, (res, c) in enumerate(zip(results, coords)):
         if res["loss"]:  # the stages with a head (the last; ZB-V's first; DualPipe's both ends)
             _agree(out, {f"loss[{res['first_step'] + i}]": v for i, v in enumerate(res["loss"])}, rank)
-    for res in results:  # the router's statistics: each rank counted its own tokens
+    for rank, res in enumerate(results):  # the router's statistics: each rank counted its own tokens
         for key, n in res.get("routing", {}).items():
             out[key] = n if key not in out else out[key] + n
+        _agree(out, res.get("router_bias", {}), rank)  # (the selection bias: every rank of a layer has it)
     shapes = m.parameter_shapes()
     ep = max(res.get("expert_shard", (0, 1))[1] for res in results)  # (the run's, whatever `parallelism` says)
     for kind in KINDS:

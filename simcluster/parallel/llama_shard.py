@@ -23,7 +23,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.gpt import Slice
-from simcluster.model.moe import MoELayer, stack
+from simcluster.model.moe import MoELayer, bias_step, host_float32, stack
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -57,6 +57,8 @@ class LlamaShard(TransformerShard):
         # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
         self.aux_scale = LOSS_SCALE[parallelism.data.precision]
         self.routing: dict[str, Any] = {}  # the router's statistics by step and layer (tally), this rank's tokens
+        self.bias: dict[int, Any] = {}  # DeepSeek-V3's selection bias by MoE layer (`balance`), once it moved
+        self.biases: dict[str, Any] = {}  # the same by output name (a result: every rank that runs a layer has it)
 
     def tally(self, step: int, layer: int, counts: tuple[Any, Any]) -> None:
         """Add a micro-batch's router statistics (tokens that chose each expert, tokens each computed)."""
@@ -64,6 +66,23 @@ class LlamaShard(TransformerShard):
         for name, n in zip(("chosen", "computed"), counts):
             have = self.routing.get(f"{key}.{name}")
             self.routing[f"{key}.{name}"] = n if have is None else have + n
+
+    def balance(self, step: int, group: Any) -> Generator[Any, Any, None]:
+        """DeepSeek-V3's bias update after a step (moe.bias_step), for the MoE layers this rank ran: their
+        loads over every data-parallel rank (all-reduced: fp32 holds the counts exactly). Meta mode routes
+        as stated, so its bias moves nothing: none is kept there."""
+        rate, ops = self.m.moe_bias_rate, self.ops
+        if not rate or ops.mode is Mode.META:
+            return
+        prefix = f"routing[{step}].layers."
+        layers = sorted(int(k[len(prefix):].split(".")[0]) for k in self.routing if k.startswith(prefix)
+                        and k.endswith(".chosen"))
+        for i in layers:
+            local = ops.from_host(host_float32(self.routing[f"{prefix}{i}.chosen"]))
+            loads = ops.xp.to_host((yield self.ctx.comm.all_reduce(local, group=group)))
+            change = ops.constant(bias_step(loads, rate), "fp32")
+            self.bias[i] = change if i not in self.bias else ops.add(self.bias[i], change)
+            self.biases[f"router_bias.layers.{i}"] = self.bias[i]
 
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
@@ -153,6 +172,8 @@ class LlamaShard(TransformerShard):
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
         c = yield from self.gather(c_mine)
         if self.m.is_moe(i):  # (tp = cp = 1: parallelism.check)
+            if i in self.bias:  # (the selection's: no gradient)
+                p = p | {f"{pre}moe.router.bias": self.bias[i]}
             z, _, routed = yield from self.experts(i).forward(p, c, self.aux_scale / where.total)
             mlp = {"moe": routed}
             if not self._keep_all:  # (not again when a recomputation runs the block again)

@@ -124,6 +124,10 @@ class Parallelism:
             if self.schedule is Schedule.DUALPIPE:
                 raise ValueError("expert parallelism with DualPipe is not built yet: set parallel.ep = 1, or "
                                  "another schedule")
+        if m.moe_bias_rate and (self.checkpoint is not None or self.schedule is Schedule.DUALPIPE):
+            raise ValueError("the experts' selection bias (model.moe_bias_rate) is not kept in checkpoints nor "
+                             "summed over DualPipe's two copies yet: set model.moe_bias_rate = 0 to save, resume "
+                             "or run DualPipe")
         if m.moe_experts and m.moe_first_dense > m.layers:
             raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
         if m.tied_head and pp > 1:
