@@ -300,9 +300,8 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         schedule, pp, dps = d(st.sampled_from(feasible))
         virtual = d(st.integers(1, m.layers // pp)) if schedule is Schedule.INTERLEAVED else 1
         dp = d(st.sampled_from(dps))
-        # a mixture of experts: expert parallelism over runs of dp ranks (not beside DualPipe)
-        eps = [e for e in divisors(math.gcd(dp, m.moe_experts)) if e == 1 or schedule is not Schedule.DUALPIPE] \
-            if m.moe_experts else [1]
+        # a mixture of experts: expert parallelism over runs of dp ranks
+        eps = divisors(math.gcd(dp, m.moe_experts)) if m.moe_experts else [1]
         ep = d(st.sampled_from(eps))
         micro = d(st.sampled_from(_micro_batch_counts(schedule, pp, None if global_batch is None else global_batch // dp)))
         batch = global_batch or dp * micro * d(st.integers(1, 2))

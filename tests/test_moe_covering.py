@@ -22,9 +22,9 @@ OPTIONS = {
 
 
 def valid(row):
-    """ep divides dp (and the 4 experts); DualPipe needs an even number of stages and runs without ep or
+    """ep divides dp (and the 4 experts); DualPipe needs an even number of stages and runs without
     offloading; offloading the optimizer needs a ZeRO stage."""
-    return (row["dp"] % row["ep"] == 0 and not (row["schedule"] == "dualpipe" and (row["pp"] % 2 or row["ep"] > 1
+    return (row["dp"] % row["ep"] == 0 and not (row["schedule"] == "dualpipe" and (row["pp"] % 2
                                                                                      or row["offload"] != "none"))
             and not (row["offload"] != "none" and row["zero"] == 0))
 

@@ -77,7 +77,7 @@ class Exchange:
             if sizes[q]:
                 got[q] = len(works)
                 works.append(comm.recv(src=ranks[q], like=MetaTensor((sizes[q], h), self._dtype(like)), async_op=True))
-        done = yield works
+        done = (yield works) if works else []  # (nothing to move either way: no message at all)
         return [outgoing[q] if q == self.me else done[got[q]] if q in got else self.layer.slice_rows(like, 0, 0)
                 for q in range(self.ep)]
 

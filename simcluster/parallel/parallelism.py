@@ -121,9 +121,6 @@ class Parallelism:
             if not m.moe_experts or m.moe_experts % self.ep or dp % self.ep:
                 raise ValueError(f"expert parallelism ep={self.ep} needs a mixture of experts whose count it divides "
                                  f"(model.moe_experts={m.moe_experts}) and must divide dp={dp}")
-            if self.schedule is Schedule.DUALPIPE:
-                raise ValueError("expert parallelism with DualPipe is not built yet: set parallel.ep = 1, or "
-                                 "another schedule")
         if m.moe_bias_rate and (self.checkpoint is not None or self.schedule is Schedule.DUALPIPE):
             raise ValueError("the experts' selection bias (model.moe_bias_rate) is not kept in checkpoints nor "
                              "summed over DualPipe's two copies yet: set model.moe_bias_rate = 0 to save, resume "
