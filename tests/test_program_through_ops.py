@@ -19,7 +19,6 @@ HOST_SIDE = {  # (module, function): why it may call numpy
     "model/moe.py:top_k": "the experts a token chooses, from its scores read back (as Megatron-Core reads its counts)",
     "model/moe.py:route": "the dispatch's integer indices, from those choices; the kernel set moves them",
     "model/moe.py:stated": "meta mode's stated token counts, from shapes",
-    "parallel/expert_parallel.py:counts_array": "a rank's rows per expert, host integers; moved by ops.from_host",
     "parallel/expert_parallel.py:read_counts": "the all-gathered counts read back (the receivers' sizes)",
     "model/moe.py:host_float32": "host integers as an fp32 array; moved by ops.from_host",
     "model/moe.py:bias_step": "the bias's change from the step's loads, read back; moved by ops.constant",

@@ -22,6 +22,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model.moe import host_float32
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.context import Context
@@ -54,7 +55,7 @@ class Exchange:
         """Every rank's rows per expert (all-gathered: fp32 holds whole counts exactly)."""
         ops, experts = self.ctx.ops, len(bounds) - 1
         mine = [bounds[e + 1] - bounds[e] for e in range(experts)]
-        sent = MetaTensor((experts,), "fp32") if ops.mode is Mode.META else ops.from_host(counts_array(mine))
+        sent = MetaTensor((experts,), "fp32") if ops.mode is Mode.META else ops.from_host(host_float32(mine))
         every = yield self.ctx.comm.all_gather(sent, group=self.group, dim=0)
         if ops.mode is Mode.META:  # (a stated routing: every rank has the same counts)
             return Plan([mine] * self.ep, self.me, self.ep)
@@ -95,7 +96,7 @@ class Exchange:
             for q, block in enumerate(blocks):
                 at = sum(plan.mine(q)[:e])
                 parts.append(cut(block, at, at + plan.mine(q)[e]))
-            inputs.append(parts[0] if self.ep == 1 else ops.concat(parts, 0))
+            inputs.append(ops.concat(parts, 0))
         return inputs
 
     def back(self, outs: list[Any], plan: Plan) -> Generator[Any, Any, Any]:
@@ -110,11 +111,6 @@ class Exchange:
             outgoing.append(ops.concat(parts, 0))
         blocks = yield from self._swap(outgoing, [plan.to(q) for q in range(self.ep)], outs[0])
         return ops.concat(blocks, 0)
-
-
-def counts_array(counts: list[int]) -> np.ndarray:
-    """A rank's rows per expert as the fp32 array it all-gathers (whole numbers below 2^24: exact)."""
-    return np.asarray(counts, dtype=np.float32)
 
 
 def read_counts(gathered: np.ndarray) -> list[int]:
