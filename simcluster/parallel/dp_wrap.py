@@ -6,7 +6,9 @@ one flat buffer, zero-padded to a multiple of N, the number of ranks it is shard
 owns chunk k: its fp32 master weights and Adam moments (ZeRO-1), gradients too (ZeRO-2), and weights
 too (ZeRO-3). DDP (stage 0) keeps the whole buffer. Gradients are summed over dp, and over cp as well
 (cp ranks saw other tokens with the same weights); ZeRO shards over dp x cp (`zero_over = "dp_cp"`,
-Megatron's distributed optimizer and torchtitan's FSDP) or over dp alone, after a sum over cp.
+Megatron's distributed optimizer and torchtitan's FSDP) or over dp alone, after a sum over cp. A mixture of
+experts' experts are units of their own (experts{i}, gathered with block{i}), summed and sharded over the
+ranks that hold the same experts (expert parallelism: mesh.expert_groups; the dp group without it).
 
 Over a step:
   1. `take(unit)`: the unit's working weights. Stage 3 all-gathers them and `prefetch(next)` issues
