@@ -102,11 +102,14 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     n = layout.dp * c  # ZeRO shards over dp x cp (a mixture of experts' experts over the dp/ep holding them)
     state = model_state_bytes(1, data.precision)
 
-    def held(count: float, over: int) -> float:
+    def sharded(count: float, over: int) -> tuple[float, float]:
+        """`count` parameters' model states sharded by ZeRO over `over` ranks, and the optimizer step's fp32
+        copy of their gradients (mixed precision: 4 bytes an owned parameter, dp_wrap.py)."""
         shard = {0: (1, 1, 1), 1: (1, 1, over), 2: (1, over, over), 3: (over, over, over)}[layout.zero]
-        return count * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
-    states = held(held_psi - expert_psi, n) + held(expert_psi, layout.dp // e)
-    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero]
+        states = count * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
+        return states, 0.0 if data.precision == "fp32" else 4 * count / shard[2]
+    (dense_states, dense_step), (expert_states, expert_step) = (sharded(held_psi - expert_psi, n),
+                                                                sharded(expert_psi, layout.dp // e))
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                              sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
                              attention_kernel=model.attention_kernel)
@@ -124,8 +127,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
         held = act * math.ceil(model.layers / p) * in_flight
     # the larger of the backward's activations and the optimizer step's fp32 gradients (dp_wrap.py)
-    step = 0.0 if data.precision == "fp32" else 4 * held_psi / shard[2]
-    memory = states + max(held, step)
+    memory = dense_states + expert_states + max(held, dense_step + expert_step)
 
     tokens = data.global_batch * model.seq
     _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)

@@ -181,21 +181,6 @@ def stack(ops: Ops, parts: list[Any]) -> Any:
     return ops.xp.stack(parts, 0)
 
 
-def init_moe(ops: Ops, moe: MoE, hidden: int, seed: int, prefix: str, dtype: str) -> dict[str, Any]:
-    """The layer's weights: the router (h, E), and the experts' stacked (E, h, F) (SwiGLU's gate, and its up
-    projection w_up) and (E, F, h), uniform in
-    +-1/sqrt(fan_in) from the counter-based generator (a function of the seed and the name)."""
-    shapes = {"router": (hidden, moe.experts), "experts.w_fc": (moe.experts, hidden, moe.ffn_hidden),
-              "experts.w_out": (moe.experts, moe.ffn_hidden, hidden)}
-    if moe.activation == "swiglu":
-        shapes["experts.w_up"] = (moe.experts, hidden, moe.ffn_hidden)
-    out = {}
-    for name, shape in shapes.items():
-        bound = 1.0 / math.sqrt(shape[-2])
-        out[prefix + name] = ops.cast(ops.uniform(seed, prefix + name, shape, low=-bound, high=bound), dtype)
-    return out
-
-
 def local(steps: Generator[Any, Any, Any]) -> Any:
     """The value of a layer's forward or backward that needs no communication (every expert here)."""
     try:

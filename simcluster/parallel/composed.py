@@ -360,10 +360,9 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
     for rank, (res, c) in enumerate(zip(results, coords)):
         if res["loss"]:  # the stages with a head (the last; ZB-V's first; DualPipe's both ends)
             _agree(out, {f"loss[{res['first_step'] + i}]": v for i, v in enumerate(res["loss"])}, rank)
-    for rank, res in enumerate(results):  # the router's statistics: each rank counted its own tokens
-        for key, n in res.get("routing", {}).items():
-            out[key] = n if key not in out else out[key] + n
-        _agree(out, res.get("router_bias", {}), rank)  # (the selection bias: every rank of a layer has it)
+    out |= router_statistics(results)
+    for rank, res in enumerate(results):  # (the selection bias: every rank of a layer has it)
+        _agree(out, res.get("router_bias", {}), rank)
     shapes = m.parameter_shapes()
     ep = max(res.get("expert_shard", (0, 1))[1] for res in results)  # (the run's, whatever `parallelism` says)
     for kind in KINDS:
@@ -401,6 +400,16 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
                 for tr in range(t):
                     if tr % copies and parts[tr].tobytes() != parts[tr - tr % copies].tobytes():
                         out[f"{kind}.{name}@tp{tr}"] = parts[tr]
+    return out
+
+
+def router_statistics(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mixture of experts' token counts by step, layer and expert, summed over the ranks (each counted
+    its own tokens: llama_shard.tally)."""
+    out: dict[str, Any] = {}
+    for res in results:
+        for key, n in res.get("routing", {}).items():
+            out[key] = n if key not in out else out[key] + n
     return out
 
 

@@ -57,11 +57,13 @@ class LlamaShard(TransformerShard):
         # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
         self.aux_scale = LOSS_SCALE[parallelism.data.precision]
         self.routing: dict[str, Any] = {}  # the router's statistics by step and layer (tally), this rank's tokens
+        self.tallied: dict[int, set[int]] = {}  # the MoE layers counted, by step
         self.bias: dict[int, Any] = {}  # DeepSeek-V3's selection bias by MoE layer (`balance`), once it moved
         self.biases: dict[str, Any] = {}  # the same by output name (a result: every rank that runs a layer has it)
 
     def tally(self, step: int, layer: int, counts: tuple[Any, Any]) -> None:
         """Add a micro-batch's router statistics (tokens that chose each expert, tokens each computed)."""
+        self.tallied.setdefault(step, set()).add(layer)
         key = f"routing[{step}].layers.{layer}"
         for name, n in zip(("chosen", "computed"), counts):
             have = self.routing.get(f"{key}.{name}")
@@ -74,11 +76,8 @@ class LlamaShard(TransformerShard):
         rate, ops = self.m.moe_bias_rate, self.ops
         if not rate or ops.mode is Mode.META:
             return
-        prefix = f"routing[{step}].layers."
-        layers = sorted(int(k[len(prefix):].split(".")[0]) for k in self.routing if k.startswith(prefix)
-                        and k.endswith(".chosen"))
-        for i in layers:
-            local = ops.from_host(host_float32(self.routing[f"{prefix}{i}.chosen"]))
+        for i in sorted(self.tallied.get(step, ())):
+            local = ops.from_host(host_float32(self.routing[f"routing[{step}].layers.{i}.chosen"]))
             loads = ops.xp.to_host((yield self.ctx.comm.all_reduce(local, group=group)))
             change = ops.constant(bias_step(loads, rate), "fp32")
             self.bias[i] = change if i not in self.bias else ops.add(self.bias[i], change)

@@ -15,27 +15,25 @@ from typing import Any
 from simcluster.model.moe import stated
 
 
-def account(model: Any, mode: str, outputs: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
-    """The `experts` entry for a model with experts (ModelConfig), from the run's outputs (exact, fast)
-    or the statement (meta)."""
+def account(model: Any, last_step: int, counts: dict[str, Any] | None, sequences: int) -> dict[str, Any]:
+    """The `experts` entry for a model with experts (ModelConfig): from the run's router statistics
+    (composed.router_statistics), or, with none (meta mode), from the statement over `sequences`."""
     moe = model.moe
     layers = [i for i in range(model.layers) if model.is_moe(i)]
-    counts: dict[int, tuple[list[int], list[int]]] = {}
-    if mode == "meta":
-        r = stated(1, model.seq, moe, model.moe_skew)
-        chosen, computed = r.tally()
-        batch = outputs["global_batch"] if outputs else 1
-        counts = {i: ([int(n) * batch for n in chosen], [int(n) * batch for n in computed]) for i in layers}
-    elif outputs is not None:
+    tallied: dict[int, tuple[list[int], list[int]]] = {}
+    if counts is None:
+        chosen, computed = stated(1, model.seq, moe, model.moe_skew).tally()
+        tallied = {i: ([int(n) * sequences for n in chosen], [int(n) * sequences for n in computed]) for i in layers}
+    else:
         for i in layers:
             key = f"routing[{last_step}].layers.{i}"
-            if f"{key}.chosen" in outputs:
-                counts[i] = ([int(n) for n in outputs[f"{key}.chosen"]], [int(n) for n in outputs[f"{key}.computed"]])
+            if f"{key}.chosen" in counts:
+                tallied[i] = ([int(n) for n in counts[f"{key}.chosen"]], [int(n) for n in counts[f"{key}.computed"]])
     rows = []
-    for i, (chosen, computed) in sorted(counts.items()):
+    for i, (chosen, computed) in sorted(tallied.items()):
         mean = sum(chosen) / len(chosen)
         rows.append({"layer": i, "tokens_per_expert": chosen, "computed_per_expert": computed,
                      "dropped": sum(chosen) - sum(computed), "imbalance": max(chosen) / mean if mean else 1.0})
-    how = f"stated routing, moe_skew {model.moe_skew:g}" if mode == "meta" else "the run's routing"
+    how = f"stated routing, moe_skew {model.moe_skew:g}" if counts is None else "the run's routing"
     return {"experts": {"routing": how,
                         "step": last_step, "experts": moe.experts, "top_k": moe.top_k, "layers": rows}}

@@ -12,6 +12,7 @@ from simcluster.engine import RunResult, simulate
 from simcluster.engine.faults import Faults
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.totals import Totals
+from simcluster.parallel.composed import router_statistics
 from simcluster.report import critical_batch, experts, goodput
 from simcluster.run import budget, pipeline_steady, steady
 from simcluster.run.job import Job, faults_of, job_of
@@ -91,10 +92,8 @@ def _experts(sc: Scenario, job: Job, result: RunResult) -> dict[str, Any]:
     """The report's `experts` entry (report/experts.py) for a model with a mixture of experts."""
     if sc.run.program != "transformer" or not sc.model.moe_experts or result.hang is not None:
         return {}
-    model = job.args[0].model
-    if job.mode == "meta":
-        return experts.account(model, "meta", {"global_batch": sc.model.global_batch}, sc.run.steps - 1)
-    return experts.account(model, job.mode, job.outputs(result.results), sc.run.steps - 1)
+    counts = None if job.mode == "meta" else router_statistics(result.results)  # (meta: stated, no counts)
+    return experts.account(job.args[0].model, sc.run.steps - 1, counts, sc.model.global_batch)
 
 
 def _aims(sc: Scenario) -> bool:
