@@ -188,6 +188,12 @@ class TorchBackend:
             h = dist.all_gather_single(flat, t.contiguous().view(-1), group=g, async_op=True)
             out = flat.view((n,) + tuple(t.shape))
             return h, lambda: self.from_torch(_joined(out, dim), x)
+        if k is CommKind.ALL_TO_ALL and op.splits is not None:  # uneven, along dim 0
+            src = t.contiguous()
+            out = torch.empty((sum(op.gets),) + tuple(src.shape[1:]), dtype=src.dtype, device=self.device)
+            h = dist.all_to_all_single(out, src, output_split_sizes=list(op.gets), input_split_sizes=list(op.splits),
+                                       group=g, async_op=True)
+            return h, lambda: self.from_torch(out, x)
         if k is CommKind.ALL_TO_ALL:
             split, cat = op.split_dim % ndim, op.concat_dim % ndim
             src = torch.stack(list(torch.chunk(t, n, dim=split))).contiguous()  # (n, ...) chunk j for rank j

@@ -1,6 +1,7 @@
 """Each collective's output equals its mathematical definition, on any group of any size."""
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -8,6 +9,7 @@ from simcluster.engine import simulate
 from simcluster.numerics import limbs
 from simcluster.numerics.limbs import BF16
 from simcluster.numerics.tensor import Partial, ReduceOp
+from simcluster.program.comm import ProgramError
 from simcluster.program.mesh import DeviceMesh
 from simcluster.topology.presets import preset
 
@@ -140,3 +142,39 @@ def test_partial_all_reduce_is_independent_of_which_rank_holds_which_term(perm, 
     a = simulate(prog, list(range(5)), mesh=DeviceMesh(dp=5), cluster=cluster).results
     b = simulate(prog, list(perm), mesh=DeviceMesh(dp=5), cluster=cluster).results
     assert len(set(a + b)) == 1
+
+
+def uneven(ctx, sends, recv_shift):
+    """Rank r sends sends[r][j] rows to rank j (row values name their sender and destination)."""
+    group = ctx.mesh.world
+    mine = sends[ctx.rank]
+    x = np.concatenate([np.full((rows, 3), 10 * ctx.rank + j, np.float32) for j, rows in enumerate(mine)])
+    gets = [sends[q][ctx.rank] + (recv_shift if q == 0 and ctx.rank == 1 else 0) for q in range(len(sends))]
+    return (yield ctx.comm.all_to_all_rows(x, group=group, send_rows=mine, recv_rows=gets))
+
+
+@given(st.integers(2, 5).flatmap(lambda n: st.lists(st.lists(st.integers(0, 3), min_size=n, max_size=n),
+                                                    min_size=n, max_size=n)))
+def test_an_uneven_all_to_all_delivers_each_ranks_rows_in_group_order(sends):
+    n = len(sends)
+    run = simulate(uneven, sends, 0, mesh=DeviceMesh(dp=n), cluster=preset("dgx-a100", gpus_per_node=n))
+    for r in range(n):
+        want = np.concatenate([np.full((sends[q][r], 3), 10 * q + r, np.float32) for q in range(n)])
+        assert run.results[r].tobytes() == want.tobytes()
+
+
+def test_an_uneven_all_to_all_whose_sizes_disagree_is_refused_naming_both_ranks():
+    with pytest.raises(ProgramError, match="rank 0 sends 2 rows to rank 1, which expects 3"):
+        simulate(uneven, [[1, 2], [2, 1]], 1, mesh=DeviceMesh(dp=2), cluster=preset("dgx-a100", gpus_per_node=2))
+
+
+@pytest.mark.parametrize("send,recv,words", [([1], [1, 1], "send_rows must be 2 whole numbers"),
+                                             ([1, -1], [1, 1], "none negative"),
+                                             ([1, 1], [1, 1], "add up to 2 rows")])
+def test_an_uneven_all_to_all_checks_its_sizes_when_issued(send, recv, words):
+    def prog(ctx):
+        x = np.zeros((3, 2), np.float32)
+        return (yield ctx.comm.all_to_all_rows(x, group=ctx.mesh.world, send_rows=send,
+                                               recv_rows=recv))
+    with pytest.raises(ProgramError, match=words):
+        simulate(prog, mesh=DeviceMesh(dp=2), cluster=preset("dgx-a100", gpus_per_node=2))

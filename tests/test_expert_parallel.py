@@ -64,10 +64,12 @@ META = ["model.arch=llama", "model.moe_experts=8", "run.numerics=meta", "model.h
 def test_the_all_to_all_moves_each_ranks_rows_for_other_ranks_experts():
     """Evenly routed (meta: stated), a rank's 2 sequences x 64 tokens x top-2 = 256 rows go 32 to each
     of 8 experts, 64 to each rank's 2 (ep 4); 3 peers x 64 rows x h 256 x 4 bytes out and back in the
-    forward pass, again in the backward: 786,432 bytes a layer a step; 2 layers, 3 steps."""
+    forward pass, again in the backward: 786,432 bytes a layer a step; 2 layers, 3 steps. Each move is
+    one uneven all_to_all on the ep group."""
     comm = {(c["group"], c["collective"]): c for c in run_scenario(
         load(None, META + ["parallel.ep=4"])).report["communication"]}
-    assert comm[("p2p", "send")]["bytes_per_rank"] == 3 * 2 * 4 * 3 * 64 * 256 * 4
+    assert comm[("ep", "all_to_all")]["bytes_per_rank"] == 3 * 2 * 4 * 3 * 64 * 256 * 4
+    assert comm[("ep", "all_to_all")]["calls_per_rank"] == 2 * 2 * 2 * 3  # there and back, both passes
     assert comm[("ep", "all_gather")]["calls_per_rank"] == 2 * 3  # the plan: a layer a step (the backward reuses it)
 
 

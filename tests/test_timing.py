@@ -257,3 +257,30 @@ def test_a_call_on_links_of_its_own_ends_at_the_networks_time_and_company_sends_
         assert fast["claimed"] == 3  # the other pair's: ranks 0 and 1 found the long message on their links
     pairs = [e for e in map(json.loads, runs[True][0].splitlines()) if e[1] == "comm:tp"]
     assert len(pairs) == 4 * 3  # each pair's three calls on each of its ranks
+
+
+def uneven_time(sends, row_bytes=4 * 1024):
+    """Time of one all_to_all_rows on one node, rank r sending sends[r][j] rows of row_bytes to rank j."""
+    n = len(sends)
+
+    def prog(ctx):
+        mine = sends[ctx.rank]
+        x = MetaTensor((sum(mine), row_bytes // 4), "fp32")
+        yield ctx.comm.all_to_all_rows(x, group=ctx.mesh.world, send_rows=mine,
+                                       recv_rows=[sends[q][ctx.rank] for q in range(n)])
+
+    run = simulate(prog, mesh=DeviceMesh(dp=n), cluster=a100(gpus_per_node=n), mode="meta")
+    return max(e.end for e in run.trace) - min(e.start for e in run.trace)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_an_uneven_all_to_all_takes_what_its_busiest_port_moves(n):
+    """Evenly split it is the even all_to_all; when one rank alone sends, R rows to each peer, its port
+    carries them all; a rank's rows to itself cross no link."""
+    R, row = 64, 4 * 1024
+    even = [[R] * n for _ in range(n)]
+    assert uneven_time(even, row) == lone("all_to_all", n, n * R * row)
+    one = [[R] * n] + [[0] * n for _ in range(n - 1)]
+    assert abs(uneven_time(one, row) - (ALPHA_NVL + (n - 1) * R * row / B_NVL)) <= 1
+    to_self = [[R if j == i else 0 for j in range(n)] for i in range(n)]
+    assert uneven_time(to_self, row) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from simcluster.numerics import tensor as T
-from simcluster.program.comm import CommKind, CommOp
+from simcluster.program.comm import CommKind, CommOp, ProgramError
 
 
 def execute(kind: CommKind, ops: Sequence[CommOp]) -> list[Any]:
@@ -24,6 +24,14 @@ def execute(kind: CommKind, ops: Sequence[CommOp]) -> list[Any]:
         if isinstance(full, T.MetaTensor):
             return [full] * n
         return [T.copy(full) for _ in range(n)]
+    if kind is CommKind.ALL_TO_ALL and ops[0].splits is not None:  # uneven, along dim 0
+        for i, a in enumerate(ops):
+            for j, b in enumerate(ops):
+                if a.splits[j] != b.gets[i]:
+                    raise ProgramError(f"all_to_all_rows: rank {a.rank} sends {a.splits[j]} rows to rank {b.rank}, "
+                                       f"which expects {b.gets[i]} from it")
+        chunks = [T.split_rows(x, op.splits) for x, op in zip(xs, ops)]
+        return [T.concat([chunks[i][j] for i in range(n)], 0) for j in range(n)]
     if kind is CommKind.ALL_TO_ALL:
         chunks = [T.split(x, n, ops[0].split_dim) for x in xs]
         return [T.concat([chunks[i][j] for i in range(n)], ops[0].concat_dim) for j in range(n)]

@@ -14,7 +14,7 @@ from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
 from simcluster.topology import nccl
 from simcluster.topology.cluster import Cluster
-from simcluster.topology.phases import phases as phases_of, semantic_bytes
+from simcluster.topology.phases import Phase, phases as phases_of, semantic_bytes
 
 # (latency, flows) per phase; bytes sent per member; ns on links of its own (None: its flows share
 # one); every link it crosses
@@ -66,6 +66,8 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
     """
     op = call.ops[0]
     routes = call.channel.routes
+    if op.splits is not None:
+        return _uneven(call, cluster, network, fold)
     # first by the signature object itself (a taped block's calls share theirs; the entry holds
     # it, so its id is its own while the entry lives), then by its value
     seen = routes.get(id(op.sig))
@@ -84,35 +86,59 @@ def routes(call: Call, cluster: Cluster, network: Network, fold: Fold | None) ->
     if cached is None:
         size = 0 if op.sig is None else math.prod(op.sig[2]) * ITEMSIZE[op.sig[1]]
         nbytes = size if call.is_message else semantic_bytes(call.kind, size, len(call.members))
-        phases = phases_of(call.kind, call.members, nbytes, cluster, peer=op.peer)
-        if fold is not None and call.live < len(call.members):
-            fold.check_phases(call.members, phases, call.where, call.kind.value)
-        raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)
-        alpha: list[int] = []  # each phase's latency in the textbook model
-        sent: dict[int, float] = {}
-        for phase in phases:
-            flows = []
-            latency = 0
-            for src, dst, b in phase.flows:
-                links, lat = cluster.route(src, dst)
-                latency = max(latency, lat)
-                sent[src] = sent.get(src, 0.0) + b
-                if fold is None:
-                    flows.append((links, b))
-                elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
-                    rep = fold.rep(dst)  # into the port of its destination's representative
-                    flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
-            raw.append(flows)
-            alpha.append(phase.steps * latency)
-        prepared = [network.prepare(flows) for flows in raw]
-        latencies = alpha
-        rate = 1.0
-        if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
-            latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
-        elif phases:  # the textbook model: the share of the link a profile measured for this kind, if any
-            rate = cluster.collective_rates.get(call.kind.value, 1.0)
-        if rate != 1.0:  # the protocol's (or the measured) share of the links' rate: its bytes take that much longer
-            prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
-        cached = routes[key] = _timed(list(zip(latencies, prepared)),
-                                      [int(round(sent.get(r, 0.0))) for r in call.members])
+        cached = routes[key] = _routed(call, phases_of(call.kind, call.members, nbytes, cluster, peer=op.peer),
+                                       nbytes, cluster, network, fold)
     return cached
+
+
+def _uneven(call: Call, cluster: Cluster, network: Network, fold: Fold | None) -> Route:
+    """An uneven all_to_all's route: a flow from each member to each other of the rows it sends
+    there, all at once (NCCL's all-to-all: a send and a receive for each peer, grouped). Cached by
+    every member's rows."""
+    op = call.ops[0]
+    splits = tuple(o.splits for o in call.ops)
+    key = (call.kind._value_, op.sig[1], op.sig[2][1:], splits)
+    cached = call.channel.routes.get(key)
+    if cached is None:
+        row = math.prod(op.sig[2][1:]) * ITEMSIZE[op.sig[1]]
+        members = call.members
+        flows = tuple((a, b, float(rows[j] * row)) for a, rows in zip(members, splits)
+                      for j, b in enumerate(members) if b != a and rows[j])
+        nbytes = max(sum(rows) * row for rows in splits)
+        cached = call.channel.routes[key] = _routed(call, [Phase(1, flows)] if flows else [], nbytes, cluster,
+                                                    network, fold)
+    return cached
+
+
+def _routed(call: Call, phases: list[Phase], nbytes: float, cluster: Cluster, network: Network,
+            fold: Fold | None) -> Route:
+    """`phases` as flows over the links, with the protocol's latencies and rate (or the textbook's)."""
+    if fold is not None and call.live < len(call.members):
+        fold.check_phases(call.members, phases, call.where, call.kind.value)
+    raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)
+    alpha: list[int] = []  # each phase's latency in the textbook model
+    sent: dict[int, float] = {}
+    for phase in phases:
+        flows = []
+        latency = 0
+        for src, dst, b in phase.flows:
+            links, lat = cluster.route(src, dst)
+            latency = max(latency, lat)
+            sent[src] = sent.get(src, 0.0) + b
+            if fold is None:
+                flows.append((links, b))
+            elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
+                rep = fold.rep(dst)  # into the port of its destination's representative
+                flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
+        raw.append(flows)
+        alpha.append(phase.steps * latency)
+    prepared = [network.prepare(flows) for flows in raw]
+    latencies = alpha
+    rate = 1.0
+    if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
+        latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
+    elif phases:  # the textbook model: the share of the link a profile measured for this kind, if any
+        rate = cluster.collective_rates.get(call.kind.value, 1.0)
+    if rate != 1.0:  # the protocol's (or the measured) share of the links' rate: its bytes take that much longer
+        prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
+    return _timed(list(zip(latencies, prepared)), [int(round(sent.get(r, 0.0))) for r in call.members])

@@ -263,6 +263,16 @@ def split(x: Any, parts: int, dim: int) -> list[Any]:
     return [np.ascontiguousarray(c) for c in np.split(x, parts, axis=dim)]
 
 
+def split_rows(x: Any, rows: Sequence[int]) -> list[Any]:
+    """Split along dim 0 into parts of `rows` rows each (they add up to x's first dimension)."""
+    if isinstance(x, MetaTensor):
+        return [MetaTensor((r,) + tuple(x.shape[1:]), x.dtype, x.partial) for r in rows]
+    at = np.cumsum(rows)[:-1]
+    if isinstance(x, Partial):
+        return [Partial(np.ascontiguousarray(c), x.dtype) for c in np.split(x.limbs, at, axis=0)]
+    return [np.ascontiguousarray(c) for c in np.split(x, at, axis=0)]
+
+
 def concat(xs: Sequence[Any], dim: int) -> Any:
     dim = _check_dim(xs[0], dim)
     first = xs[0]

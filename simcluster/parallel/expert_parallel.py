@@ -9,9 +9,9 @@ Each rank routes its own tokens (model/moe.py: the rows grouped by expert), then
          input is the rows every rank sent it, in rank order;
   back:  each expert's outputs returned to the ranks the rows came from, which put them back in the
          order they sent them.
-The backward pass sends the output gradients the same way and the input gradients back. The exchange
-is NCCL's all-to-all as it is built, a send and a receive for each peer issued together; nothing is
-sent to oneself, nor an empty message. Each rank's weight gradient of an expert sums the rows it
+The backward pass sends the output gradients the same way and the input gradients back. Each move is
+one uneven all-to-all (torch's all_to_all_single with split sizes; NCCL builds it of a send and a
+receive for each peer, grouped); only the rows for other ranks cross a link. Each rank's weight gradient of an expert sums the rows it
 computed, from every rank of the group, as one exact partial, and data parallelism then sums it over
 the ranks holding the same experts (expert data parallelism, dp_wrap.py): the single device's bytes.
 """
@@ -62,55 +62,32 @@ class Exchange:
         flat = read_counts(ops.xp.to_host(every))
         return Plan([flat[q * experts:(q + 1) * experts] for q in range(self.ep)], self.me, self.ep)
 
-    def _dtype(self, x: Any) -> str:
-        return x.dtype if x.__class__ is MetaTensor else self.ctx.ops.xp.name(x.dtype)
-
-    def _swap(self, outgoing: list[Any], sizes: list[int], like: Any) -> Generator[Any, Any, list[Any]]:
-        """Send outgoing[q] to rank q of the group and receive sizes[q] rows from it, all at once; my own
-        block stays. Returns the blocks by rank."""
-        comm, ranks, h = self.ctx.comm, self.group.ranks, like.shape[-1]
-        works, got = [], {}
-        for q in range(self.ep):
-            if q == self.me:
-                continue
-            if outgoing[q].shape[0]:
-                works.append(comm.send(outgoing[q], dst=ranks[q], async_op=True))
-            if sizes[q]:
-                got[q] = len(works)
-                works.append(comm.recv(src=ranks[q], like=MetaTensor((sizes[q], h), self._dtype(like)), async_op=True))
-        done = (yield works) if works else []  # (nothing to move either way: no message at all)
-        return [outgoing[q] if q == self.me else done[got[q]] if q in got else self.layer.slice_rows(like, 0, 0)
-                for q in range(self.ep)]
-
     def there(self, rows: Any, plan: Plan) -> Generator[Any, Any, list[Any]]:
         """My experts' inputs: from each rank the rows it has for them, joined expert by expert."""
         ops, cut, n = self.ctx.ops, self.layer.slice_rows, plan.local
-        bounds = [0]
-        for c in plan.counts[self.me]:
-            bounds.append(bounds[-1] + c)
-        outgoing = [cut(rows, bounds[q * n], bounds[(q + 1) * n]) for q in range(self.ep)]
-        blocks = yield from self._swap(outgoing, [sum(plan.mine(q)) for q in range(self.ep)], rows)
+        sizes = [sum(plan.mine(q)) for q in range(self.ep)]
+        got = yield self.ctx.comm.all_to_all_rows(rows, group=self.group, send_rows=[plan.to(q) for q in range(self.ep)],
+                                                  recv_rows=sizes)
+        starts = [sum(sizes[:q]) for q in range(self.ep)]  # where each rank's rows begin
         inputs = []
         for e in range(n):
             parts = []
-            for q, block in enumerate(blocks):
-                at = sum(plan.mine(q)[:e])
-                parts.append(cut(block, at, at + plan.mine(q)[e]))
+            for q in range(self.ep):
+                at = starts[q] + sum(plan.mine(q)[:e])
+                parts.append(cut(got, at, at + plan.mine(q)[e]))
             inputs.append(ops.concat(parts, 0))
         return inputs
 
     def back(self, outs: list[Any], plan: Plan) -> Generator[Any, Any, Any]:
         """Each expert's output rows back to the ranks they came from; mine joined in the order I sent them."""
-        ops, cut = self.ctx.ops, self.layer.slice_rows
-        outgoing = []
+        cut, parts = self.layer.slice_rows, []
         for q in range(self.ep):
-            parts = []
             for e, out in enumerate(outs):
                 at = sum(plan.mine(p)[e] for p in range(q))
                 parts.append(cut(out, at, at + plan.mine(q)[e]))
-            outgoing.append(ops.concat(parts, 0))
-        blocks = yield from self._swap(outgoing, [plan.to(q) for q in range(self.ep)], outs[0])
-        return ops.concat(blocks, 0)
+        return (yield self.ctx.comm.all_to_all_rows(self.ctx.ops.concat(parts, 0), group=self.group,
+                                                    send_rows=[sum(plan.mine(q)) for q in range(self.ep)],
+                                                    recv_rows=[plan.to(q) for q in range(self.ep)]))
 
 
 def read_counts(gathered: np.ndarray) -> list[int]:

@@ -123,7 +123,7 @@ class Tapes:
 
         def on_issue(op: Any, sync: bool) -> Any:
             fields = (op.kind, op.rank, op.group, op.tensor, op.op, op.peer, op.dim, op.split_dim,
-                      op.concat_dim, op.sig, op.tag, op.stream)
+                      op.concat_dim, op.sig, op.tag, op.stream, op.tiers, op.donate, op.splits, op.gets)
             if st.cur is not stream or op.tag:  # (a message's tag may name its layer: ring attention's do)
                 ok[0] = False
             tape.events.append((_ISSUE, label(), fields, sync))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from simcluster.model.memory import TIERS
 from simcluster.numerics.tensor import MetaTensor, ReduceOp, describe, describe_signature, shape_of, signature
@@ -66,6 +66,8 @@ class CommOp:
     stream: str = ""
     tiers: tuple[str, str] = ("", "")  # a copy's (from, to)
     donate: bool = False  # the program will not read `tensor` again: a backend may reduce into it
+    splits: tuple[int, ...] | None = None  # an uneven all_to_all's rows to each member (dim 0), in group order
+    gets: tuple[int, ...] | None = None  # and the rows it receives from each
 
     @property
     def spec(self) -> tuple | None:
@@ -73,7 +75,10 @@ class CommOp:
         return self.sig
 
     def match_key(self) -> tuple:
-        """What every rank's op of one collective call must agree on."""
+        """What every rank's op of one collective call must agree on (an uneven all_to_all's members
+        send different rows: all but the rows)."""
+        if self.splits is not None:
+            return (self.kind, "rows", self.sig[0], self.sig[1], self.sig[2][1:])
         return (self.kind, self.op, self.peer, self.dim, self.split_dim, self.concat_dim, self.sig)
 
     def describe(self) -> str:
@@ -90,7 +95,8 @@ class CommOp:
         if self.kind in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER) and self.dim:
             args.append(f"dim={self.dim}")
         if self.kind is CommKind.ALL_TO_ALL:
-            args.append(f"split_dim={self.split_dim}, concat_dim={self.concat_dim}")
+            args.append(f"split_dim={self.split_dim}, concat_dim={self.concat_dim}" if self.splits is None else
+                        f"rows sent {list(self.splits)}, received {list(self.gets or ())}")
         if self.kind is CommKind.BROADCAST:
             args.append(f"src={self.peer}")
         if self.kind is CommKind.REDUCE:
@@ -130,6 +136,14 @@ def _check_group(group: Any, rank: int, what: str) -> ProcessGroup:
     if rank not in group.ranks:
         raise ValueError(f"{what}: rank {rank} is not a member of group {group}")
     return group
+
+
+def _rows(rows: Sequence[int], group: ProcessGroup, what: str) -> tuple[int, ...]:
+    out = tuple(int(r) for r in rows)
+    if len(out) != group.size or any(r < 0 for r in out) or any(int(r) != r for r in rows):
+        raise ValueError(f"all_to_all_rows: {what} must be {group.size} whole numbers of rows, none negative "
+                         f"(one for each member of {group}), got {list(rows)}")
+    return out
 
 
 def _check_dim(tensor: Any, dim: int, what: str, divisor: int | None = None) -> None:
@@ -211,6 +225,21 @@ class Comm:
         _check_dim(tensor, concat_dim, "all_to_all")
         return self._group_op(CommKind.ALL_TO_ALL, tensor, group, async_op, stream,
                               split_dim=split_dim, concat_dim=concat_dim)
+
+    def all_to_all_rows(self, tensor: Any, *, group: ProcessGroup, send_rows: Sequence[int], recv_rows: Sequence[int],
+                        async_op: bool = False, stream: str | None = None) -> Work:
+        """An uneven all-to-all along dim 0 (torch's all_to_all_single with split sizes): the first
+        send_rows[0] rows go to group rank 0, the next send_rows[1] to group rank 1, ...; what arrives,
+        recv_rows[j] rows from group rank j, joined along dim 0 in group order."""
+        g = _check_group(group, self.rank, "all_to_all_rows")
+        shape = shape_of(tensor)
+        sends, recvs = _rows(send_rows, g, "send_rows"), _rows(recv_rows, g, "recv_rows")
+        if not shape or sum(sends) != shape[0]:
+            raise ValueError(f"all_to_all_rows: send_rows {list(sends)} add up to {sum(sends)} rows, but the "
+                             f"tensor is {describe(tensor)}")
+        sig = tensor.signature if tensor.__class__ is MetaTensor else signature(tensor)
+        return self._submit(CommOp(CommKind.ALL_TO_ALL, self.rank, g, tensor, sig=sig, stream=stream or "",
+                                   splits=sends, gets=recvs), async_op)
 
     def broadcast(self, tensor: Any, *, group: ProcessGroup, src: int,
                   async_op: bool = False, stream: str | None = None) -> Work:
