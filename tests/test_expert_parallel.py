@@ -3,6 +3,8 @@ them and back (parallel/expert_parallel.py). Byte-identical to one device in exa
 over the wrong ranks caught; the all-to-all's bytes, the experts' memory and a skew's straggler in closed
 form; folded as unfolded; what it does not run refused in one line."""
 
+import json
+
 import pytest
 
 from simcluster.config.scenario import load
@@ -92,6 +94,46 @@ def test_a_skewed_routing_makes_the_busiest_experts_rank_the_straggler():
     compute = {r: streams["compute"] for r, streams in folded["busy_ns"].items()}
     assert compute["0"] == max(compute.values()) and compute["0"] > compute["3"]
     assert folded["experts"]["layers"][0]["imbalance"] > 2
+
+
+EP_FOLDS = [  # (overrides, ranks simulated of the world): each dp replica whole nodes, so rotating ep moves nodes
+    (("parallel.pp=2", "cluster.gpus_per_node=2", "cluster.nodes=4", "parallel.ep=2", "parallel.zero=1",
+      "model.micro_batch=1"), 2),  # the dp ring steps from one ep group into the next
+    (("cluster.gpus_per_node=1", "cluster.nodes=8", "parallel.dp=8", "parallel.ep=4", "parallel.zero=3",
+      "model.moe_shared_experts=1"), 1),  # ZeRO-3 over dp for the dense, over edp for the experts
+    (("parallel.pp=2", "cluster.gpus_per_node=2", "cluster.nodes=8", "parallel.dp=8", "parallel.ep=8",
+      "model.micro_batch=1", "parallel.schedule=zb-h1", "model.moe_top_k=1"), 2),  # ep = dp: edp groups of one
+]
+
+
+@pytest.mark.parametrize("sets,simulated", EP_FOLDS)
+def test_evenly_routed_ep_peers_fold_and_give_the_unfolded_report_and_trace(sets, simulated):
+    """Evenly routed (stated, no skew), the ep peers run the same shapes: one stands for its group
+    (engine/fold.py), byte for byte the unfolded run."""
+    sc = load(None, META + ["parallel.dp=4"] + list(sets))
+    folded, unfolded = run_scenario(sc, fold=True), run_scenario(sc, fold=False)
+    fold = folded.result.fold
+    assert fold is not None and fold.ep and len(fold.ranks) == simulated, folded.result.unfolded_because
+    assert json.dumps(folded.report, sort_keys=True) == json.dumps(unfolded.report, sort_keys=True)
+    full = folded.result.full_trace()
+    assert full.to_jsonl() == unfolded.result.trace.to_jsonl() and full.memory == unfolded.result.trace.memory
+
+
+@pytest.mark.parametrize("sets,simulated", [((), 1), (("model.moe_skew=0.5",), 4),
+                                             (("model.seq=63", "model.moe_top_k=1"), 4)])
+def test_only_an_even_routing_folds_its_ep_peers(sets, simulated):
+    """dp 8 on 8 nodes, ep 4: the dp fold keeps a block of 4 replicas (a whole ep group); evenly routed,
+    the ep fold keeps one. Skewed, or even but in whole rows that do not share out evenly (2 x 63 rows
+    over 8 experts: 16 or 15 each), the ep peers are not alike, and the run says so and folds less:
+    byte for byte the unfolded run still."""
+    sc = load(None, META + ["parallel.dp=8", "parallel.ep=4", "cluster.gpus_per_node=1", "cluster.nodes=8"]
+              + list(sets))
+    folded = run_scenario(sc)
+    fold = folded.result.fold
+    assert fold is not None and fold.ep == (simulated == 1) and len(fold.ranks) == simulated
+    if sets:
+        unfolded = run_scenario(sc, fold=False)
+        assert json.dumps(folded.report, sort_keys=True) == json.dumps(unfolded.report, sort_keys=True)
 
 
 @pytest.mark.parametrize("sets,words", [

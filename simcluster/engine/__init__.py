@@ -84,11 +84,14 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
         if Mode(mode) is not Mode.META:
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
                              f"numbers)")
-        # Fold along every axis given; where the run is not symmetric along cp (a ring through a node's
-        # tp and cp ranks cannot be its own image under both rotations), along dp and tp; where not
-        # along tp either, along dp alone.
-        attempts = [fold] + ([tuple(a for a in fold if a != "cp")] if "cp" in fold else []) \
-            + ([("dp",)] if "tp" in fold and "dp" in fold else [])
+        # Fold along every axis given; where the run is not symmetric along ep (a skewed routing), without
+        # it; where not along cp (a ring through a node's tp and cp ranks cannot be its own image under
+        # both rotations), along dp and tp; where not along tp either, along dp alone.
+        attempts, axes = [fold], fold
+        for axis in ("ep", "cp", "tp"):
+            if axis in axes and (axis != "tp" or "dp" in fold):
+                axes = tuple(a for a in axes if a != axis)
+                attempts.append(axes)
         for axes in attempts:
             folding = fold_for(mesh, spec, axes)
             if folding is None:

@@ -8,13 +8,21 @@ fold's symmetries are
 - with Ulysses or all-gather attention, a rotation of the cp coordinate: of a node's cp positions
   inside it, and of runs of them, a node's worth each, across nodes (a cp x tp block being inside a
   node or whole nodes),
+- with expert parallelism routed evenly (meta mode's stated routing without skew), a rotation of the
+  ep coordinate inside each ep group (a replica being whole nodes),
 and each is a symmetry of the whole run:
 - of the mesh: it changes only the dp (tp, cp) coordinate, so a group is mapped onto a group, one
   that spans dp (tp, cp) onto itself;
 - of the cluster: every link is one rank's port (cluster.py) and nodes are mapped onto nodes, so
   NVLink onto NVLink and NIC onto NIC;
 - of each collective's phases over a group it maps onto itself: its rings onto themselves (checked
-  for every collective, `FoldError` otherwise: a chain from a root is not).
+  for every collective, `FoldError` otherwise: a chain from a root is not). The ep rotation is the
+  exception: it does not map the data-parallel ring onto itself (the ring steps from one ep group
+  into the next), so for it the check is the weaker one that the replay needs: every member's port
+  sends and receives the same flows (bytes, inside a node or not) as its image's, and the flows the
+  replay moves into each representative's port are the ones that port receives unfolded. Every port
+  then carries the same number of flows of each size at every instant, and the max-min rates, which
+  depend on nothing else where every link is one port, are the same.
 So the unfolded run is symmetric at every instant, and only the representatives (dp index below
 `block`, tp index 0, cp index 0) run:
 - their programs run; a call completes when its simulated members have issued it (a folded member's
@@ -49,13 +57,16 @@ class Fold:
     # cp peers folded onto cp index 0 (Ulysses, all-gather attention: every cp rank runs the same shapes): 0, not folded; else
     # the cp positions a node holds, rotated inside it, the runs of them rotated across nodes
     cp_local: int = 0
+    ep: bool = False  # the ep peers (expert parallelism) folded onto ep index 0
+    gpus_per_node: int = 1  # (where a flow stays inside a node)
 
     def __post_init__(self) -> None:
         sizes = self.mesh.sizes
         replica = self.mesh.world_size // sizes["dp"]
         t, c = sizes["tp"], sizes["cp"]
+        e = self.mesh.ep if self.ep else 1
         simulated = [r for r in range(self.block * replica)
-                     if (not self.tp or r % t == 0) and (not self.cp_local or r // t % c == 0)]
+                     if (not self.tp or r % t == 0) and (not self.cp_local or r // t % c == 0) and r // replica % e == 0]
         object.__setattr__(self, "replica", replica)
         object.__setattr__(self, "ranks", tuple(simulated))
         is_rep = bytearray(self.mesh.world_size)
@@ -79,6 +90,8 @@ class Fold:
             what.append("tensor-parallel peers")
         if self.cp_local:
             what.append("context-parallel peers")
+        if self.ep:
+            what.append("expert-parallel peers")
         return (f"{len(self.ranks)} of {self.world} ranks simulated, each standing for {self.copies} "
                 f"(folded: {' and '.join(what)})")
 
@@ -91,6 +104,8 @@ class Fold:
             r -= r % t
         if self.cp_local:
             r -= r // t % c * t
+        if self.ep:
+            r -= r // self.replica % self.mesh.ep * self.replica
         return r
 
     def image(self, rank: int, of: int) -> int:
@@ -106,6 +121,10 @@ class Fold:
             mine, turn = rank // t % c, of // t % c
             moved = (mine // near + turn // near) % runs * near + (mine % near + turn % near) % near
             rank += (moved - mine) * t
+        if self.ep:  # the ep index rotated by of's, inside the ep group
+            e, replica = self.mesh.ep, self.replica
+            mine, turn = rank // replica % e, of % span // replica % e
+            rank += ((mine + turn) % e - mine) * replica
         return (rank + shift) % self.world
 
     def stream(self, name: str, of: int) -> str:
@@ -181,6 +200,36 @@ class Fold:
                 flows = set(phase.flows)
                 if any((self.image(s, of), self.image(d, of), b) not in flows for s, d, b in flows):
                     raise FoldError(f"{kind} on {where} does not move the same bytes in every folded copy")
+        if self.ep and {self.image(m, self.replica) for m in members} == group:
+            for phase in phases:
+                self._ports_alike(members, phase.flows, where, kind)
+
+    def even_rows(self, op: Any, where: str) -> None:
+        """An uneven all_to_all whose folded members' sends are their representative's: only where it
+        sends every member as many rows, and receives as many from each."""
+        if len(set(op.splits) | set(op.gets)) > 1:
+            raise FoldError(f"all_to_all on {where} moves uneven rows ({list(op.splits)}): its folded copies "
+                            f"would not send what their representative does")
+
+    def _ports_alike(self, members: tuple[int, ...], flows: Iterable[tuple[int, int, float]], where: str,
+                     kind: str) -> None:
+        """The ep rotation's check (the module docstring): every member's ports carry what its
+        representative's do, and each representative's port receives, folded, what it receives."""
+        gpn = self.gpus_per_node
+        out: dict[int, list] = {m: [] for m in members}
+        into: dict[int, list] = {m: [] for m in members}
+        moved: dict[int, list] = {m: [] for m in members}
+        for s, d, b in flows:
+            what = (b, s // gpn == d // gpn)
+            out[s].append(what)
+            into[d].append(what)
+            if self.is_rep[s]:
+                moved[self.rep(d)].append(what)
+        for m in members:
+            r = self.rep(m)
+            if sorted(out[m]) != sorted(out[r]) or sorted(into[m]) != sorted(into[r]) or \
+                    (self.is_rep[m] and sorted(moved[m]) != sorted(into[m])):
+                raise FoldError(f"{kind} on {where} does not load every folded copy's ports alike")
 
 
 def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",)) -> Fold | None:
@@ -198,10 +247,12 @@ def fold_for(mesh: DeviceMesh, spec: ClusterSpec, axes: tuple[str, ...] = ("dp",
         if sizes["dp"] % least == 0:
             block = least
     t, c = sizes["tp"], sizes["cp"]
+    # (rotating the ep index moves whole replicas: a symmetry of the cluster where each is whole nodes)
+    ep = "ep" in axes and mesh.ep > 1 and replica % gpn == 0 and block % mesh.ep == 0
     tp = "tp" in axes and t > 1 and gpn % t == 0
     cp_local = 0
     if "cp" in axes and c > 1 and gpn % t == 0:
         cp_local = c if gpn % (c * t) == 0 else gpn // t if (c * t) % gpn == 0 else 0
-    if block == sizes["dp"] and not tp and not cp_local:
+    if block == sizes["dp"] and not tp and not cp_local and not ep:
         return None
-    return Fold(mesh, block, tp, cp_local)
+    return Fold(mesh, block, tp, cp_local, ep, gpn)

@@ -111,7 +111,7 @@ class Interpreter:
                     raise ProgramError(f"rank {st.rank} ended without yielding its synchronous "
                                        f"{comm.pending_sync.op.describe()}")
                 return
-            except (DeadlockError, CollectiveMismatchError, ProgramError):
+            except (DeadlockError, CollectiveMismatchError, ProgramError, FoldError):
                 raise
             except Exception as exc:
                 raise ProgramError(f"rank {st.rank}: {type(exc).__name__}: {exc}") from exc
@@ -298,6 +298,8 @@ class Interpreter:
             images = self._images(call.channel)
             ops = call.ops
             call.ops = [op or ops[i] for op, i in zip(ops, images)]
+            if call.ops[0].splits is not None:
+                self.fold.even_rows(call.ops[0], call.where)
         if call.kind is _SEND:
             self._check_order(call)
         results = collectives.execute(call.kind, call.ops)

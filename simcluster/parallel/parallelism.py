@@ -70,7 +70,8 @@ class Parallelism:
         Ulysses where each cp rank gets its own kv heads, and with all-gather attention (every cp rank
         attends its two zigzag chunks' queries to all the keys: the same shapes, and in meta mode the
         mask is not built; the ring gives each rank other blocks of the mask at each step, RSA's rings
-        are its own)."""
+        are its own); ep with a mixture of experts routed evenly (meta mode's stated routing without
+        skew: every expert gets as many rows, so the ep peers run the same shapes)."""
         kv, d = self.model.kv_heads, self.data
         if "nvme" in (d.offload_optimizer, d.offload_params):
             return ("dp",)
@@ -78,7 +79,8 @@ class Parallelism:
             return ("dp",)
         own = self.model.arch != "llama" or kv is None or (kv // tp) % cp == 0
         folds_cp = self.attention in CP_ALIKE and (own or self.attention != "ulysses")
-        return ("dp", "tp", "cp") if folds_cp else ("dp", "tp")
+        axes = ("dp", "tp", "cp") if folds_cp else ("dp", "tp")
+        return axes + ("ep",) if self.model.moe_experts and not self.model.moe_skew else axes
 
     def shape(self, pp: int) -> PipelineShape:
         return PipelineShape(pp, self.data.micro_batches, self.virtual)
