@@ -32,8 +32,10 @@ def _report(*sets: str, fold: bool = True) -> dict:
      "model.micro_batch=1", "model.global_batch=8", "model.layers=4", "parallel.recompute=full",
      "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5",
      "model.moe_shared_experts=1", "model.moe_first_dense=1"),
+    ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_scores=sigmoid", "model.moe_groups=2",
+     "model.moe_group_limit=1", "model.moe_bias_rate=0.01", "run.steps=3"),
 ], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-dualpipe", "dp2-ep2-pp2-zero2-dropping",
-        "dp4-ep2-pp2-zbv-recompute-deepseek"])
+        "dp4-ep2-pp2-zbv-recompute-deepseek", "dp4-ep4-node-limited-bias"])
 def test_expert_parallel_layouts_are_byte_identical_to_one_device(sets):
     v = _report(*sets)["verification"]
     assert v["bit_exact"] and not v["mismatches"]

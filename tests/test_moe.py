@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from simcluster.model.moe import MoE, MoELayer, local, route, top_k
+from simcluster.model.moe import MoE, MoELayer, choose, local, route, top_k
 from simcluster.numerics.modes import make_ops
 
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
@@ -48,7 +48,12 @@ def _torch(moe, p, x, dy, scale, bias=None):
     xf = tx.reshape(b * s, h)
     logits = xf @ t["moe.router"]
     probs = torch.softmax(logits, -1) if moe.scores == "softmax" else torch.sigmoid(logits)
-    _, choice = torch.topk(probs if bias is None else probs + torch.tensor(bias), k, -1)
+    select = probs if bias is None else probs + torch.tensor(bias)
+    if moe.limited:  # DeepSeek-V3's node-limited routing, as its reference code: the best groups' experts only
+        per = select.reshape(b * s, moe.groups, moe.per_group).topk(k // moe.group_limit, -1)[0].sum(-1)
+        allowed = torch.zeros(b * s, moe.groups, dtype=torch.bool).scatter(1, per.topk(moe.group_limit, -1)[1], True)
+        select = select.masked_fill(~allowed.repeat_interleave(moe.per_group, -1), -torch.inf)
+    _, choice = torch.topk(select, k, -1)
     gates = probs.gather(1, choice)
     if moe.normalize:
         gates = gates / gates.sum(-1, keepdim=True)
@@ -108,13 +113,16 @@ def test_forward_and_backward_match_torch_autograd(top, normalize, capacity, aux
         assert abs(float(got_aux) - want_aux) <= 1e-12 * abs(want_aux)
 
 
-@pytest.mark.parametrize("capacity,shared", [(0.0, 1), (0.75, 0), (0.0, 2)])
-def test_deepseek_routing_and_swiglu_experts_match_torch_autograd(capacity, shared):
+@pytest.mark.parametrize("capacity,shared,groups", [(0.0, 1, 1), (0.75, 0, 1), (0.0, 2, 1), (0.0, 1, 3),
+                                                   (0.75, 0, 3)])
+def test_deepseek_routing_and_swiglu_experts_match_torch_autograd(capacity, shared, groups):
     """DeepSeek-V3's router: sigmoid scores, a selection bias (no gradient), the chosen scores normalised and
-    scaled, the balance loss over the scores normalised per token; SwiGLU experts, and shared ones."""
+    scaled, the balance loss over the scores normalised per token, node-limited routing (3 groups of 2
+    experts, each token's 2 from 1 group); SwiGLU experts, and shared ones."""
     rng = np.random.default_rng(11)
     moe = MoE(experts=6, top_k=2, ffn_hidden=4, aux_coeff=0.01, capacity_factor=capacity, normalize=True,
-              activation="swiglu", scores="sigmoid", route_scale=2.5, shared=shared)
+              activation="swiglu", scores="sigmoid", route_scale=2.5, shared=shared, groups=groups,
+              group_limit=1 if groups > 1 else 0)
     b, s, h = 2, 7, 8
     p, x, dy = _weights(rng, h, moe), rng.standard_normal((b, s, h)), rng.standard_normal((b, s, h))
     bias = rng.standard_normal(6) * 0.3
@@ -123,11 +131,37 @@ def test_deepseek_routing_and_swiglu_experts_match_torch_autograd(capacity, shar
     assert (routing.choice == choice).all()
     plain = top_k(1 / (1 + np.exp(-(x.reshape(-1, h) @ p["moe.router"]))), 2)
     assert (plain != choice).any(), "the bias moves no choice: the case tests nothing"
+    if moe.limited:
+        assert (choice // 2 == choice[:, :1] // 2).all(), "a token's experts from one group"
+        unlimited = MoE(experts=6, top_k=2, ffn_hidden=4, scores="sigmoid")
+        assert (choose(select_of(x, p, bias), unlimited) != choice).any(), "the limit changes no choice"
     np.testing.assert_allclose(y, want_y, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-10, atol=1e-12)
     for name, g in want.items():
         np.testing.assert_allclose(grads[name], g, rtol=1e-10, atol=1e-12, err_msg=name)
     assert abs(float(got_aux) - want_aux) <= 1e-12 * abs(want_aux)
+
+
+def select_of(x, p, bias):
+    return 1 / (1 + np.exp(-(x.reshape(-1, x.shape[-1]) @ p["moe.router"]))) + bias
+
+
+def test_node_limited_routing_takes_the_groups_whose_best_scores_sum_highest():
+    """4 experts in 2 groups, top-2 from 1 group: a group's score is its best expert's (top_k / limit = 2:
+    both its experts' sum); equal group sums: the lower group."""
+    moe = MoE(experts=4, top_k=2, ffn_hidden=1, groups=2, group_limit=1)
+    scores = np.array([[0.9, 0.0, 0.5, 0.5],  # groups 0.9 and 1.0: group 1, though expert 0 is the best
+                       [0.3, 0.3, 0.1, 0.5],  # 0.6 and 0.6: the lower group
+                       [0.1, 0.2, 0.4, 0.3]])
+    assert choose(scores, moe).tolist() == [[2, 3], [0, 1], [2, 3]]
+    assert choose(scores, MoE(experts=4, top_k=2, ffn_hidden=1)).tolist() == [[0, 2], [3, 0], [2, 3]]
+
+
+@pytest.mark.parametrize("kw,words", [({"groups": 3}, "must divide"), ({"groups": 2, "group_limit": 3}, "at most"),
+                                      ({"groups": 4, "group_limit": 2, "top_k": 3}, "multiple of")])
+def test_a_node_limit_that_cannot_route_is_refused(kw, words):
+    with pytest.raises(ValueError, match=words):
+        MoE(**({"experts": 4, "top_k": 2, "ffn_hidden": 1} | kw))
 
 
 def test_top_k_breaks_ties_by_the_lower_expert():

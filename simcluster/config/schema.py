@@ -110,6 +110,12 @@ class ModelSection(Section):
     moe_shared_experts: int = key(
         0, "shared experts every token also goes through, each of moe_ffn_hidden (DeepSeek-MoE, DeepSeek-V3: 1)",
         minimum=0)
+    moe_groups: int = key(
+        1, "node-limited routing: the experts in this many equal groups, in order (DeepSeek-V3: 8, one a node)",
+        minimum=1)
+    moe_group_limit: int = key(
+        0, "node-limited routing: a token's experts from at most this many groups, those whose best "
+        "top_k / limit scores sum highest (DeepSeek-V3: 4); 0: any", minimum=0)
     moe_bias_rate: float = key(
         0.0, "DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by this much after "
         "each step, towards an even load (DeepSeek-V3: 0.001; 0: no bias)", minimum=0)

@@ -7,7 +7,8 @@ x (b, s, h):
   sum exact, as every softmax here);
 - top-k: each token's k experts are those of the k largest probabilities. **Ties** (equal rounded
   probabilities) go to the lower expert index, so routing is a function of the exact numbers (every
-  layout computes the same probabilities bit for bit, so routes every token alike). The gates are the
+  layout computes the same probabilities bit for bit, so routes every token alike). With node-limited
+  routing (DeepSeek-V3), the experts are in groups and a token's k come from its best few groups; The gates are the
   chosen probabilities (Switch, GShard), or with `normalize` those divided by their sum (Mixtral,
   Qwen, DeepSeek's norm_topk_prob);
 - capacity (`capacity_factor` > 0, GShard/Switch token dropping): each expert takes at most
@@ -59,6 +60,8 @@ class MoE:
     scores: str = "softmax"  # the router's: "softmax" over the experts, or "sigmoid" each (DeepSeek-V3)
     route_scale: float = 1.0  # the gates' factor (DeepSeek-V3: 2.5)
     shared: int = 0  # shared experts every token goes through, as one FFN of shared x ffn_hidden (DeepSeek: 1)
+    groups: int = 1  # the experts in this many equal groups, in order (DeepSeek-V3: 8, a node's each)
+    group_limit: int = 0  # a token's experts from at most this many groups (DeepSeek-V3: 4); 0: any
 
     def __post_init__(self) -> None:
         if self.activation not in ("gelu", "swiglu") or self.scores not in ("softmax", "sigmoid"):
@@ -69,6 +72,22 @@ class MoE:
                              f"{self.experts} experts")
         if self.ffn_hidden < 1 or self.aux_coeff < 0 or self.capacity_factor < 0:
             raise ValueError("moe ffn_hidden must be positive; aux_coeff and capacity_factor not negative")
+        if self.groups < 1 or self.experts % self.groups or not 0 <= self.group_limit <= self.groups:
+            raise ValueError(f"moe groups must divide the {self.experts} experts (got {self.groups}) and the group "
+                             f"limit be at most the groups (got {self.group_limit})")
+        if self.limited and (self.top_k % self.group_limit or self.top_k // self.group_limit > self.per_group):
+            raise ValueError(f"node-limited routing sums each group's top_k / group_limit best scores: top_k "
+                             f"{self.top_k} must be a multiple of the group limit {self.group_limit}, and at "
+                             f"most {self.per_group} (a group's experts) a group")
+
+    @property
+    def limited(self) -> bool:
+        """Whether a token's experts come from fewer than all groups (node-limited routing)."""
+        return 0 < self.group_limit < self.groups
+
+    @property
+    def per_group(self) -> int:
+        return self.experts // self.groups
 
     def capacity(self, seq: int) -> int | None:
         """Tokens of one sequence an expert takes (None: dropless)."""
@@ -118,6 +137,23 @@ def top_k(probs: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest along the last axis, largest first; equal values: the lower index first."""
     order = np.argsort(-np.asarray(probs, dtype=np.float64), axis=-1, kind="stable")
     return order[..., :k]
+
+
+def choose(scores: np.ndarray, moe: MoE) -> np.ndarray:
+    """Each token's top_k experts (T, k) by its selection scores (T, E). With node-limited routing
+    (DeepSeek-V3, section 2.1.2), only from its group_limit best groups, a group's score being the sum
+    of its top_k / group_limit best (in float64, in descending order: the same sum on every layout);
+    equal group scores: the lower group first."""
+    s = np.asarray(scores, dtype=np.float64)
+    if moe.limited:
+        t = s.shape[0]
+        grouped = s.reshape(t, moe.groups, moe.per_group)
+        best = -np.sort(-grouped, axis=-1)[..., :moe.top_k // moe.group_limit]
+        kept = top_k(best.sum(-1), moe.group_limit)  # (T, group_limit)
+        allowed = np.zeros((t, moe.groups), dtype=bool)
+        np.put_along_axis(allowed, kept, True, axis=-1)
+        s = np.where(np.repeat(allowed, moe.per_group, axis=-1), s, -np.inf)
+    return top_k(s, moe.top_k)
 
 
 def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
@@ -246,7 +282,7 @@ class MoELayer:
         if self.meta:
             r = stated(b, s, moe, self.skew)
         else:
-            r = route(top_k(ops.xp.to_host(select), moe.top_k), b, s, moe)
+            r = route(choose(ops.xp.to_host(select), moe), b, s, moe)
         one_hot = ops.one_hot(r.choice, moe.experts, scores)  # (T, k, E): a token's choices are distinct
         picked = ops.finalize(ops.sum(ops.mul(one_hot, self._middle(scores)), -1, partial=True))  # (T, k): one term each
         gates, total = picked, None
