@@ -25,7 +25,8 @@ def _report(*sets: str, fold: bool = True) -> dict:
     ("parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "parallel.zero=1", "model.moe_capacity_factor=1.0"),
     ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "parallel.zero=3", "model.micro_batch=1"),
     ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.schedule=dualpipe",
-     "model.micro_batch=1", "model.global_batch=8"),
+     "model.micro_batch=1", "model.global_batch=8", "model.moe_scores=sigmoid", "model.moe_bias_rate=0.01",
+     "run.steps=3"),
     ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.zero=2",
      "model.moe_capacity_factor=0.5", "model.dtype=bf16"),
     ("parallel.dp=4", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=8", "parallel.schedule=zb-v",
@@ -34,7 +35,7 @@ def _report(*sets: str, fold: bool = True) -> dict:
      "model.moe_shared_experts=1", "model.moe_first_dense=1"),
     ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_scores=sigmoid", "model.moe_groups=2",
      "model.moe_group_limit=1", "model.moe_bias_rate=0.01", "run.steps=3"),
-], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-dualpipe", "dp2-ep2-pp2-zero2-dropping",
+], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-dualpipe-bias", "dp2-ep2-pp2-zero2-dropping",
         "dp4-ep2-pp2-zbv-recompute-deepseek", "dp4-ep4-node-limited-bias"])
 def test_expert_parallel_layouts_are_byte_identical_to_one_device(sets):
     v = _report(*sets)["verification"]

@@ -317,7 +317,7 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         grads = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
-            yield from model.balance(step, dp.sum_group)
+            yield from model.balance(step, dp.sum_group, stage.twin)
         first = first or grads
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):

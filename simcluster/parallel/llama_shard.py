@@ -69,16 +69,20 @@ class LlamaShard(TransformerShard):
             have = self.routing.get(f"{key}.{name}")
             self.routing[f"{key}.{name}"] = n if have is None else have + n
 
-    def balance(self, step: int, group: Any) -> Generator[Any, Any, None]:
+    def balance(self, step: int, group: Any, twin: Any = None) -> Generator[Any, Any, None]:
         """DeepSeek-V3's bias update after a step (moe.bias_step), for the MoE layers this rank ran: their
-        loads over every data-parallel rank (all-reduced: fp32 holds the counts exactly). Meta mode routes
-        as stated, so its bias moves nothing: none is kept there."""
+        loads over every data-parallel rank (all-reduced: fp32 holds the counts exactly), and under
+        DualPipe over the `twin` that holds the same layers for the other direction's micro-batches.
+        Meta mode routes as stated, so its bias moves nothing: none is kept there."""
         rate, ops = self.m.moe_bias_rate, self.ops
         if not rate or ops.mode is Mode.META:
             return
         for i in sorted(self.tallied.get(step, ())):
             local = ops.from_host(host_float32(self.routing[f"routing[{step}].layers.{i}.chosen"]))
-            loads = ops.xp.to_host((yield self.ctx.comm.all_reduce(local, group=group)))
+            loads = yield self.ctx.comm.all_reduce(local, group=group)
+            if twin is not None:  # (both hold the same layers: the same calls, in the same order)
+                loads = yield self.ctx.comm.all_reduce(loads, group=twin)
+            loads = ops.xp.to_host(loads)
             change = ops.constant(bias_step(loads, rate), "fp32")
             self.bias[i] = change if i not in self.bias else ops.add(self.bias[i], change)
             self.biases[f"router_bias.layers.{i}"] = self.bias[i]
