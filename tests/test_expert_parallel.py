@@ -143,8 +143,6 @@ def test_only_an_even_routing_folds_its_ep_peers(sets, simulated):
     (("parallel.dp=4", "parallel.ep=3", "cluster.gpus_per_node=4"), "ep=3 must divide dp=4"),
     (("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_experts=6"), "moe_experts=6"),
     (("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_experts=0"), "mixture of experts"),
-    (("parallel.dp=2", "cluster.gpus_per_node=2", "model.moe_bias_rate=0.001", "run.save_checkpoint='ck'"),
-     "moe_bias_rate"),
 ])
 def test_what_expert_parallelism_does_not_run_is_refused_in_one_line(sets, words):
     with pytest.raises(ScenarioError) as err:
@@ -186,6 +184,32 @@ def test_an_expert_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
 
 
 BIASED = ["model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_bias_rate=0.01"]
+
+
+def test_a_checkpoint_keeps_the_selection_biases_and_resumes_them_on_another_layout(tmp_path):
+    """Saved after 2 of 3 steps with the biases moved twice, resumed on one device, with ep 4 and under
+    DualPipe: each resumed run is the uninterrupted single-device run, biases and all; the manifest
+    carries them under its checksum, and one not a list of numbers is refused naming the field."""
+    from simcluster.checkpoint import CheckpointError, read_manifest, resolve
+
+    folder = str(tmp_path / "ck")
+    _report(*BIASED, "parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "run.steps=3",
+            f"run.save_checkpoint={folder!r}", "run.save_at_step=2")
+    saved = read_manifest(resolve(folder))["router_bias"]
+    assert sorted(saved) == ["router_bias.layers.0", "router_bias.layers.1"] and all(len(v) == 4 for v in saved.values())
+    for sets in (("parallel.dp=1", "cluster.gpus_per_node=1"), ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4"),
+                 ("parallel.dp=1", "parallel.pp=2", "cluster.gpus_per_node=2", "model.micro_batch=1",
+                  "parallel.schedule=dualpipe")):
+        v = _report(*BIASED, *sets, "run.steps=3", f"run.resume={folder!r}")["verification"]
+        assert v["bit_exact"] and not v["mismatches"] and "router_bias.layers.1" in v["outputs"], sets
+    path = tmp_path / "ck" / resolve(folder).split("/")[-1] / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["router_bias"]["router_bias.layers.0"] = "0.5"
+    from simcluster.checkpoint import checksum
+    manifest["checksum"] = checksum(manifest)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    with pytest.raises(CheckpointError, match="router_bias.router_bias.layers.0 is not a list of finite numbers"):
+        read_manifest(resolve(folder))
 
 
 def _outputs(*sets: str) -> tuple[dict, dict]:

@@ -20,6 +20,8 @@ The manifest (JSON, sorted keys):
   tensors                       name -> global shape
   files                         file -> {bytes, sha256}
   pieces                        [{tensor, file, runs: [start, length, ...], offsets: {state: byte offset}}]
+  router_bias                   (a mixture of experts with DeepSeek-V3's selection bias) each MoE layer's
+                                bias, `router_bias.layers.{i}` -> one fp32 number an expert
   checksum                      the sha256 of the manifest without this key (as written: indent 1, sorted)
 A piece holds the tensor's elements at row-major indices start .. start+length-1 for each run, in that
 order; each state's values of them lie contiguously at its offset, little-endian, in the state's dtype.
@@ -224,12 +226,15 @@ def commit(sc: Scenario, written: list[dict[str, Any] | None], mesh: dict[str, i
     precision = dtype_name(sc.model.dtype)
     states = {"master": "fp32", "adam_m": "fp32", "adam_v": "fp32"} | (
         {"working": precision} if precision != "fp32" else {})
-    files = {w["file"]: {"bytes": w["bytes"], "sha256": w["sha256"]} for w in written if w}
+    files = {w["file"]: {"bytes": w["bytes"], "sha256": w["sha256"]} for w in written if w and w.get("file")}
+    bias = {k: v for w in written if w for k, v in w.get("router_bias", {}).items()}
     sequence = folders.next_sequence(Path(ck.save))
     manifest = {"format": FORMAT, "version": VERSION, "step": ck.at, "training": training(sc),
                 "saved_by": {"mesh": mesh, "zero": sc.parallel.zero, "scenario": sc.name}, "sequence": sequence,
                 "states": states, "tensors": {k: list(v) for k, v in shapes.items()}, "files": files,
-                "pieces": [p for w in written if w for p in w["pieces"]]}
+                "pieces": [p for w in written if w for p in w.get("pieces", ())]}
+    if bias:
+        manifest["router_bias"] = bias
     manifest["checksum"] = checksum(manifest)
     text = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
     name, kept = folders.publish(Path(ck.save), Path(ck.staging), ck.at, text, ck.keep)
@@ -295,6 +300,15 @@ def validate(manifest: dict[str, Any], folder: str) -> None:
         count(entry.get("bytes"), f"files.{name}.bytes")
         if not (isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
             raise bad(f"files.{name}.sha256", "is not a sha256 digest")
+    bias = manifest.get("router_bias", {})
+    if not isinstance(bias, dict):
+        raise bad("router_bias", "is not a table")
+    for name, values in bias.items():
+        if not re.fullmatch(r"router_bias\.layers\.\d{1,6}", name):
+            raise bad(f"router_bias.{name[:40]}", "is not a layer's bias")
+        if not isinstance(values, list) or not values or not all(
+                type(v) in (int, float) and np.isfinite(v) for v in values):
+            raise bad(f"router_bias.{name}", "is not a list of finite numbers")
     pieces = manifest.get("pieces")
     if not isinstance(pieces, list):
         raise bad("pieces", "is missing or not a list")
@@ -354,6 +368,11 @@ def verify_files(folder: str) -> None:
     manifest = read_manifest(folder)
     for name, entry in sorted(manifest["files"].items()):
         _file(folder, name, entry)
+
+
+def router_bias(folder: str) -> dict[str, np.ndarray]:
+    """The experts' selection biases a checkpoint holds, by output name (fp32; none: empty)."""
+    return {k: np.asarray(v, np.float32) for k, v in read_manifest(folder).get("router_bias", {}).items()}
 
 
 def read(folder: str, names: list[str]) -> tuple[int, dict[str, dict[str, np.ndarray]]]:

@@ -309,9 +309,11 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
     written = None
+    if ck and ck.resume and m.moe_bias_rate:  # the selection biases as the checkpoint's steps left them
+        model.restore_biases(checkpoint.router_bias(ck.resume))
     for step in range(start, data.steps):
         if ck and ck.save and ck.at == step:
-            written = _save(ctx, ck, m, stage, shards, dp, step)
+            written = _save(ctx, ck, m, stage, shards, dp, step, getattr(model, "biases", {}))
         dp.begin_step()
         work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
@@ -327,13 +329,14 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
     yield from dp.finish()
     if ck and ck.save and ck.at == data.steps:
-        written = _save(ctx, ck, m, stage, shards, dp, data.steps)
+        written = _save(ctx, ck, m, stage, shards, dp, data.steps, getattr(model, "biases", {}))
     return {"loss": losses, "first_step": start, "checkpoint": written, "routing": getattr(model, "routing", {}),
             "router_bias": {k: ops.xp.to_host(v) for k, v in getattr(model, "biases", {}).items()},
             "expert_shard": (ctx.mesh.ep.rank_of(ctx.rank), ctx.mesh.ep.size), **dp.results(grads, first)}
 
 
-def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DPWrap, step: int) -> Any:
+def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DPWrap, step: int,
+          biases: dict[str, Any]) -> Any:
     """This rank's file of the checkpoint: the states it owns, copied to the host, which writes the file."""
     shapes, ops, names, kinds, t, r = m.parameter_shapes(), ctx.ops, shards.names, shards.kinds, shards.t, shards.r
     snap = {u: {k: ops.xp.to_host(v) for k, v in states.items()} for u, states in dp.snapshot().items()}
@@ -344,10 +347,13 @@ def _save(ctx: Context, ck: Any, m: Any, stage: _Placed, shards: _Shards, dp: DP
             n = x.shape[0] // shards.ep
             x = x[shards.e * n:(shards.e + 1) * n]
         return x
-    return checkpoint.write_rank(ck.staging, ctx.rank, step, [
+    written = checkpoint.write_rank(ck.staging, ctx.rank, step, [
         dict(zip(("index", "which"), checkpoint.element_index(
             [shapes[k] for k in names[u]], lambda i, x, u=u: piece(u, i, x), dp.ns[u], dp.ks[u])),
              names=names[u], mask=dp.owned[u], states=snap[u]) for u in names])
+    if biases:  # (as they are now: the steps saved; every rank that runs a layer holds its bias)
+        written = (written or {}) | {"router_bias": {k: [float(v) for v in ops.xp.to_host(b)] for k, b in biases.items()}}
+    return written
 
 
 def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parallelism: Parallelism) -> dict[str, Any]:

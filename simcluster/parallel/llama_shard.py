@@ -87,6 +87,13 @@ class LlamaShard(TransformerShard):
             self.bias[i] = change if i not in self.bias else ops.add(self.bias[i], change)
             self.biases[f"router_bias.layers.{i}"] = self.bias[i]
 
+    def restore_biases(self, saved: dict[str, Any]) -> None:
+        """The selection biases a checkpoint kept (checkpoint.router_bias), by output name."""
+        for name, values in saved.items():
+            i = int(name.rsplit(".", 1)[1])
+            self.bias[i] = self.ops.constant(values, "fp32")
+            self.biases[name] = self.bias[i]
+
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
         this rank's share of them, the rows exchanged with the ep group (parallel/expert_parallel.py)."""

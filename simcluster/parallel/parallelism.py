@@ -123,9 +123,6 @@ class Parallelism:
             if not m.moe_experts or m.moe_experts % self.ep or dp % self.ep:
                 raise ValueError(f"expert parallelism ep={self.ep} needs a mixture of experts whose count it divides "
                                  f"(model.moe_experts={m.moe_experts}) and must divide dp={dp}")
-        if m.moe_bias_rate and self.checkpoint is not None:
-            raise ValueError("the experts' selection bias (model.moe_bias_rate) is not kept in checkpoints yet: "
-                             "set model.moe_bias_rate = 0 to save or resume")
         if m.moe_experts and m.moe_first_dense > m.layers:
             raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
         if m.tied_head and pp > 1:
