@@ -35,8 +35,17 @@ def _report(*sets: str, fold: bool = True) -> dict:
      "model.moe_shared_experts=1", "model.moe_first_dense=1"),
     ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_scores=sigmoid", "model.moe_groups=2",
      "model.moe_group_limit=1", "model.moe_bias_rate=0.01", "run.steps=3"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.cp=2", "parallel.sp=true", "model.heads=4",
+     "cluster.gpus_per_node=8", "parallel.zero=3", "model.moe_scores=sigmoid", "model.moe_bias_rate=0.01",
+     "model.moe_shared_experts=1", "run.steps=3"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true", "cluster.gpus_per_node=8",
+     "model.micro_batch=1", "parallel.schedule=zb-v", "model.layers=4", "model.moe_first_dense=1",
+     "parallel.recompute=full", "model.dtype=bf16"),
+    ("parallel.dp=4", "parallel.ep=2", "parallel.cp=2", "cluster.gpus_per_node=8", "parallel.zero=1",
+     "parallel.zero_over=dp", "parallel.attention=ring"),
 ], ids=["dp4-ep2-zero1", "dp4-ep4-zero3", "dp2-ep2-pp2-dualpipe-bias", "dp2-ep2-pp2-zero2-dropping",
-        "dp4-ep2-pp2-zbv-recompute-deepseek", "dp4-ep4-node-limited-bias"])
+        "dp4-ep2-pp2-zbv-recompute-deepseek", "dp4-ep4-node-limited-bias", "dp2-ep2-tp2-cp2-zero3-bias",
+        "dp2-ep2-tp2-pp2-zbv-bf16", "dp4-ep2-cp2-ring-zero1-over-dp"])
 def test_expert_parallel_layouts_are_byte_identical_to_one_device(sets):
     v = _report(*sets)["verification"]
     assert v["bit_exact"] and not v["mismatches"]
@@ -141,6 +150,9 @@ def test_only_an_even_routing_folds_its_ep_peers(sets, simulated):
 
 @pytest.mark.parametrize("sets,words", [
     (("parallel.dp=4", "parallel.ep=3", "cluster.gpus_per_node=4"), "ep=3 must divide dp=4"),
+    (("parallel.dp=2", "parallel.tp=2", "parallel.sp=false", "cluster.gpus_per_node=4"), "sequence parallelism"),
+    (("parallel.dp=2", "parallel.cp=2", "cluster.gpus_per_node=4", "model.moe_capacity_factor=1.0"),
+     "moe_capacity_factor"),
     (("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_experts=6"), "moe_experts=6"),
     (("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_experts=0"), "mixture of experts"),
 ])
@@ -250,8 +262,8 @@ def test_a_bias_moved_by_a_ranks_own_loads_is_caught(monkeypatch):
 
     balance = LlamaShard.balance
 
-    def alone(self, step, group):
-        return (yield from balance(self, step, self.ctx.mesh.tp))  # (a group of one: its own loads)
+    def alone(self, step, group, twin=None):
+        return (yield from balance(self, step, self.ctx.mesh.tp, twin))  # (a group of one: its own loads)
 
     monkeypatch.setattr(LlamaShard, "balance", alone)
     reference.cache_clear()

@@ -71,9 +71,30 @@ def test_any_drawn_layout_with_experts_is_bit_exact(layout):
                      reference_config=layout.one_device)
 
 
+DROPLESS = ModelConfig(arch="llama", tied_head=False, layers=4, hidden=8, heads=2, ffn_hidden=8, seq=12, vocab=10,
+                       moe_experts=4, moe_ffn_hidden=6, moe_aux_coeff=0.01, moe_scores="sigmoid", moe_normalize=True)
+
+
+@settings(max_examples=6)
+@given(layouts(DROPLESS, max_world=16).filter(lambda lay: lay.mesh.ep > 1))
+def test_any_drawn_layout_with_experts_beside_tp_and_cp_is_bit_exact(layout):
+    """Dropless, expert parallelism runs beside tensor (with sequence) and context parallelism too: each
+    tp and cp rank routes its own tokens, the balance loss sums a sequence's choices over them."""
+    assert_bit_exact(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
+                     reference_config=layout.one_device)
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_the_strategy_draws_expert_parallelism(ep):
     from hypothesis import find
 
     drawn = find(layouts(MOE, max_world=8), lambda lay: lay.mesh.ep == ep)
-    assert drawn.parallelism.ep == ep and drawn.mesh.sizes["tp"] == drawn.mesh.sizes["cp"] == 1
+    assert drawn.parallelism.ep == ep and drawn.mesh.sizes["tp"] == drawn.mesh.sizes["cp"] == 1  # (capacity)
+
+
+@pytest.mark.parametrize("axis", ["tp", "cp"])
+def test_the_strategy_draws_experts_beside_tp_and_cp_with_ep(axis):
+    from hypothesis import find
+
+    drawn = find(layouts(DROPLESS, max_world=16), lambda lay: lay.mesh.ep > 1 and lay.mesh.sizes[axis] > 1)
+    assert drawn.parallelism.sp or axis == "cp"

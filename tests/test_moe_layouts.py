@@ -59,8 +59,8 @@ def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize("sets,words", [
-    (("parallel.tp=2", "parallel.dp=4"), "tp=2"),
-    (("parallel.cp=2", "parallel.dp=4"), "cp=2"),
+    (("parallel.tp=2", "parallel.dp=4", "parallel.sp=false"), "tp=2 needs sequence parallelism"),
+    (("parallel.cp=2", "parallel.dp=4", "model.moe_capacity_factor=1.0"), "tp=1 x cp=2"),
     (("model.arch=gpt",), "llama"),
     (("model.moe_first_dense=3", "model.global_batch=8"), "moe_first_dense=3"),
 ])

@@ -247,7 +247,15 @@ def test_a_mixture_of_experts_in_fast_mode_on_gloo():
 
 
 def test_expert_parallelism_on_gloo():
-    """ep 2 x dp 2 (4 ranks, each pair sharing out 4 experts): the all-to-all as gloo sends and receives of
-    uneven sizes, byte-identical to the emulator and to one device."""
+    """ep 2 x dp 2 (4 ranks, each pair sharing out 4 experts): the all-to-all as gloo's all_to_all_single
+    with uneven split sizes, byte-identical to the emulator and to one device."""
     byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4",
                                        "model.moe_capacity_factor=1.0"))
+
+
+def test_expert_parallelism_beside_tensor_parallelism_on_gloo():
+    """tp 2 (sequence-parallel) x ep 2: each tp rank routes its own tokens, the balance loss and the selection
+    bias sum them over tp, the experts' gradients over the tp ranks too; byte-identical on gloo."""
+    byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
+                                       "parallel.sp=true", "cluster.gpus_per_node=4", "model.moe_scores=sigmoid",
+                                       "model.moe_bias_rate=0.01", "parallel.zero=1"))

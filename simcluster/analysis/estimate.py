@@ -60,8 +60,8 @@ class Layout:
         sched = "" if self.pp == 1 else (f" interleaved v{self.virtual}" if self.schedule == "interleaved" else
                                          " " + self.schedule.upper())
         sp = " no-SP" if self.tp > 1 and not self.sp else ""
-        if self.ep > 1:  # (experts run with cp 1: EP where CP would be, the line as long)
-            return f"TP{self.tp}{sp} PP{self.pp}{sched} DP{self.dp} EP{self.ep}"
+        if self.ep > 1:  # (EP where CP would be, the line as long, unless there is cp too)
+            return f"TP{self.tp}{sp} PP{self.pp}{sched}{f' CP{self.cp}' if self.cp > 1 else ''} DP{self.dp} EP{self.ep}"
         return f"TP{self.tp}{sp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
@@ -93,13 +93,15 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     shapes = model.parameter_shapes()
     # a layer's parameters on a rank, an average layer's: a mixture of experts' experts (3-d) an ep-th each
     dense = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.") and len(s) < 3) / model.layers / t
-    experts = sum(math.prod(s) for s in shapes.values() if len(s) == 3) / model.layers / t / e
+    experts = sum(math.prod(s) for s in shapes.values() if len(s) == 3) / model.layers / e  # (whole on tp ranks)
     edge = model.vocab * model.hidden / t  # the embedding (first stage) or the head (last; one stage: both)
     psi = math.ceil(model.layers / p) * (dense + experts) + edge * (2 if p == 1 and not model.tied_head else 1)
     expert_psi = math.ceil(model.layers / p) * experts
     # what the fullest stage holds: ZB-V's first stage has the embedding and the head (its V's two ends)
     held_psi = psi + (edge if layout.schedule == "zb-v" and p > 1 and not model.tied_head else 0.0)
     n = layout.dp * c  # ZeRO shards over dp x cp (a mixture of experts' experts over the dp/ep holding them)
+    spread = c * (t if layout.sp else 1)  # the ranks sharing out a sequence's tokens
+    edp = layout.dp * c * t // e  # the ranks holding the same experts (mesh.expert_groups)
     state = model_state_bytes(1, data.precision)
 
     def sharded(count: float, over: int) -> tuple[float, float]:
@@ -109,12 +111,12 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         states = count * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
         return states, 0.0 if data.precision == "fp32" else 4 * count / shard[2]
     (dense_states, dense_step), (expert_states, expert_step) = (sharded(held_psi - expert_psi, n),
-                                                                sharded(expert_psi, layout.dp // e))
+                                                                sharded(expert_psi, edp))
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                              sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
                              attention_kernel=model.attention_kernel)
     if model.moe_experts and layout.recompute != "full":
-        kept = moe_activations(kept, model, b=layout.micro_batch)
+        kept = moe_activations(kept, model, b=layout.micro_batch, parts=spread)
     act = sum(kept.values())
     if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
         place = placement(parallelism.schedule, parallelism.shape(p))
@@ -154,12 +156,12 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     # forward (twice under full recomputation) and a backward, each MoE layer of the busiest stage (the ep
     # group: dp ranks, a stride of pp cp tp apart, inside a node while ep of them fit one)
     if e > 1:
-        rows = layout.micro_batch * model.seq * model.moe_top_k * (e - 1) / e
+        rows = layout.micro_batch * model.seq / spread * model.moe_top_k * (e - 1) / e
         link = nvlink if e * p * c * t <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
         exchange += passes * 2 * rows * model.hidden * 2 / link * math.ceil(model.layers / p) * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers
                     + _reduction(sc, layout, psi - expert_psi, n, m, across, compute)
-                    + _reduction(sc, layout, expert_psi, layout.dp // e, m, across, compute))
+                    + _reduction(sc, layout, expert_psi, edp, m, across, compute))
 
 
 @functools.lru_cache(maxsize=1024)

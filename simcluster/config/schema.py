@@ -93,7 +93,7 @@ class ModelSection(Section):
     dropout: float = key(0.0, "dropout probability", minimum=0)
     moe_experts: int = key(
         0, "llama: a mixture of experts in place of the MLP, this many routed SwiGLU experts (0: a dense model); "
-        "with data, expert (parallel.ep) and pipeline parallelism and ZeRO; tp = cp = 1", minimum=0)
+        "under every parallelism (expert parallelism: parallel.ep; tp with sequence parallelism)", minimum=0)
     moe_top_k: int = key(2, "experts each token is routed to", minimum=1)
     moe_ffn_hidden: int | None = key(None, "an expert's inner size (default: ffn_hidden)", minimum=1)
     moe_first_dense: int = key(0, "dense layers before the first mixture of experts (DeepSeek-V3: 3)", minimum=0)

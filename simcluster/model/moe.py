@@ -185,11 +185,12 @@ def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
     return Routing(choice, pos, tokens.astype(np.int64), (tokens * k + slots).astype(np.int64), bounds, chosen)
 
 
-def balance_gradient(chosen: np.ndarray, seq: int, moe: MoE, scale: float) -> np.ndarray:
-    """The balance loss's gradient in a token's balance scores, (b * s, E) float64 on the host: for the
-    tokens of sequence b, scale * alpha * E * f_be / s, with f_be = its choices of e / (k s)."""
+def balance_gradient(chosen: np.ndarray, seq: int, moe: MoE, scale: float, mine: int | None = None) -> np.ndarray:
+    """The balance loss's gradient in a token's balance scores, (b * mine, E) float64 on the host: for
+    the tokens of sequence b, scale * alpha * E * f_be / s, with f_be = its choices of e / (k s); `chosen`
+    (b, E) and s are the whole sequences', of which this rank holds `mine` tokens each (default: all)."""
     coef = scale * moe.aux_coeff * moe.experts * chosen / (moe.top_k * seq * seq)
-    return np.repeat(coef, seq, axis=0)
+    return np.repeat(coef, seq if mine is None else mine, axis=0)
 
 
 def host_float32(counts: Any) -> np.ndarray:
@@ -256,6 +257,9 @@ class MoELayer:
         # how the rows reach their experts and come back: on this rank (`Local`), or expert parallelism's
         # all-to-all (parallel/expert_parallel.py)
         self.exchange = exchange if exchange is not None else Local(self)
+        # where a sequence's tokens are shared out over ranks (sequence or context parallelism): how many
+        # parts, and the generator summing a (b, E) count over them (the balance loss's f is the sequence's)
+        self.parts, self.whole = 1, None
 
     def _view(self, x: Any, shape: tuple[int, ...]) -> Any:
         return MetaTensor(shape, x.dtype) if self.meta else x.reshape(shape)
@@ -306,7 +310,10 @@ class MoELayer:
         if moe.shared:
             shared, out_shared = self._shared(p, xf)
             y = ops.add(y, out_shared)
-        aux, aux_grad, balance = self._aux(scores, r, b, s, aux_scale)
+        chosen = r.chosen
+        if moe.aux_coeff and self.whole is not None:  # every part's choices of each expert, per sequence
+            chosen = yield from self.whole(chosen)
+        aux, aux_grad, balance = self._aux(scores, chosen, b, s, aux_scale)
         cache = {"x": xf, "scores": scores, "routing": r, "one_hot": one_hot, "total": total, "unscaled": unscaled,
                  "gates": gates, "inputs": inputs, "plan": plan, "acts": acts, "slots": slots, "aux_grad": aux_grad,
                  "balance": balance, "shared": shared}
@@ -361,8 +368,9 @@ class MoELayer:
         return ops.add(ops.matmul(df, ops.transpose(self._expert_weight(p, "experts.w_fc", e))),
                        ops.matmul(d_up, ops.transpose(self._expert_weight(p, "experts.w_up", e))))
 
-    def _aux(self, scores: Any, r: Routing, b: int, s: int, scale: float) -> tuple[Any, Any, Any]:
-        """The sequences' balance loss, its gradient in the balance scores (T, E), and those scores (the
+    def _aux(self, scores: Any, chosen: Any, b: int, s: int, scale: float) -> tuple[Any, Any, Any]:
+        """This rank's part of the sequences' balance loss (its s tokens of each of b, of the `parts` a
+        sequence is shared out in), its gradient in the balance scores (T, E), and those scores (the
         probabilities; sigmoid scores divided by their sum over the experts, as DeepSeek-V3's), or Nones."""
         ops, moe = self.ops, self.moe
         if not moe.aux_coeff:
@@ -370,8 +378,9 @@ class MoELayer:
         balance = scores
         if moe.scores == "sigmoid":
             balance = ops.div(scores, ops.expand_last(ops.finalize(ops.sum(scores, -1, partial=True))))
-        grad = (MetaTensor(tuple(scores.shape), scores.dtype) if self.meta  # (meta: no table the size of the tokens)
-                else ops.constant(balance_gradient(r.chosen, s, moe, scale), scores.dtype))  # rounded once to the scores'
+        # (meta: no table the size of the tokens; else rounded once to the scores' dtype)
+        grad = (MetaTensor(tuple(scores.shape), scores.dtype) if self.meta
+                else ops.constant(balance_gradient(chosen, s * self.parts, moe, scale, s), scores.dtype))
         wide = "fp64" if not self.meta and ops.xp.name(scores.dtype) == "fp64" else "fp32"  # (a loss: fp32 at least)
         loss = ops.finalize(ops.sum(ops.mul(balance, grad), None, partial=True), wide)
         return loss, grad, balance

@@ -289,8 +289,11 @@ def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Sh
              loaded: dict[str, Any], start: int) -> DPWrap:
     """DDP or ZeRO around the parameters this rank holds (with a resumed optimizer state)."""
     t, r, kinds, names = shards.t, shards.r, shards.kinds, shards.names
-    # tensors whose copy on an earlier tp rank counts in the global gradient norm
-    elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k])))
+    # tensors whose copy on an earlier tp rank counts in the global gradient norm (not the experts': their
+    # data-parallel group holds the tp ranks, each with its own chunk)
+    experts = {k for u in names if u.startswith("experts") for k in names[u]}
+    elsewhere = frozenset(k for k in init if r % (t if kinds[k] == "replicated" else replicas(kinds[k]))
+                          and k not in experts)
     elsewhere |= {k for u in stage.copies for x in [u, *companions(parallelism.model, u)] for k in names[x]}
     dp = DPWrap(ctx, parallelism.data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in names},
                 init, zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=stage.twin)
@@ -372,26 +375,27 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
     shapes = m.parameter_shapes()
     ep = max(res.get("expert_shard", (0, 1))[1] for res in results)  # (the run's, whatever `parallelism` says)
     for kind in KINDS:
-        # (unit, tp rank, ep rank: a block's experts are shared out over ep) -> chunk index -> flat
+        # (unit, tp rank, ep rank: a block's experts are shared out over ep) -> chunk index -> flat; the
+        # experts are whole on every tp rank, their chunks over tp ranks too (mesh.expert_groups): tp rank 0
         pieces: dict[tuple[str, int, int], dict[int, Any]] = {}
         for rank, (res, c) in enumerate(zip(results, coords)):
             for unit, arrays in res["units"].items():
                 k, _ = res.get("chunks", {}).get(unit, res["chunk"])
                 e = res.get("expert_shard", (0, 1))[0] if unit.startswith("experts") else 0
-                got = pieces.setdefault((unit, c["tp"], e), {})
+                got = pieces.setdefault((unit, 0 if e or unit.startswith("experts") else c["tp"], e), {})
                 if k in got and np.asarray(got[k]).tobytes() != np.asarray(arrays[kind]).tobytes():
                     out[f"{kind}.{unit}[chunk {k}]@rank{rank}"] = arrays[kind]
                 got.setdefault(k, arrays[kind])
         for unit in sorted({u for u, _, _ in pieces}):
-            by_tp = []
-            for tr in range(t):
+            by_tp, whole = [], unit.startswith("experts")
+            for tr in range(1 if whole else t):
                 tensors = {}
                 for e in range(ep if unit.startswith("experts") else 1):
                     chunks = pieces[(unit, tr, e)]
                     flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
                     at = 0
                     for name in unit_names(m, unit):
-                        local = shard_shape(shapes[name], shard_kind(name, m, t), t)
+                        local = shard_shape(shapes[name], "replicated" if whole else shard_kind(name, m, t), t)
                         local = (local[0] // ep,) + local[1:] if unit.startswith("experts") else local
                         n = math.prod(local)
                         part = flat[at:at + n].reshape(local)
@@ -400,10 +404,10 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
                 by_tp.append(tensors)
             for name in unit_names(m, unit):
                 parts = [tensors[name] for tensors in by_tp]
-                how = shard_kind(name, m, t)
+                how = "replicated" if whole else shard_kind(name, m, t)
                 out[f"{kind}.{name}"] = unshard(parts, how)
                 copies = t if how == "replicated" else replicas(how)  # consecutive tp ranks holding one piece
-                for tr in range(t):
+                for tr in range(len(parts)):
                     if tr % copies and parts[tr].tobytes() != parts[tr - tr % copies].tobytes():
                         out[f"{kind}.{name}@tp{tr}"] = parts[tr]
     return out

@@ -8,7 +8,8 @@ too (ZeRO-3). DDP (stage 0) keeps the whole buffer. Gradients are summed over dp
 (cp ranks saw other tokens with the same weights); ZeRO shards over dp x cp (`zero_over = "dp_cp"`,
 Megatron's distributed optimizer and torchtitan's FSDP) or over dp alone, after a sum over cp. A mixture of
 experts' experts are units of their own (experts{i}, gathered with block{i}), summed and sharded over the
-ranks that hold the same experts (expert parallelism: mesh.expert_groups; the dp group without it).
+ranks that hold the same experts (expert parallelism: mesh.expert_groups, tp and cp ranks included,
+each having routed its own tokens; the dp (x cp x tp) group without it).
 
 Over a step:
   1. `take(unit)`: the unit's working weights. Stage 3 all-gathers them and `prefetch(next)` issues
@@ -74,7 +75,7 @@ class DPWrap:
         # a mixture of experts' units (experts{i}): summed, and sharded, over the ranks holding the same
         # experts (mesh.expert_groups; the dp group where every rank holds them all)
         edp = mesh.edp
-        experts = {u for u in self.units if u.startswith("experts")}
+        self.experts = experts = {u for u in self.units if u.startswith("experts")}
         self.sums = {u: edp if u in experts else both for u in self.units}
         self.groups = {u: edp if u in experts else self.group for u in self.units}
         self.ns = {u: (edp.size if self.stage else 1) if u in experts else self.n for u in self.units}
@@ -122,7 +123,7 @@ class DPWrap:
         for u in self.units:
             n = self.ns[u]
             replica = self.ctx.rank != self.sums[u].ranks[0] if self.stage == 0 else (
-                self.cp_first is not None and mesh.coord("cp") != 0)
+                self.cp_first is not None and mesh.coord("cp") != 0 and u not in self.experts)
             mask = np.concatenate([np.full(int(np.prod(s)), k not in elsewhere and not replica)
                                    for k, s in zip(self.names[u], self.shapes[u])])
             mask = np.concatenate([mask, np.zeros(-len(mask) % n, bool)])
@@ -206,7 +207,7 @@ class DPWrap:
         if self.stage == 0:
             self.pending.append((unit, comm.all_reduce(flat, group=self.groups[unit], async_op=True, donate=True)))
             return
-        if self.cp_first is not None:  # ZeRO over dp alone: the cp ranks' sum first
+        if self.cp_first is not None and unit not in self.experts:  # ZeRO over dp alone: the cp ranks' sum first
             flat = yield comm.all_reduce(flat, group=self.cp_first)
         work = comm.reduce_scatter(flat, group=self.groups[unit], async_op=True, donate=True)
         if self.host is not None:  # down to the host once reduced (waited on the copy stream, not the compute one)

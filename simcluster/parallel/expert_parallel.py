@@ -11,9 +11,10 @@ Each rank routes its own tokens (model/moe.py: the rows grouped by expert), then
          order they sent them.
 The backward pass sends the output gradients the same way and the input gradients back. Each move is
 one uneven all-to-all (torch's all_to_all_single with split sizes; NCCL builds it of a send and a
-receive for each peer, grouped); only the rows for other ranks cross a link. Each rank's weight gradient of an expert sums the rows it
-computed, from every rank of the group, as one exact partial, and data parallelism then sums it over
-the ranks holding the same experts (expert data parallelism, dp_wrap.py): the single device's bytes.
+receive for each peer, grouped); only the rows for other ranks cross a link. Each rank's weight
+gradient of an expert sums the rows it computed, from every rank of the group, as one exact partial,
+and data parallelism then sums it over the ranks holding the same experts (expert data parallelism,
+dp_wrap.py): the single device's bytes.
 """
 
 from __future__ import annotations

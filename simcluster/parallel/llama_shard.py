@@ -11,7 +11,8 @@ over cp are the GPT's:
     each kv head is repeated for its query heads (as Llama's reference code does) and the gradients
     of the repeats are summed exactly back onto it;
   - a SwiGLU MLP (Shazeer 2020): w2(silu(x w1) * (x w3)), w1 and w3 column parallel, w2 row parallel; or,
-    after model.moe_first_dense layers, a mixture of SwiGLU experts (model/moe.py; tp = cp = 1).
+    after model.moe_first_dense layers, a mixture of SwiGLU experts (model/moe.py): each tp rank (with
+    sequence parallelism) and each cp rank routes its own tokens through whole experts.
 With tp = cp = pp = 1 this is the single-device model: the reference every layout is compared with,
 itself checked against torch autograd.
 """
@@ -56,6 +57,9 @@ class LlamaShard(TransformerShard):
         self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
         # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
         self.aux_scale = LOSS_SCALE[parallelism.data.precision]
+        # the ranks sharing out a sequence's tokens (cp, and tp with sequence parallelism), or None
+        spread = tuple(a for a in ("cp", "tp") if ctx.mesh.size(a) > 1)
+        self.spread = ctx.mesh.group(*spread) if spread and m.moe_experts else None
         self.routing: dict[str, Any] = {}  # the router's statistics by step and layer (tally), this rank's tokens
         self.tallied: dict[int, set[int]] = {}  # the MoE layers counted, by step
         self.bias: dict[int, Any] = {}  # DeepSeek-V3's selection bias by MoE layer (`balance`), once it moved
@@ -80,6 +84,8 @@ class LlamaShard(TransformerShard):
         for i in sorted(self.tallied.get(step, ())):
             local = ops.from_host(host_float32(self.routing[f"routing[{step}].layers.{i}.chosen"]))
             loads = yield self.ctx.comm.all_reduce(local, group=group)
+            if self.tp.size > 1:  # (each tp rank routed its own tokens)
+                loads = yield self.ctx.comm.all_reduce(loads, group=self.tp)
             if twin is not None:  # (both hold the same layers: the same calls, in the same order)
                 loads = yield self.ctx.comm.all_reduce(loads, group=twin)
             loads = ops.xp.to_host(loads)
@@ -100,7 +106,19 @@ class LlamaShard(TransformerShard):
         layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
         if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
             layer.exchange = Exchange(self.ctx, layer)
+        if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them
+            layer.parts, layer.whole = self.spread.size, self.whole_sequences
         return layer
+
+    def whole_sequences(self, chosen: Any) -> Generator[Any, Any, Any]:
+        """A (b, E) count of this rank's tokens, summed over the ranks holding the rest of each sequence
+        (fp32 holds the counts exactly); meta mode has no counts, only the call."""
+        ops = self.ops
+        if ops.mode is Mode.META:
+            yield self.ctx.comm.all_reduce(MetaTensor(tuple(np.shape(chosen)), "fp32"), group=self.spread)
+            return chosen
+        total = yield self.ctx.comm.all_reduce(ops.from_host(host_float32(chosen)), group=self.spread)
+        return np.asarray(ops.xp.to_host(total), dtype=np.int64)
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
@@ -180,8 +198,8 @@ class LlamaShard(TransformerShard):
         keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, self.drop(y, keep_a))
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
-        c = yield from self.gather(c_mine)
-        if self.m.is_moe(i):  # (tp = cp = 1: parallelism.check)
+        if self.m.is_moe(i):  # each tp rank routes its own tokens (sequence parallelism: parallelism.check)
+            c = c_mine
             if i in self.bias:  # (the selection's: no gradient)
                 p = p | {f"{pre}moe.router.bias": self.bias[i]}
             z, _, routed = yield from self.experts(i).forward(p, c, self.aux_scale / where.total)
@@ -189,6 +207,7 @@ class LlamaShard(TransformerShard):
             if not self._keep_all:  # (not again when a recomputation runs the block again)
                 self.tally(step, i, routed["routing"].tally())
         else:
+            c = yield from self.gather(c_mine)
             f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
             f3 = ops.matmul(c, p[pre + "mlp.w3"])
             g = ops.mul(ops.silu(f1), f3)
@@ -212,13 +231,13 @@ class LlamaShard(TransformerShard):
         weight_grad = weight_gradients(grads, defer)
 
         c = yield from self.recompute(p, c, i, step, where)
-        dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
         if self.m.is_moe(i):  # its weight gradients at once, deferred or not (the router's is in the backward)
             moe_grads: dict[str, Any] = {}
-            dc = yield from self.experts(i).backward(p, dz, c["moe"], moe_grads)
+            dc = yield from self.experts(i).backward(p, self.drop(dx2, c["keep_m"]), c["moe"], moe_grads)
             for name, g in moe_grads.items():
                 weight_grad(name, lambda g=g: stack(ops, g) if isinstance(g, list) else g)
         else:
+            dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
             weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
             dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w2"]))  # (b, s/cp, F/tp)
             df3 = ops.mul(dg, ops.silu(c["f1"]))

@@ -216,7 +216,7 @@ class TransformerShard:
         kept = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
                                  recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel)
         if self.m.is_moe(layer) and self.m.recompute.value != "full":
-            kept = moe_activations(kept, self.m, b=x.shape[0])
+            kept = moe_activations(kept, self.m, b=x.shape[0], parts=self.t if self.sp else 1)
         return sum(kept.values()) // self.P
 
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:

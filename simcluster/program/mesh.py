@@ -114,16 +114,27 @@ class DeviceMesh:
     def expert_groups(self, rank: int) -> tuple[ProcessGroup, ProcessGroup]:
         """`rank`'s expert-parallel group, the ep consecutive ranks of its data-parallel group that share
         out the experts between them (Megatron-Core's expert_model_parallel_group), and its expert
-        data-parallel group, the dp/ep ranks that hold the same experts (expert_data_parallel_group)."""
-        dp = self.group(rank, "dp")
-        members, d = dp.ranks, self.coords(rank)["dp"]
-        if self.ep == 1:  # every dp rank holds every expert: the dp group itself reduces them
+        data-parallel group, the ranks of its stage that hold the same experts (expert_data_parallel_group):
+        the dp/ep of them, times every tp and cp rank (the experts are whole on each: each saw its own
+        tokens, as a data-parallel rank does; Megatron-Core's MoE parallel folding with expert tp 1)."""
+        c = self.coords(rank)
+        members = self.group(rank, "dp").ranks
+        if self.ep == 1:
             alone = ProcessGroup("ep", (rank,))
-            return self._interned.setdefault(alone, alone), dp
-        first = d // self.ep * self.ep
-        ep = ProcessGroup("ep", members[first:first + self.ep])
-        edp = ProcessGroup("edp", members[d % self.ep::self.ep])
-        return self._interned.setdefault(ep, ep), self._interned.setdefault(edp, edp)
+            ep = self._interned.setdefault(alone, alone)
+        else:
+            first = c["dp"] // self.ep * self.ep
+            g = ProcessGroup("ep", members[first:first + self.ep])
+            ep = self._interned.setdefault(g, g)
+        if self.ep == 1:  # every rank of the stage holds every expert: its dp (x cp x tp) group reduces them
+            return ep, self.group(rank, "dp", *(a for a in ("cp", "tp") if self.sizes[a] > 1))
+        if self.sizes["tp"] * self.sizes["cp"] == 1:
+            g = ProcessGroup("edp", members[c["dp"] % self.ep::self.ep])
+        else:
+            index = tuple(slice(c["dp"] % self.ep, None, self.ep) if a == "dp" else slice(None) if a in ("tp", "cp")
+                          else c[a] for a in AXES)
+            g = ProcessGroup("edp", tuple(sorted(int(r) for r in self.ranks[index].reshape(-1))))
+        return ep, self._interned.setdefault(g, g)
 
     def mirror(self, rank: int) -> ProcessGroup:
         """`rank` and the rank at the mirrored pipeline stage (p-1-s; every other coordinate the same):
