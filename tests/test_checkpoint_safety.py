@@ -219,6 +219,6 @@ def test_a_refused_run_leaves_no_checkpoint_folder_behind(tmp_path):
 
     folder = tmp_path / "ck"
     with pytest.raises(ScenarioError):
-        run_scenario(load(None, ["model.arch=llama", "model.moe_experts=4", "model.moe_bias_rate=0.001",
-                                 "parallel.dp=2", "cluster.gpus_per_node=2", f"run.save_checkpoint={str(folder)!r}"]))
+        run_scenario(load(None, ["model.arch=llama", "model.moe_experts=4", "parallel.tp=2", "parallel.sp=false",
+                                 "cluster.gpus_per_node=2", f"run.save_checkpoint={str(folder)!r}"]))
     assert not folder.exists()

@@ -38,6 +38,26 @@ def test_layouts_are_byte_identical_to_one_device(sets):
     assert any(".moe.experts.w_up" in name for name in v["outputs"])  # (the experts' weights are compared)
 
 
+GPT = ("model.arch=gpt", "model.tied_head=false")
+
+
+@pytest.mark.parametrize("sets", [
+    ("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_capacity_factor=1.0", "parallel.zero=1"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "cluster.gpus_per_node=8",
+     "model.micro_batch=1", "model.dropout=0.1", "model.dtype=bf16"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.cp=2", "parallel.zero=3",
+     "model.moe_scores=sigmoid", "model.moe_bias_rate=0.01", "parallel.schedule=dualpipe", "parallel.pp=2",
+     "cluster.gpus_per_node=8", "model.micro_batch=1", "model.global_batch=8"),
+], ids=["gpt-dp2-ep2-capacity", "gpt-ep2-tp2-pp2-dropout-bf16", "gpt-ep2-cp2-dualpipe-zero3-bias"])
+def test_the_gpt_with_gelu_experts_is_byte_identical_to_one_device(sets):
+    """The GPT's MLP replaced by GELU experts without biases (Megatron-Core's), the residual's dropout on
+    the experts' output: every layout byte-identical to one device."""
+    v = _verified(*GPT, *sets)
+    assert v["bit_exact"] and not v["mismatches"]
+    assert any(".moe.experts.w_fc" in name for name in v["outputs"])
+    assert not any(".moe.experts.w_up" in name or ".mlp.w_fc" in name for name in v["outputs"] if ".layers.1." in name)
+
+
 def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
     """The broken variant: each expert's capacity over all the tokens a rank routes at once instead of each
     sequence's, so what is dropped depends on how the batch is split over ranks."""
@@ -61,7 +81,7 @@ def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
 @pytest.mark.parametrize("sets,words", [
     (("parallel.tp=2", "parallel.dp=4", "parallel.sp=false"), "tp=2 needs sequence parallelism"),
     (("parallel.cp=2", "parallel.dp=4", "model.moe_capacity_factor=1.0"), "tp=1 x cp=2"),
-    (("model.arch=gpt",), "llama"),
+    (("model.arch=gpt", "model.moe_shared_experts=1", "model.tied_head=false"), "moe_shared_experts = 0"),
     (("model.moe_first_dense=3", "model.global_batch=8"), "moe_first_dense=3"),
 ])
 def test_what_it_does_not_run_is_refused_in_one_line(sets, words):

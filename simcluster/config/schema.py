@@ -92,7 +92,8 @@ class ModelSection(Section):
         None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
     dropout: float = key(0.0, "dropout probability", minimum=0)
     moe_experts: int = key(
-        0, "llama: a mixture of experts in place of the MLP, this many routed SwiGLU experts (0: a dense model); "
+        0, "a mixture of experts in place of the MLP, this many routed experts (SwiGLU for llama, GELU for gpt; "
+        "0: a dense model); "
         "under every parallelism (expert parallelism: parallel.ep; tp with sequence parallelism)", minimum=0)
     moe_top_k: int = key(2, "experts each token is routed to", minimum=1)
     moe_ffn_hidden: int | None = key(None, "an expert's inner size (default: ffn_hidden)", minimum=1)

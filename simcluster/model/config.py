@@ -93,9 +93,9 @@ class ModelConfig:
         if self.attention_kernel not in ("flash", "unfused"):
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
         if self.moe_experts:
-            if self.arch != "llama":
-                raise ValueError("a mixture of experts is built for the llama architecture so far: set "
-                                 "model.arch = \"llama\" (or model.moe_experts = 0)")
+            if self.arch != "llama" and self.moe_shared_experts:
+                raise ValueError("shared experts are SwiGLU FFNs (DeepSeek's), built for the llama architecture: "
+                                 "set model.arch = \"llama\" or model.moe_shared_experts = 0")
             self.moe  # (checks the router's fields)
 
     @property
@@ -104,7 +104,8 @@ class ModelConfig:
         if not self.moe_experts:
             return None
         return MoE(self.moe_experts, self.moe_top_k, self.moe_ffn_hidden or self.ffn_hidden, self.moe_aux_coeff,
-                   self.moe_capacity_factor, self.moe_normalize, "swiglu", self.moe_scores, self.moe_route_scale,
+                   self.moe_capacity_factor, self.moe_normalize, "swiglu" if self.arch == "llama" else "gelu",
+                   self.moe_scores, self.moe_route_scale,
                    self.moe_shared_experts, self.moe_groups, self.moe_group_limit)
 
     def is_moe(self, layer: int) -> bool:
@@ -141,8 +142,12 @@ class ModelConfig:
         for i in range(self.layers):
             p = f"layers.{i}."
             shapes |= {p + "ln1.g": (h,), p + "ln1.b": (h,), p + "attn.w_qkv": (h, 3 * h), p + "attn.b_qkv": (3 * h,),
-                       p + "attn.w_proj": (h, h), p + "attn.b_proj": (h,), p + "ln2.g": (h,), p + "ln2.b": (h,),
-                       p + "mlp.w_fc": (h, F), p + "mlp.b_fc": (F,), p + "mlp.w_out": (F, h), p + "mlp.b_out": (h,)}
+                       p + "attn.w_proj": (h, h), p + "attn.b_proj": (h,), p + "ln2.g": (h,), p + "ln2.b": (h,)}
+            if self.is_moe(i):  # GELU experts without biases (Megatron-Core's)
+                e, f = self.moe_experts, self.moe_ffn_hidden or F
+                shapes |= {p + "moe.router": (h, e), p + "moe.experts.w_fc": (e, h, f), p + "moe.experts.w_out": (e, f, h)}
+            else:
+                shapes |= {p + "mlp.w_fc": (h, F), p + "mlp.b_fc": (F,), p + "mlp.w_out": (F, h), p + "mlp.b_out": (h,)}
         shapes |= {"lnf.g": (h,), "lnf.b": (h,)}
         if not self.tied_head:
             shapes["head"] = (h, V)

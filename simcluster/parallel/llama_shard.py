@@ -24,11 +24,8 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.gpt import Slice
-from simcluster.model.moe import MoELayer, bias_step, host_float32, stack
-from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.expert_parallel import Exchange
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.transformer_shard import TransformerShard, weight_gradients
 from simcluster.program.context import Context
@@ -55,70 +52,6 @@ class LlamaShard(TransformerShard):
             cos, sin = rope_table(m.seq, m.head_dim, m.rope_theta)
             self.cos, self.sin = cos[self.positions], sin[self.positions]  # (s/cp, d): q and k's positions
         self._tables: dict[tuple[int, Any], Any] = {}  # (table, dtype) -> where the data lives, made once
-        # the balance loss's gradient: the mean over the step's sequences of each one's, as the loss is scaled
-        self.aux_scale = LOSS_SCALE[parallelism.data.precision]
-        # the ranks sharing out a sequence's tokens (cp, and tp with sequence parallelism), or None
-        spread = tuple(a for a in ("cp", "tp") if ctx.mesh.size(a) > 1)
-        self.spread = ctx.mesh.group(*spread) if spread and m.moe_experts else None
-        self.routing: dict[str, Any] = {}  # the router's statistics by step and layer (tally), this rank's tokens
-        self.tallied: dict[int, set[int]] = {}  # the MoE layers counted, by step
-        self.bias: dict[int, Any] = {}  # DeepSeek-V3's selection bias by MoE layer (`balance`), once it moved
-        self.biases: dict[str, Any] = {}  # the same by output name (a result: every rank that runs a layer has it)
-
-    def tally(self, step: int, layer: int, counts: tuple[Any, Any]) -> None:
-        """Add a micro-batch's router statistics (tokens that chose each expert, tokens each computed)."""
-        self.tallied.setdefault(step, set()).add(layer)
-        key = f"routing[{step}].layers.{layer}"
-        for name, n in zip(("chosen", "computed"), counts):
-            have = self.routing.get(f"{key}.{name}")
-            self.routing[f"{key}.{name}"] = n if have is None else have + n
-
-    def balance(self, step: int, group: Any, twin: Any = None) -> Generator[Any, Any, None]:
-        """DeepSeek-V3's bias update after a step (moe.bias_step), for the MoE layers this rank ran: their
-        loads over every data-parallel rank (all-reduced: fp32 holds the counts exactly), and under
-        DualPipe over the `twin` that holds the same layers for the other direction's micro-batches.
-        Meta mode routes as stated, so its bias moves nothing: none is kept there."""
-        rate, ops = self.m.moe_bias_rate, self.ops
-        if not rate or ops.mode is Mode.META:
-            return
-        for i in sorted(self.tallied.get(step, ())):
-            local = ops.from_host(host_float32(self.routing[f"routing[{step}].layers.{i}.chosen"]))
-            loads = yield self.ctx.comm.all_reduce(local, group=group)
-            if self.tp.size > 1:  # (each tp rank routed its own tokens)
-                loads = yield self.ctx.comm.all_reduce(loads, group=self.tp)
-            if twin is not None:  # (both hold the same layers: the same calls, in the same order)
-                loads = yield self.ctx.comm.all_reduce(loads, group=twin)
-            loads = ops.xp.to_host(loads)
-            change = ops.constant(bias_step(loads, rate), "fp32")
-            self.bias[i] = change if i not in self.bias else ops.add(self.bias[i], change)
-            self.biases[f"router_bias.layers.{i}"] = self.bias[i]
-
-    def restore_biases(self, saved: dict[str, Any]) -> None:
-        """The selection biases a checkpoint kept (checkpoint.router_bias), by output name."""
-        for name, values in saved.items():
-            i = int(name.rsplit(".", 1)[1])
-            self.bias[i] = self.ops.constant(values, "fp32")
-            self.biases[name] = self.bias[i]
-
-    def experts(self, i: int) -> MoELayer:
-        """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
-        this rank's share of them, the rows exchanged with the ep group (parallel/expert_parallel.py)."""
-        layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
-        if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
-            layer.exchange = Exchange(self.ctx, layer)
-        if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them
-            layer.parts, layer.whole = self.spread.size, self.whole_sequences
-        return layer
-
-    def whole_sequences(self, chosen: Any) -> Generator[Any, Any, Any]:
-        """A (b, E) count of this rank's tokens, summed over the ranks holding the rest of each sequence
-        (fp32 holds the counts exactly); meta mode has no counts, only the call."""
-        ops = self.ops
-        if ops.mode is Mode.META:
-            yield self.ctx.comm.all_reduce(MetaTensor(tuple(np.shape(chosen)), "fp32"), group=self.spread)
-            return chosen
-        total = yield self.ctx.comm.all_reduce(ops.from_host(host_float32(chosen)), group=self.spread)
-        return np.asarray(ops.xp.to_host(total), dtype=np.int64)
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
@@ -200,12 +133,7 @@ class LlamaShard(TransformerShard):
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
         if self.m.is_moe(i):  # each tp rank routes its own tokens (sequence parallelism: parallelism.check)
             c = c_mine
-            if i in self.bias:  # (the selection's: no gradient)
-                p = p | {f"{pre}moe.router.bias": self.bias[i]}
-            z, _, routed = yield from self.experts(i).forward(p, c, self.aux_scale / where.total)
-            mlp = {"moe": routed}
-            if not self._keep_all:  # (not again when a recomputation runs the block again)
-                self.tally(step, i, routed["routing"].tally())
+            z, mlp = yield from self.moe_forward(p, c, i, step, self.aux_scale / where.total, self._keep_all)
         else:
             c = yield from self.gather(c_mine)
             f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
@@ -231,11 +159,8 @@ class LlamaShard(TransformerShard):
         weight_grad = weight_gradients(grads, defer)
 
         c = yield from self.recompute(p, c, i, step, where)
-        if self.m.is_moe(i):  # its weight gradients at once, deferred or not (the router's is in the backward)
-            moe_grads: dict[str, Any] = {}
-            dc = yield from self.experts(i).backward(p, self.drop(dx2, c["keep_m"]), c["moe"], moe_grads)
-            for name, g in moe_grads.items():
-                weight_grad(name, lambda g=g: stack(ops, g) if isinstance(g, list) else g)
+        if self.m.is_moe(i):  # this rank's tokens' (no gather)
+            dc = yield from self.moe_backward(p, self.drop(dx2, c["keep_m"]), c, i, weight_grad)
         else:
             dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
             weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))

@@ -30,7 +30,7 @@ def reference(cfg: TrainingConfig, mode: str = "exact") -> dict[str, Any]:
 @functools.lru_cache(maxsize=8)
 def _reference(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
     """(reference's cache: reference.cache_clear() empties it, for a caller that changes the model's code.)"""
-    if cfg.model.arch != "gpt":  # the model is defined once, by its shards: one device is a mesh of one
+    if cfg.model.arch != "gpt" or cfg.model.moe_experts:  # defined once, by its shards: a mesh of one
         return _one_rank(cfg, mode)
 
     out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,

@@ -30,7 +30,9 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_activations, moe_activations
 from simcluster.model.gpt import GPT, Slice
+from simcluster.model.precision import LOSS_SCALE
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
+from simcluster.parallel.moe_shard import Experts
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.positions import layout, runs
 from simcluster.program.context import Context
@@ -54,7 +56,7 @@ def weight_gradients(grads: dict[str, Any], defer: list | None) -> Any:
     return put
 
 
-class TransformerShard:
+class TransformerShard(Experts):
     """Embedding, blocks and head on one rank; forward and backward are generators (they communicate).
     `cp`, `P`, `r`, `positions`, `zigzag`, `core`, `block_keep`, `allowed` are what the attention
     modules (local_attention.py, ulysses.py, ring_attention.py, allgather_attention.py, rsa.py) use."""
@@ -77,6 +79,10 @@ class TransformerShard:
         self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
+        # a mixture of experts' (moe_shard.py); its balance loss's gradient: the mean over the step's
+        # sequences of each one's, as the loss is scaled
+        self.aux_scale = LOSS_SCALE[parallelism.data.precision]
+        self.init_experts(ctx)
 
     # -- dropout masks: the slice of the single-device mask that this rank's tensor covers ----------
     def _mask(self, name: str, shape: tuple[int, ...], step: int, offset: tuple[int, ...],
@@ -193,14 +199,22 @@ class TransformerShard:
             keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
         x1 = fusion.bias_dropout_add(ops, m, y, p[pre + "attn.b_proj"], x, lambda z: self.drop(z, keep_a))
         c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
-        c = yield from self.gather(c_mine)
-        f, g = fusion.bias_gelu(ops, m, ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
-        z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))
-        with fusion.residual_mask(ops, m):
-            keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
-        x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
+        if m.is_moe(i):  # each tp rank routes its own tokens through GELU experts (no biases: Megatron-Core's)
+            c = c_mine
+            z, mlp = yield from self.moe_forward(p, c, i, step, self.aux_scale / where.total, self._keep_all)
+            with fusion.residual_mask(ops, m):
+                keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
+            x2 = ops.add(x1, self.drop(z, keep_m))
+        else:
+            c = yield from self.gather(c_mine)
+            f, g = fusion.bias_gelu(ops, m, ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
+            z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))
+            with fusion.residual_mask(ops, m):
+                keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
+            x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
+            mlp = {"f": f, "g": g}
         cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
-                 "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "f": f, "g": g, "keep_m": keep_m}
+                 "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "keep_m": keep_m, **mlp}
         policy = m.recompute.value
         if policy == "full" and not self._keep_all:
             return x2, {"x": x}
@@ -277,13 +291,16 @@ class TransformerShard:
 
         c = yield from self.recompute(p, c, i, step, where)
         dz_mine = self.drop_grad(dx2, c["keep_m"])
-        grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
-        dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
-        weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
-        df = ops.gelu_backward(ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"])), c["f"])  # (b, s/cp, F/tp)
-        weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
-        weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
-        dc = yield from self.reduce(ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True))  # f backward
+        if self.m.is_moe(i):  # this rank's tokens' (no gather)
+            dc = yield from self.moe_backward(p, dz_mine, c, i, weight_grad)
+        else:
+            grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
+            dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
+            weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
+            df = ops.gelu_backward(ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"])), c["f"])  # (b, s/cp, F/tp)
+            weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
+            weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
+            dc = yield from self.reduce(ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True))  # f backward
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
