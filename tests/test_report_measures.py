@@ -14,16 +14,35 @@ from simcluster.model.precision import model_state_bytes
 @pytest.mark.parametrize("l,h,a,s,V", [(24, 2304, 24, 2048, 51200), (128, 25600, 160, 2048, 51200), (2, 64, 4, 32, 128)])
 def test_flops_are_megatrons_closed_forms(l, h, a, s, V):
     """Narayanan et al. 2021, eq. 3 (full recomputation: 96), and Korthikanti et al. 2022 (model FLOPs: 72),
-    for a GPT with a 4h MLP, B sequences of s tokens."""
+    for a GPT with a 4h MLP, B sequences of s tokens, its attention unfused (Megatron-LM's in 2021: the
+    whole s x s square computed, masked)."""
     B = 8
-    model = ModelConfig(layers=l, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False)
-    useful, _ = step_flops(model, B * s)
+    model = ModelConfig(layers=l, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False,
+                        attention_kernel="unfused")
+    useful, _, _ = step_flops(model, B * s)
     assert useful == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
     full = ModelConfig(**{**model.__dict__, "recompute": "full"})
     assert step_flops(full, B * s)[1] == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)),
                                                        rel=1e-12)
     selective = ModelConfig(**{**model.__dict__, "recompute": "selective"})  # again: QK^T and PV, 4Bs^2h a layer
     assert step_flops(selective, B * s)[1] - useful == pytest.approx(4 * B * s * s * h * l, rel=1e-12)
+
+
+@pytest.mark.parametrize("s", [128, 2048, 8192, 131072])
+def test_a_causal_flash_kernel_runs_the_blocks_up_to_the_diagonal(s):
+    """FlashAttention's 128 x 128 tiles: of n = s/128 query blocks, block i runs key blocks 0..i, so the
+    kernels run n(n + 1)/2 of the n^2 blocks: the hardware FLOPs' attention term is the full square's
+    times (n + 1)/2n, never the whole square (at 128 tokens, one block: all of it); the causal model
+    FLOPs count s(s + 1)/2 of the s^2 products; a bidirectional model runs and needs the whole square."""
+    B, l, h, V = 4, 2, 256, 1000
+    model = ModelConfig(layers=l, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=V, tied_head=False)
+    full_square, hardware, causal = step_flops(model, B * s)
+    core = 3 * 4 * B * s * s * h * l  # forward and backward, QK^T and PV, every layer: the whole square
+    n = s // 128
+    assert full_square - hardware == pytest.approx(core * (1 - (n + 1) / (2 * n)), rel=1e-12)
+    assert full_square - causal == pytest.approx(core * (1 - (s + 1) / (2 * s)), rel=1e-12)
+    both = ModelConfig(**{**model.__dict__, "causal": False})
+    assert len(set(step_flops(both, B * s))) == 1
 
 
 def test_a_run_that_does_not_fit_fails_like_a_real_one(capsys):
@@ -46,9 +65,10 @@ def test_a_run_that_does_not_fit_fails_like_a_real_one(capsys):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
-    """FlashAttention: QK^T and PV forward (2 x 2 b s^2 h FLOPs), five products backward (QK^T again),
-    half of them when causal; compute-bound at this size, so its time is FLOPs over the achievable
-    rate. The unfused core issues its steps instead, and no fused kernel."""
+    """FlashAttention: QK^T and PV forward (2 x 2 b s^2 h FLOPs), five products backward (QK^T again);
+    when causal, the 128 x 128 blocks up to the diagonal, n(n + 1)/2 of n^2 (n = 16 at 2,048 tokens:
+    17/32); compute-bound at this size, so its time is FLOPs over the achievable rate. The unfused core
+    issues its steps instead, and no fused kernel."""
     from simcluster.engine import simulate
     from simcluster.parallel.composed import composed
     from simcluster.parallel.data_parallel import TrainingConfig
@@ -67,9 +87,36 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
                        mesh=DeviceMesh(), cluster=spec, mode="meta")
         names[kernel] = {e.name.split("/")[-1]: e.duration for e in run.trace if e.name.startswith(("F0:block0",
                                                                                                      "B0:block0"))}
-    part = 0.5 if causal else 1.0
+    part = 17 / 32 if causal else 1.0
     fwd, bwd = names["flash"]["flash_attention"], names["flash"]["flash_attention_backward"]
     assert fwd == math.ceil(4 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
     assert bwd == math.ceil(10 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
     assert "attention_scores" not in names["flash"]
     assert "attention_scores" in names["unfused"] and "flash_attention" not in names["unfused"]
+
+
+def test_at_a_long_sequence_causal_attention_costs_half_and_no_rate_exceeds_the_hardware():
+    """One Llama-2-7B-sized layer at 128K tokens on one H100 (meta mode): the causal flash kernels take
+    (n + 1)/2n of the bidirectional ones' time (n = 1,024 tiles of 128 a side, compute-bound), and the
+    TFLOP/s reported (the FLOPs the kernels ran) never exceed the GPU's achievable matmul rate, while
+    the full-square convention's MFU, which counts twice the attention products the model needs, would."""
+    from simcluster.config.scenario import load
+    from simcluster.run.runner import run_scenario
+
+    sets = ["model.arch=llama", "model.layers=1", "model.hidden=4096", "model.heads=32", "model.ffn_hidden=11008",
+            "model.seq=131072", "model.vocab=32000", "model.global_batch=1", "model.dtype=bf16",
+            "run.numerics=meta", "run.steps=1", "cluster.preset=dgx-h100", "cluster.gpus_per_node=1",
+            "cluster.nodes=1", "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1"]
+    reports = {c: run_scenario(load(None, sets + [f"model.causal={c}"]), trace=True) for c in ("true", "false")}
+
+    def kernel(c, name):
+        return sum(e.duration for e in reports[c].result.trace if e.name.endswith("/" + name))
+
+    n = 131072 // 128
+    for name in ("flash_attention", "flash_attention_backward"):
+        assert kernel("true", name) / kernel("false", name) == pytest.approx((n + 1) / (2 * n), rel=1e-3)
+    r = reports["true"].report
+    spec = r["cluster"]
+    achievable = spec["peak_tflops"] * spec["matmul_efficiency"]
+    assert r["tflops_per_gpu"] <= achievable and r["hfu"] < r["mfu"]
+    assert r["model_flops_causal_per_step"] < r["hardware_flops_per_step"] < r["model_flops_per_step"]

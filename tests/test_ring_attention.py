@@ -125,11 +125,12 @@ def test_zigzag_needs_twice_the_degree_to_divide_the_sequence():
 
 def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
     """With the model's attention kernel (flash, the default) each ring block is one fused kernel, as
-    in ring-flash-attention. A rank's P forward blocks (s/P queries x s/P keys, half the products
-    causal) do the FLOPs of Ulysses' one core (a/P heads x s queries x s keys): 2 b a s^2 d / P each
-    way. At a long sequence both are compute-bound, so the ring's blocks take Ulysses' core time plus
-    P - 1 more launch gaps (and one ns of rounding a kernel); no s x s tensor reaches memory in
-    either. The ring's step is longer only by its merges and accumulators (elementwise passes over
+    in ring-flash-attention. A rank's P forward blocks (s/P queries x s/P keys, about half the products
+    causal) do about the FLOPs of Ulysses' one core (a/P heads x s queries x s keys): 2 b a s^2 d / P
+    each way, a causal kernel running the 128 x 128 tiles up to the diagonal, whole; the ring's causal
+    blocks are smaller, so their diagonal tiles are a larger share (a few % more). At a long sequence
+    both are compute-bound, so the ring's blocks take Ulysses' core time plus P - 1 more launch gaps
+    and those tiles; no s x s tensor reaches memory in either. The ring's step is longer only by its merges and accumulators (elementwise passes over
     s/P x d per block): under 20 % here, where materialised blocks made it 2.7x. RSA keeps its score
     rows: unfused, whatever the model's kernel (ColossalAI's)."""
     P, gap = 4, preset("dgx-a100").kernel_overhead_ns
@@ -142,7 +143,7 @@ def test_ring_blocks_run_as_flash_kernels_and_cost_what_ulysses_core_costs():
 
     blocks, core = kernels("ring", "flash_attention"), kernels("ulysses", "flash_attention")
     assert len(blocks) == P and len(core) == 1
-    assert abs(sum(e.duration for e in blocks) - (core[0].duration + (P - 1) * gap)) <= P
+    assert 1 <= sum(e.duration for e in blocks) / (core[0].duration + (P - 1) * gap) < 1.06
     assert len(kernels("ring", "flash_attention_backward")) == P
     assert not kernels("ring", "attention_scores") and kernels("rsa", "attention_scores")
     ring, ulysses = (runs[a].trace.end for a in ("ring", "ulysses"))

@@ -132,7 +132,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     memory = dense_states + expert_states + max(held, dense_step + expert_step)
 
     tokens = data.global_batch * model.seq
-    _, hardware = step_flops(replace(model, recompute=layout.recompute), tokens)
+    hardware = step_flops(replace(model, recompute=layout.recompute), tokens)[1]
     rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
     compute = hardware * p * _busiest(model, parallelism.schedule, parallelism.shape(p)) / (spec.world_size * rate) \
         * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))

@@ -5,7 +5,8 @@ q, k, v through on-chip tiles: the s x s scores and probabilities never reach me
 q, k, v and writes the output and the softmax statistics (one fp32 log-sum-exp per query row); the
 backward pass reads those and dO, recomputes the scores (QK^T again: five products instead of
 four, 2.5x the forward's FLOPs) and writes dq, dk, dv. A causal kernel skips the tiles above the
-diagonal: half the products. Megatron-LM, torchtitan and the Llama 3 runs all use it
+diagonal: it runs, of each block of query rows, the key blocks up to the diagonal, the diagonal's
+whole (masked inside: `causal_share`), about half the products. Megatron-LM, torchtitan and the Llama 3 runs all use it
 (`model.attention_kernel = "flash"`, the default); "unfused" issues every step of the core as its
 own kernel, the s x s tensors through memory, as the first Megatron-LM did.
 """
@@ -15,16 +16,36 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
+import numpy as np
+
 from simcluster.numerics.tensor import ITEMSIZE
+
+# FlashAttention-2's tiles: blocks of 128 query rows by 128 keys for head dim 128 (Dao 2023, section 3.3:
+# block sizes of 64 or 128 a side; its forward kernel's kBlockM = kBlockN = 128 on the A100 and H100)
+TILE = 128
+
+
+def causal_share(sq: int, sk: int, tile: int = TILE) -> float:
+    """The share of the sq x sk score products a causal fused kernel runs: for each block of `tile` query
+    rows, the key blocks from the first to the one holding its last row's diagonal, that one whole (masked
+    inside). Queries are the last sq of the sk positions (FlashAttention's alignment). 1/2 + 1/(2n) for
+    sq = sk = n tiles: 0.53 at 2K tokens, 0.504 at 16K."""
+    if sq <= 0 or sk <= 0:
+        return 1.0
+    ends = np.minimum(np.arange(tile, sq + tile, tile), sq)  # each query block's last row, + 1
+    keys = np.minimum(-(-(sk - sq + ends) // tile) * tile, sk)  # the keys its blocks reach
+    rows = np.diff(np.concatenate([[0], ends]))
+    return float(np.dot(rows, np.maximum(keys, 0))) / (sq * sk)
+
 
 def cost(q: tuple[int, ...], k: tuple[int, ...], dtype: str, causal: bool, backward: bool) -> tuple[float, float]:
     """(FLOPs, bytes) of the fused kernel on q (b, a, sq, d) and k (b, a, sk, d): `products` times q k^T's
-    FLOPs (half of them when causal), moving `moved` tensors of q's size, as many of k's, and as many fp32
-    statistics per query row (forward: 2 products, 2 moved; backward: 5 and 4)."""
+    FLOPs (when causal, the blocks it runs: causal_share), moving `moved` tensors of q's size, as many of
+    k's, and as many fp32 statistics per query row (forward: 2 products, 2 moved; backward: 5 and 4)."""
     products, moved = (5, 4) if backward else (2, 2)
     b, a, sq, d = q
     nq, nk = b * a * sq * d, b * a * k[2] * d
-    flops = 2.0 * products * b * a * sq * k[2] * d * (0.5 if causal else 1.0)
+    flops = 2.0 * products * b * a * sq * k[2] * d * (causal_share(sq, k[2]) if causal else 1.0)
     return flops, float(ITEMSIZE[dtype] * moved * (nq + nk) + 4 * moved // 2 * nq // d)
 
 

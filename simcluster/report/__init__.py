@@ -157,7 +157,8 @@ def step_times(totals: Totals, steps: int) -> tuple[int, int, int | None]:
 
 def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tuple[float, float], tokens: int,
           verdict: dict[str, Any], steps: int | None = None, totals: Totals | None = None) -> dict[str, Any]:
-    """`flops`: (model FLOPs, hardware FLOPs) of the whole run (model/flops.py); `tokens`: per step;
+    """`flops`: (model FLOPs by the full-square convention, hardware FLOPs, model FLOPs by the causal
+    convention) of the whole run (model/flops.py); `tokens`: per step;
     `steps`: the steps run, when not run.steps (a resumed run); `totals`: the trace's sums, when not
     the trace's own (a run whose identical steps were simulated once: steady.py)."""
     spec = result.cluster.spec
@@ -195,7 +196,9 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "tokens_per_s": round(tokens / seconds, 3) if step else 0.0,
         "model_flops_per_step": flops[0] / steps,
         "hardware_flops_per_step": flops[1] / steps,
+        "model_flops_causal_per_step": flops[2] / steps,
         "mfu": round(flops[0] / steps / (seconds * world * peak), 6) if step else 0.0,
+        "mfu_causal": round(flops[2] / steps / (seconds * world * peak), 6) if step else 0.0,
         "hfu": round(flops[1] / steps / (seconds * world * peak), 6) if step else 0.0,
         "tflops_per_gpu": round(flops[1] / steps / (seconds * world) / 1e12, 3) if step else 0.0,
         "compute_idle_fraction": round(idle_fraction(totals, fold), 6),

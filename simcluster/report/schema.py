@@ -52,7 +52,8 @@ def report_schema() -> dict[str, Any]:
         "total_time_ns": {**NS, "description": "the whole run: initialisation, the first step and the rest"},
     }
     rates = {"tokens_per_s": NUMBER, "mfu": NUMBER, "hfu": NUMBER, "tflops_per_gpu": NUMBER,
-             "model_flops_per_step": NUMBER, "hardware_flops_per_step": NUMBER, "compute_idle_fraction": NUMBER}
+             "model_flops_per_step": NUMBER, "hardware_flops_per_step": NUMBER, "compute_idle_fraction": NUMBER,
+             "mfu_causal": NUMBER, "model_flops_causal_per_step": NUMBER}
     properties = {
         "report_version": {"const": REPORT_VERSION},
         "scenario": {"type": "object", "description": "the scenario run (a key left unset: null)",

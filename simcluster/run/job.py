@@ -110,7 +110,7 @@ class Job:
     mesh: DeviceMesh
     mode: str
     parameters: int
-    flops: tuple[float, float]
+    flops: tuple[float, float, float]  # model FLOPs (full square), hardware FLOPs, model FLOPs (causal)
     tokens: int
     outputs: Any
     check: Any
@@ -161,7 +161,7 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
             ref = simulate(train_mlp, cfg, mesh=one, cluster=preset(sc.cluster.preset, nodes=1, gpus_per_node=1),
                            mode=mode, cost_dtype=sc.model.dtype)
             return _report.verification(mode, assemble(ref.results, [one.coords(0)]), outputs(results))
-        return Job(train_mlp, (cfg,), mesh, mode, parameters, (model_flops, model_flops), cfg.tokens, outputs,
+        return Job(train_mlp, (cfg,), mesh, mode, parameters, (model_flops,) * 3, cfg.tokens, outputs,
                    _verdict(sc, check))
     if program == "allreduce":
         elements = sc.model.global_batch * sc.model.seq * sc.model.hidden
@@ -174,12 +174,12 @@ def job_of(sc: Scenario, *, fold: bool = True) -> Job:
                 mode, {f"rank{r}": _limbs(res["all_reduce"]) for r, res in enumerate(results)},
                 {f"rank{r}": _limbs(res["reduce_scatter+all_gather"]) for r, res in enumerate(results)})
             return verdict | {"reference": "the all-reduce's result"}
-        return Job(allreduce_decomposed, (elements, sc.run.seed), mesh, mode, 0, (0.0, 0.0), 0, outputs,
+        return Job(allreduce_decomposed, (elements, sc.run.seed), mesh, mode, 0, (0.0,) * 3, 0, outputs,
                    check if mode != "meta" else _verdict(sc, check))
 
     def every_output(results: list[Any]) -> dict[str, Any]:
         return {f"rank{r}.{k}": _limbs(v) for r, res in enumerate(results) for k, v in res.items()}
-    return Job(collectives_demo, (sc.run.seed,), mesh, mode, 0, (0.0, 0.0), 0, every_output,
+    return Job(collectives_demo, (sc.run.seed,), mesh, mode, 0, (0.0,) * 3, 0, every_output,
                lambda results: {"mode": mode, "status": "not applicable: the collectives program has no "
                                 "single-device form (its results are checked against their definitions by the "
                                 "test suite)"})

@@ -73,8 +73,10 @@ class ReportView:
         t.add_row("step time", step_time(r))
         if r["model_flops_per_step"]:  # (a program with a model)
             t.add_row("throughput", f"{r['tokens_per_s']:,.0f} tokens/s; {r['tflops_per_gpu']:.1f} TFLOP/s per GPU")
-            t.add_row("MFU / HFU", f"{100 * r['mfu']:.2f} % / {100 * r['hfu']:.2f} % (PaLM's model FLOPs / "
-                                   f"Megatron-LM's hardware FLOPs)")
+            causal = r["mfu_causal"] != r["mfu"]
+            t.add_row("MFU / HFU", f"{100 * r['mfu']:.2f} % / {100 * r['hfu']:.2f} % (PaLM's model FLOPs / the "
+                                   f"kernels' FLOPs)" + (f"; MFU {100 * r['mfu_causal']:.2f} % with causal attention's "
+                                                         f"half-square" if causal else ""))
         t.add_row("compute idle", f"{100 * r['compute_idle_fraction']:.0f} % of the run (bubbles and waits, mean over ranks)")
         o = r["communication_overlap"]
         if o["per_rank"] and any(v["communication_ns"] for v in o["per_rank"].values()):
