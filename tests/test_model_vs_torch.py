@@ -127,3 +127,28 @@ def test_fast_bf16_loss_is_within_a_bf16_rounding_of_torch_float64(cfg):
     params, ids, targets, loss, _ = ours(cfg, "fast", BF16)
     want_loss, _ = torch_loss_and_grads(cfg, params, ids, targets, 0)
     assert abs(loss - want_loss) / abs(want_loss) < 2.0**-8
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_a_16_bit_models_cross_entropy_is_computed_in_fp32(mode):
+    """As Megatron-LM (`output.float()` before its cross-entropy) and torchtitan: the head's bf16 logits,
+    as its GEMM writes them, upcast, their softmax, log-sum-exp and loss in fp32. The loss is then the
+    float64 cross-entropy of those same logits to fp32's rounding (a bf16 loss was ~1e-3 off), and the
+    logits' gradient goes back to the GEMMs in bf16."""
+    from simcluster.numerics.limbs import BF16
+
+    cfg = ModelConfig(layers=1, hidden=64, heads=4, ffn_hidden=64, seq=32, vocab=512, tied_head=False, seed=5)
+    ops = make_ops(mode)
+    params = {k: v.astype(BF16) for k, v in init_params(ops, cfg).items()}
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2, cfg.seq, cfg.hidden)) * 3).astype(BF16)
+    targets = rng.integers(0, cfg.vocab, (2, cfg.seq))
+    model = GPT(ops, cfg)
+    loss_sum, hc = model.head_forward(params, x, targets)
+    ours = float(np.asarray(ops.finalize(loss_sum), np.float64))
+    logits = np.asarray(ops.matmul(hc["xf"], params["head"]), np.float64)  # the bf16 logits the GEMM wrote
+    top = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    want = float((lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).sum())
+    assert abs(ours - want) <= 2e-6 * abs(want)
+    assert hc["low"] == "bf16" and ops.xp.name(hc["e"].dtype) == "fp32"

@@ -121,8 +121,9 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
         place = placement(parallelism.schedule, parallelism.shape(p))
         sizes = [len(r) for r in partition(model.layers, place.pieces)]
-        # the LM head's cache: its logits' exponentials (b, s/c, V/t) and its input before and after the norm
-        head = layout.micro_batch * model.seq / c * (model.vocab / t + 2 * model.hidden) * ITEMSIZE[model.dtype]
+        # the LM head's cache: its logits' exponentials (b, s/c, V/t; fp32, the cross-entropy's) and its input
+        # before and after the norm
+        head = layout.micro_batch * model.seq / c * (4 * model.vocab / t + 2 * model.hidden * ITEMSIZE[model.dtype])
         held = max(sum(count * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0))
                        for piece, count in stage) for stage in _held(parallelism.schedule, parallelism.shape(p)))
     else:

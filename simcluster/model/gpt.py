@@ -207,14 +207,15 @@ class GPT:
         """The loss's partial sum over these tokens; `p` holds lnf.* and the head weight (wte if tied)."""
         ops, cfg = self.ops, self.cfg
         xf, muf, rf = ops.layer_norm(x, p["lnf.g"], p["lnf.b"], cfg.eps)
-        logits = ops.matmul(xf, self.head_weight(p))  # (b, s, V)
+        logits, low = wide_logits(ops, ops.matmul(xf, self.head_weight(p)))  # (b, s, V)
         m = ops.max(logits, -1)
         e = ops.attention_weights(logits, m)  # exp(logits - max)
         sum_e = ops.sum(e, -1, partial=True)
         lse = ops.log_sum_exp(m, sum_e, logits.dtype)
         picked = ops.gather_last(logits, targets)
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
-        return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e}
+        return loss_sum, {"targets": targets, "x_final": x, "xf": xf, "muf": muf, "rf": rf, "e": e, "sum_e": sum_e,
+                          "low": low}
 
     def head_backward(self, p: dict[str, Any], hc: dict[str, Any], where: Slice,
                       loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
@@ -223,8 +224,8 @@ class GPT:
         ops, cfg = self.ops, self.cfg
         grads: dict[str, Any] = {}
         probs = ops.attention_probs(hc["e"], hc["sum_e"])  # softmax of the logits
-        dlogits = ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)),
-                            loss_scale / self.tokens(where))
+        dlogits = narrow_logits(ops, ops.scale(ops.sub(probs, ops.one_hot(hc["targets"], cfg.vocab, probs)),
+                                               loss_scale / self.tokens(where)), hc["low"])
         dxf = ops.matmul(dlogits, ops.transpose(self.head_weight(p)))
         dx, grads["lnf.g"], grads["lnf.b"] = ops.layer_norm_backward(dxf, hc["x_final"], p["lnf.g"], hc["muf"], hc["rf"])
         head_grad = ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # (h, V)
@@ -302,16 +303,32 @@ class GPT:
             if isinstance(v, tuple):  # e.g. a norm's statistics
                 total += self.held_bytes(dict(enumerate(v)))
                 continue
-            if v is None or isinstance(v, (int, float)):
+            if v is None or isinstance(v, (int, float, str)):
                 continue
             n = math.prod(v.shape)
-            is_mask = str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
-            total += n * (1 if is_mask else self.item)
+            dtype = str(getattr(v, "dtype", ""))
+            is_mask = dtype in ("bool", "torch.bool")
+            wide = dtype in ("fp32", "float32", "torch.float32") and self.item < 4  # (16-bit runs' fp32 logits)
+            total += n * (1 if is_mask else 4 if wide else self.item)
         return total
 
 
 def ops_t(ops: Ops, w: Any) -> Any:
     return ops.transpose(w)
+
+
+def wide_logits(ops: Ops, logits: Any) -> tuple[Any, str | None]:
+    """The LM head's logits as the cross-entropy takes them, and their own dtype if it was narrower: in
+    16-bit training upcast to fp32 first, so the softmax, its log-sum-exp and the loss are fp32
+    (Megatron-LM's `output.float()` before its vocab-parallel cross-entropy; torchtitan's loss in fp32)."""
+    dtype = logits.dtype if isinstance(logits, MetaTensor) else ops.xp.name(logits.dtype)
+    return (ops.cast(logits, "fp32"), dtype) if dtype in ("bf16", "fp16") else (logits, None)
+
+
+def narrow_logits(ops: Ops, dlogits: Any, dtype: str | None) -> Any:
+    """The fp32 cross-entropy's gradient back in the logits' dtype, for the head's products (the upcast's
+    backward)."""
+    return dlogits if dtype is None else ops.cast(dlogits, dtype)
 
 
 def train(ops: Ops, cfg: ModelConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,

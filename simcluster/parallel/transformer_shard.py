@@ -29,7 +29,7 @@ import numpy as np
 
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_activations, moe_activations
-from simcluster.model.gpt import GPT, Slice
+from simcluster.model.gpt import GPT, Slice, narrow_logits, wide_logits
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.moe_shard import Experts
@@ -249,7 +249,7 @@ class TransformerShard(Experts):
         xf_mine, stats = self.norm(x, p, "lnf")
         xf = yield from self.gather(xf_mine)
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
-        logits = ops.matmul(xf, w)  # (b, s/cp, V/tp)
+        logits, low = wide_logits(ops, ops.matmul(xf, w))  # (b, s/cp, V/tp): fp32 for the cross-entropy
         row_max = yield from self.tp_sum(ops.max(logits, -1), "max")
         e = ops.attention_weights(logits, row_max)
         sum_e = yield from self.tp_sum(ops.sum(e, -1, partial=True))
@@ -260,7 +260,7 @@ class TransformerShard(Experts):
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
         return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
-                          "sum_e": sum_e}  # (not w: a weight, which the backward takes again, not an activation)
+                          "sum_e": sum_e, "low": low}  # (not w: a weight, which the backward takes again, not an activation)
 
     # -- backward -----------------------------------------------------------------------------------
     def head_backward(self, p: dict[str, Any], hc: dict[str, Any], tokens: int, scale: float, grads: dict[str, Any],
@@ -271,7 +271,7 @@ class TransformerShard(Experts):
         probs = ops.attention_probs(hc["e"], hc["sum_e"])
         onehot = ops.zero_where(hc["mine"][..., None],
                                 ops.one_hot(hc["targets"] * hc["mine"], self.vocab, probs))
-        dlogits = ops.scale(ops.sub(probs, onehot), scale / tokens)
+        dlogits = narrow_logits(ops, ops.scale(ops.sub(probs, onehot), scale / tokens), hc["low"])
         w_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V/tp)
         if m.tied_head:
             grads["wte"] = ops.transpose_partial(w_grad())
