@@ -243,11 +243,11 @@ class Layout:
         return training_bounds(d.precision, m.layers, max(m.hidden, m.ffn_hidden, m.seq, m.vocab, d.global_batch * m.seq))
 
 
-def _pipeline_degrees(schedule: Schedule, layers: int, room: int, tied: bool) -> list[int]:
+def _pipeline_degrees(schedule: Schedule, layers: int, room: int) -> list[int]:
     """The stage counts `schedule` can run with these layers on at most `room` ranks."""
     out = []
     for p in range(1, min(layers, room) + 1):
-        if (tied and p > 1) or (schedule is Schedule.ZB_V and 2 * p > layers) or (schedule is Schedule.DUALPIPE and p % 2):
+        if (schedule is Schedule.ZB_V and 2 * p > layers) or (schedule is Schedule.DUALPIPE and p % 2):
             continue
         out.append(p)
     return out
@@ -296,7 +296,7 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         cp = d(st.sampled_from(cps))
         sp = (routed and tp > 1) or (d(st.booleans()) and (m.seq // cp) % tp == 0)
         room = max_world // (tp * cp)
-        options = [(s, p) for s in schedules for p in _pipeline_degrees(s, m.layers, room, m.tied_head)]
+        options = [(s, p) for s in schedules for p in _pipeline_degrees(s, m.layers, room)]
         feasible = []
         for s, p in options:  # with a fixed batch, some (schedule, p) have no dp and micro-batch count
             dps = [n for n in range(1, room // p + 1) if global_batch is None or (

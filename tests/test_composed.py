@@ -38,15 +38,14 @@ OPTIONS = {
 
 
 def valid(row):
-    """At most 16 ranks; a tied head needs the embedding and the head on one stage; llama's head is
-    untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not;
+    """At most 16 ranks; llama's head is untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not;
     DualPipe needs an even number of stages; offloading the optimizer needs a ZeRO stage, the parameters
     ZeRO-3, and neither is modelled with DualPipe."""
     if (row["offload"] != "none" and row["zero"] == 0) or (row["offload_params"] and row["zero"] != 3):
         return False
     if (row["offload"] != "none" or row["offload_params"]) and row["schedule"] == "dualpipe":
         return False
-    return (row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16 and not (row["tied_head"] and row["pp"] > 1)
+    return (row["dp"] * row["pp"] * row["cp"] * row["tp"] <= 16
             and not (row["schedule"] == "dualpipe" and row["pp"] % 2)
             and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
 

@@ -102,12 +102,16 @@ def test_context_parallel_from_the_command_line(attention):
                                              ("interleaved", 2, 2, 1), ("zb-h1", 3, 1, 1), ("zb-v", 2, 1, 1),
                                              ("dualpipe", 2, 1, 2)])
 def test_pipeline_from_the_command_line(schedule, p, v, dp):
-    m = 2 * p  # DualPipe: half enter at each end; its copies' gradients summed over the pp-mirror group
+    """DualPipe: half the micro-batches enter at each end, its copies' gradients summed over the pp-mirror
+    group. ZB-H1 and DualPipe with a tied head: the last stage holds a copy of the embedding, the first
+    and the last sum their gradients of it (Megatron-LM's embedding group)."""
+    m = 2 * p
+    tied = "true" if schedule in ("zb-h1", "dualpipe") else "false"
     byte_identical_everywhere(on_torch(
         *SMALL, f"parallel.dp={dp}", f"parallel.pp={p}", f"parallel.schedule={schedule}",
         f"parallel.virtual_stages={v}", "parallel.zero=0", f"cluster.gpus_per_node={dp * p}",
         f"model.layers={p * (2 if schedule == 'zb-v' else v) + 1}", "model.hidden=4", "model.heads=2", "model.ffn_hidden=6", "model.seq=3",
-        "model.vocab=7", "model.tied_head=false", f"model.global_batch={dp * m}", "model.micro_batch=1"))
+        "model.vocab=7", f"model.tied_head={tied}", f"model.global_batch={dp * m}", "model.micro_batch=1"))
 
 
 @pytest.mark.parametrize("program", ["mlp", "allreduce", "collectives"])

@@ -62,8 +62,9 @@ class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
     def __init__(self, ctx: Context, parallelism: Parallelism, model: TransformerShard, dp: DPWrap, units: list[list[str]],
-                 step: int, passes: list[Pass], tapes: Tapes | None = None) -> None:
+                 step: int, passes: list[Pass], tapes: Tapes | None = None, tied_copy: bool = False) -> None:
         self.ctx, self.ops, self.parallelism, self.model, self.dp = ctx, ctx.ops, parallelism, model, dp
+        self.tied_copy = tied_copy  # this stage's embedding is a tied head's copy: its gradients come with the head's
         self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
         self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
         self.split = deferred(passes)  # (micro-batch, chunk) whose weight gradients wait for a W pass
@@ -73,6 +74,8 @@ class Stage:
         for kind, _, g in passes:
             for u in units[g] if kind == "B" else ():
                 self.through[u] = self.through.get(u, 0) + 1
+        if tied_copy:  # (the head's micro-batches too: DualPipe's ends run the embedding for the others)
+            self.through["embed"] = self.through.get("embed", 0) + self.through["head"]
         data = parallelism.data
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
         b = data.global_batch // (self.n * data.micro_batches)
@@ -158,6 +161,8 @@ class Stage:
                 if u == "head":
                     tokens = where.total * self.parallelism.model.seq
                     dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
+                    if self.tied_copy:  # the copy's gradients: the head's share of wte (and nothing of wpe)
+                        model.copy_gradients(cache["head"], grads)
                 elif u == "embed":
                     yield from model.embed_backward(cache["embed"], dy, grads)
                     dy = None
@@ -204,6 +209,8 @@ class Stage:
         yield from self.dp.gradients(unit, grads, self.through[unit])
         for x in companions(m, unit):  # a block's experts, reduced over the ranks that hold them
             yield from self.dp.gradients(x, {k: mine.pop(k) for k in unit_names(m, x)}, self.through[unit])
+        if unit == "head" and self.tied_copy:
+            yield from self.hand_over("embed", j)
 
 
 def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict[str, Any]]:
@@ -229,7 +236,10 @@ class _Placed:
     units: tuple[tuple[str, ...], ...]  # the units of each chunk
     mine: list[str]  # this stage's units, in model order
     twin: Any  # DualPipe: the group of this rank and its mirror; else None
-    copies: set[str]  # DualPipe: the units of the reverse chain's copies this stage holds
+    copies: set[str]  # DualPipe: the units of the reverse chain's copies this stage holds; a tied head's embedding
+    tie: Any = None  # a tied head across stages: the first and the last stage (Megatron's embedding group); else None
+    feeds: bool = False  # a tied head here runs micro-batches this stage's embedding does not: its wte gradient
+    # goes to the embedding unit apart (the head's stage's copy; DualPipe's ends, each direction's head)
 
 
 def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
@@ -244,7 +254,16 @@ def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
     dual = place.pieces < place.chunks  # DualPipe: each piece twice, the reverse chain's copy not counted twice
     twin = mesh.mesh.mirror(ctx.rank) if dual else None
     copies = {u for g in place.on(s) if g >= place.pieces for u in units[g]} if dual else set()
-    return _Placed(place, stage_passes(parallelism.schedule, shape, s), neighbours, units, mine, twin, copies)
+    tie = None
+    if m.tied_head and not dual and ("embed" in mine) != ("head" in mine):
+        # the head's stage holds a copy of the embedding (not run, not counted twice: a copy), and both
+        # sum their gradients of it before the step, so the copies stay equal (Megatron-LM's embedding group)
+        tie = mesh.mesh.mirror(ctx.rank)
+        if "head" in mine:
+            mine, copies = ["embed", *mine], {"embed"}
+    feeds = m.tied_head and "head" in mine and (tie is not None or dual)
+    return _Placed(place, stage_passes(parallelism.schedule, shape, s), neighbours, units, mine, twin, copies, tie,
+                   feeds)
 
 
 @dataclass(frozen=True)
@@ -296,7 +315,8 @@ def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Sh
                           and k not in experts)
     elsewhere |= {k for u in stage.copies for x in [u, *companions(parallelism.model, u)] for k in names[x]}
     dp = DPWrap(ctx, parallelism.data, names, {u: [tuple(init[k].shape) for k in names[u]] for u in names},
-                init, zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=stage.twin)
+                init, zero_over=parallelism.zero_over, counted_elsewhere=elsewhere, twin=stage.twin,
+                tied={"embed": stage.tie} if stage.tie is not None else {})
     if loaded:
         dp.restore({state: shards.split(ctx.ops, v, True) for state, v in loaded.items()}, start)
     return dp
@@ -318,7 +338,8 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
         if ck and ck.save and ck.at == step:
             written = _save(ctx, ck, m, stage, shards, dp, step, getattr(model, "biases", {}))
         dp.begin_step()
-        work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes)
+        work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes,
+                     tied_copy=stage.feeds)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         grads = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)

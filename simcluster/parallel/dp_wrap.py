@@ -61,13 +61,15 @@ def _uniform(mask: Any) -> bool | None:
 class DPWrap:
     def __init__(self, ctx: Context, data: TrainingConfig, names: dict[str, list[str]],
                  shapes: dict[str, list[tuple[int, ...]]], init: dict[str, Any], *, zero_over: str = "dp_cp",
-                 counted_elsewhere: frozenset[str] = frozenset(), twin: Any = None) -> None:
+                 counted_elsewhere: frozenset[str] = frozenset(), twin: Any = None,
+                 tied: dict[str, Any] | None = None) -> None:
         ops, mesh = ctx.ops, ctx.mesh
         self.ctx, self.ops, self.data, self.stage = ctx, ops, data, data.zero
         self.units, self.names, self.shapes = list(names), names, shapes
         both = mesh.group("dp", "cp") if mesh.cp.size > 1 else mesh.dp
         self.sum_group = both  # every rank with the same weights and other tokens
         self.twin = twin  # DualPipe: the group of the two copies of these units, each with its own micro-batches
+        self.tied = tied or {}  # units two stages hold, each its own part of their gradients: summed over the group
         self.group = (mesh.dp if zero_over == "dp" else both) if self.stage else both
         self.cp_first = mesh.cp if self.stage and zero_over == "dp" and mesh.cp.size > 1 else None
         self.n = self.group.size if self.stage else 1
@@ -233,6 +235,8 @@ class DPWrap:
             if self.twin is not None:  # both copies sum both halves' gradients, and stay equal
                 summed = yield [comm.all_reduce(total[u], group=self.twin, async_op=True) for u in self.units]
                 total = dict(zip(self.units, summed))
+            for u, group in self.tied.items():  # (a tied head's embedding: the first stage's and the last's)
+                total[u] = yield comm.all_reduce(total[u], group=group)
             if self.host == "nvme":
                 yield from self._swap_in()
             with self.ctx.annotate("optimizer", f"O{step}"):

@@ -129,9 +129,6 @@ class Parallelism:
                                  f"(model.moe_experts={m.moe_experts}) and must divide dp={dp}")
         if m.moe_experts and m.moe_first_dense > m.layers:
             raise ValueError(f"model.moe_first_dense={m.moe_first_dense} is more than the model's {m.layers} layers")
-        if m.tied_head and pp > 1:
-            raise ValueError("a tied LM head shares the embedding between the first and the last stage; "
-                             "set model.tied_head = false for pipeline parallelism")
 
 
 def _divides(who: str, degree: int, what: str, size: int) -> None:

@@ -335,6 +335,14 @@ class TransformerShard(Experts):
             _, core = yield from self.attend(c["q"], c["k"], c["v"], i, step, where)
             return c | {"core": core}
 
+    def copy_gradients(self, hc: dict[str, Any], grads: dict[str, Any]) -> None:
+        """On the head's stage, a tied head's copy of the embedding: the head gave wte its gradient; the
+        positions' table gets none here (zeros, the first stage's are summed in)."""
+        if self.learned_positions:
+            x = hc["x_final"]
+            grads["wpe"] = self.ops.embedding_backward(self.ops.positions(self.tokens, x.shape[0]),
+                                                       self.ops.scale(x, 0.0), self.m.seq)
+
     def embed_backward(self, ec: dict[str, Any], dx: Any, grads: dict[str, Any]) -> Generator[Any, Any, None]:
         ops = self.ops
         dx = self.drop_grad(dx, ec["keep0"])
