@@ -81,8 +81,6 @@ def test_scenario_file_and_meta_mode(tmp_path, capsys):
     (["run", "--set", "parallel.zero=4"], "parallel.zero = 4 is not valid; valid: 0, 1, 2, 3"),
     (["run", "--set", "parallel.pp=2", "--set", "parallel.dp=4", "--set", "model.tied_head=false",
       "--set", "parallel.schedule=interleaved", "--set", "model.global_batch=12"], "model.micro_batch"),
-    (["run", "--set", "parallel.pp=2", "--set", "parallel.dp=4", "--set", "parallel.zero=0"],
-     "set model.tied_head = false for pipeline parallelism"),
     (["run", "--set", "parallel.pp=8", "--set", "parallel.dp=1", "--set", "parallel.zero=0",
       "--set", "model.tied_head=false"], "8 pipeline stages for 2 layers"),
     (["run", "--set", "model.global_batch=12"], "model.global_batch=12 must be divisible by parallel.dp=8"),

@@ -263,12 +263,6 @@ def test_invalid_configurations(schedule, p, m, v, layers, message):
                  virtual=v)
 
 
-def test_tied_head_with_pipeline_is_a_clear_error():
-    model = ModelConfig(layers=2, hidden=4, heads=2, ffn_hidden=6, seq=3, vocab=7, tied_head=True)
-    with pytest.raises(Exception, match="set model.tied_head = false for pipeline parallelism"):
-        run_composed(TrainingConfig(model=model, global_batch=2, micro_batches=2), pp=2, mode="meta")
-
-
 def test_dualpipe_without_summing_its_two_copies_is_caught(monkeypatch):
     """Each copy of a layer saw half the micro-batches: stepping on its own half diverges from one device."""
     from simcluster.parallel.dp_wrap import DPWrap

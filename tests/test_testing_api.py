@@ -59,8 +59,7 @@ def test_every_schedule_and_attention_can_be_drawn(schedule):
 
 def test_the_rules_of_a_model_bound_what_is_drawn():
     tied = ModelConfig(layers=4, hidden=8, heads=4, ffn_hidden=8, seq=6, vocab=8, tied_head=True, causal=True)
-    with pytest.raises(NoSuchExample):  # a tied head keeps the embedding and the head on one stage
-        first(layouts(tied), lambda lay: lay.mesh.sizes["pp"] > 1)
+    assert first(layouts(tied), lambda lay: lay.mesh.sizes["pp"] > 1)  # (a tied head's stage keeps a copy)
     with pytest.raises(NoSuchExample):  # causal ring attention's zigzag: seq 6 is not divisible by 2 x 2
         first(layouts(tied), lambda lay: lay.parallelism.attention == "ring" and lay.mesh.sizes["cp"] == 2)
     assert first(layouts(tied), lambda lay: lay.parallelism.attention == "ring" and lay.mesh.sizes["cp"] == 3)  # 6 % 6

@@ -13,6 +13,7 @@ own kernel, the s x s tensors through memory, as the first Megatron-LM did.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
@@ -25,6 +26,7 @@ from simcluster.numerics.tensor import ITEMSIZE
 TILE = 128
 
 
+@functools.lru_cache(maxsize=256)
 def causal_share(sq: int, sk: int, tile: int = TILE) -> float:
     """The share of the sq x sk score products a causal fused kernel runs: for each block of `tile` query
     rows, the key blocks from the first to the one holding its last row's diagonal, that one whole (masked
