@@ -238,8 +238,7 @@ class _Placed:
     twin: Any  # DualPipe: the group of this rank and its mirror; else None
     copies: set[str]  # DualPipe: the units of the reverse chain's copies this stage holds; a tied head's embedding
     tie: Any = None  # a tied head across stages: the first and the last stage (Megatron's embedding group); else None
-    feeds: bool = False  # a tied head here runs micro-batches this stage's embedding does not: its wte gradient
-    # goes to the embedding unit apart (the head's stage's copy; DualPipe's ends, each direction's head)
+    feeds: bool = False  # a tied head here runs micro-batches its embedding does not: wte's gradient handed apart
 
 
 def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
@@ -256,9 +255,7 @@ def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
     copies = {u for g in place.on(s) if g >= place.pieces for u in units[g]} if dual else set()
     tie = None
     if m.tied_head and not dual and ("embed" in mine) != ("head" in mine):
-        # the head's stage holds a copy of the embedding (not run, not counted twice: a copy), and both
-        # sum their gradients of it before the step, so the copies stay equal (Megatron-LM's embedding group)
-        tie = mesh.mesh.mirror(ctx.rank)
+        tie = mesh.mesh.mirror(ctx.rank)  # the head's stage holds a copy of the embedding, summed with the first's
         if "head" in mine:
             mine, copies = ["embed", *mine], {"embed"}
     feeds = m.tied_head and "head" in mine and (tie is not None or dual)
@@ -396,14 +393,13 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
     shapes = m.parameter_shapes()
     ep = max(res.get("expert_shard", (0, 1))[1] for res in results)  # (the run's, whatever `parallelism` says)
     for kind in KINDS:
-        # (unit, tp rank, ep rank: a block's experts are shared out over ep) -> chunk index -> flat; the
-        # experts are whole on every tp rank, their chunks over tp ranks too (mesh.expert_groups): tp rank 0
+        # (unit, tp rank, ep rank) -> chunk index -> flat; experts: shared out over ep, whole on tp ranks (tp 0)
         pieces: dict[tuple[str, int, int], dict[int, Any]] = {}
         for rank, (res, c) in enumerate(zip(results, coords)):
             for unit, arrays in res["units"].items():
                 k, _ = res.get("chunks", {}).get(unit, res["chunk"])
-                e = res.get("expert_shard", (0, 1))[0] if unit.startswith("experts") else 0
-                got = pieces.setdefault((unit, 0 if e or unit.startswith("experts") else c["tp"], e), {})
+                whole = unit.startswith("experts")  # (their chunks over the tp ranks too: mesh.expert_groups)
+                got = pieces.setdefault((unit, 0, res.get("expert_shard", (0, 1))[0]) if whole else (unit, c["tp"], 0), {})
                 if k in got and np.asarray(got[k]).tobytes() != np.asarray(arrays[kind]).tobytes():
                     out[f"{kind}.{unit}[chunk {k}]@rank{rank}"] = arrays[kind]
                 got.setdefault(k, arrays[kind])
@@ -411,13 +407,13 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
             by_tp, whole = [], unit.startswith("experts")
             for tr in range(1 if whole else t):
                 tensors = {}
-                for e in range(ep if unit.startswith("experts") else 1):
+                for e in range(ep if whole else 1):
                     chunks = pieces[(unit, tr, e)]
                     flat = np.concatenate([np.asarray(chunks[i]).reshape(-1) for i in sorted(chunks)])
                     at = 0
                     for name in unit_names(m, unit):
                         local = shard_shape(shapes[name], "replicated" if whole else shard_kind(name, m, t), t)
-                        local = (local[0] // ep,) + local[1:] if unit.startswith("experts") else local
+                        local = (local[0] // ep,) + local[1:] if whole else local
                         n = math.prod(local)
                         part = flat[at:at + n].reshape(local)
                         tensors[name] = part if e == 0 else np.concatenate([tensors[name], part])  # experts in order
@@ -436,7 +432,7 @@ def assemble(results: list[dict[str, Any]], coords: list[dict[str, int]], parall
 
 def router_statistics(results: list[dict[str, Any]]) -> dict[str, Any]:
     """A mixture of experts' token counts by step, layer and expert, summed over the ranks (each counted
-    its own tokens: llama_shard.tally)."""
+    its own tokens: moe_shard.Experts.tally)."""
     out: dict[str, Any] = {}
     for res in results:
         for key, n in res.get("routing", {}).items():
