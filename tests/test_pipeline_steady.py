@@ -163,3 +163,12 @@ def test_each_step_puts_its_round_in_and_everything_after_moves_one_period_more(
     assert steady.grown(run(3), run(4), steps=2) == 10
     assert steady.grown(run(3), run(4), steps=1) is None  # (two rounds put in, not one)
     assert steady.grown(run(3), run(4, late=1), steps=2) is None  # step 1's reduction moved P + 1
+
+
+def test_a_deep_zero_bubble_v_pipeline_finds_its_rounds():
+    """ZB-V settles into rounds later as its pipeline deepens (from m = 3p + 1 at 8 stages): its window
+    starts where they repeat, so 120 micro-batches over 8 stages cost two runs of 28 and 29."""
+    sc = build({}, [*BASE, "parallel.pp=8", "parallel.dp=1", "parallel.schedule=zb-v", "model.layers=16",
+                    "cluster.gpus_per_node=8", "model.global_batch=120"])
+    micro = runner.run_scenario(sc, trace=False).result.micro
+    assert micro is not None and micro[:2] == (29, 120)

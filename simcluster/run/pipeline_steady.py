@@ -31,7 +31,10 @@ from simcluster.config.schema import ModelSection, ParallelSection
 
 # Where each schedule's rounds first repeat exactly, as measured on GPT layouts of 2 to 8 stages and on
 # Megatron's 1T model (1F1B over 64 stages: from m = p + 3): m0 as (a multiple of p, rounds of u more).
-START = {"1f1b": (1, 3), "interleaved": (1, 3), "zb-h1": (2, 4), "zb-v": (2, 3), "dualpipe": (2, 3)}
+# ZB-V settles later as its pipelines deepen: on llama3_4d's layouts from m = 3p, 3p + 1 and 3p + 2 at
+# p = 4, 8 and 16 (and ZB-H1 from 2p + 1, 2p + 2, 2p + 4), so its window starts at 3p + 4 (from 2p + 3,
+# its four moves never reached the repetition past p = 4, and every micro-batch was simulated after them)
+START = {"1f1b": (1, 3), "interleaved": (1, 3), "zb-h1": (2, 4), "zb-v": (3, 4), "dualpipe": (2, 3)}
 MOVES = 4  # how many times the window may move up a round before the m micro-batches are simulated
 
 
