@@ -155,7 +155,7 @@ def test_interrupted_is_one_line(monkeypatch, capsys):
     """Ctrl-C anywhere in a command: 'interrupted' and exit 130, not a traceback."""
     import simcluster.cli as cli
 
-    def pressed(*_args):
+    def pressed(*_args, **_kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("simcluster.cli.run.simulated", pressed)

@@ -32,12 +32,13 @@ def ranks_of(args: argparse.Namespace, scenario: Scenario) -> list[int] | None:
     return ranks
 
 
-def simulated(err: Console, scenario: Scenario, fold: bool = True) -> Outcome:
+def simulated(err: Console, scenario: Scenario, fold: bool = True, trace: bool = True) -> Outcome:
     """The scenario's warnings, then its run, with a transient spinner (a bar over the variants of a
-    comparison) on an interactive stderr."""
+    comparison) on an interactive stderr. `trace`: keep every event (what a timeline draws; a report
+    alone needs none: runner.run_scenario)."""
     say_warnings(err, scenario)
     if not err.is_terminal:
-        return run_all(scenario, fold=fold)
+        return run_all(scenario, fold=fold, trace=trace)
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
@@ -47,7 +48,7 @@ def simulated(err: Console, scenario: Scenario, fold: bool = True) -> Outcome:
         def on_variant(i: int, n: int, label: str) -> None:
             progress.update(task, completed=i, description=escape(f"simulating {scenario.name}: {label}"))
 
-        outcome = run_all(scenario, on_variant, fold=fold)
+        outcome = run_all(scenario, on_variant, fold=fold, trace=trace)
         progress.update(task, completed=len(scenario.variants))
     return outcome
 

@@ -61,7 +61,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     scenario = scenario_of(args)
     if args.write_scenario:
         write_scenario(args.write_scenario, scenario)
-    outcome = simulated(err, scenario, args.fold)
+    outcome = simulated(err, scenario, args.fold, trace=not args.json)  # (the JSON is the report: no timeline)
     if args.json:
         sys.stdout.write(document(outcome.report) + "\n")
     else:

@@ -32,19 +32,19 @@ class Outcome:
     variants: tuple[tuple[str, "Outcome"], ...] = ()
 
 
-def run_all(sc: Scenario, on_variant: Any = None, *, fold: bool = True) -> Outcome:
+def run_all(sc: Scenario, on_variant: Any = None, *, fold: bool = True, trace: bool = True) -> Outcome:
     """The scenario, or each of its [compare] variants (the first variant's run stands for the whole).
-    `on_variant(i, n, label)` is told before each variant runs (for a progress display). `fold`: see
-    run_scenario."""
+    `on_variant(i, n, label)` is told before each variant runs (for a progress display). `fold`, `trace`:
+    see run_scenario."""
     if not sc.variants:
-        return run_scenario(sc, fold=fold)
+        return run_scenario(sc, fold=fold, trace=trace)
     for _, v in sc.variants:  # (before the first runs: a comparison that cannot finish is refused whole)
         budget.check(v, fold)
     outcomes = []
     for i, (label, v) in enumerate(sc.variants):
         if on_variant is not None:
             on_variant(i, len(sc.variants), label)
-        outcomes.append((label, run_scenario(v, fold=fold)))
+        outcomes.append((label, run_scenario(v, fold=fold, trace=trace)))
     outcomes = tuple(outcomes)
     first = outcomes[0][1]
     report = {"scenario": sc.as_dict(), "variants": [dict(o.report, variant=label) for label, o in outcomes]}
