@@ -370,14 +370,9 @@ def verify_files(folder: str) -> None:
         _file(folder, name, entry)
 
 
-def router_bias(folder: str) -> dict[str, np.ndarray]:
-    """The experts' selection biases a checkpoint holds, by output name (fp32; none: empty)."""
-    return {k: np.asarray(v, np.float32) for k, v in read_manifest(folder).get("router_bias", {}).items()}
-
-
-def read(folder: str, names: list[str]) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
-    """The step and the full global tensors `names` of every state (state -> name -> array), each element
-    from exactly one piece."""
+def read(folder: str, names: list[str]) -> tuple[int, dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """The step, the full global tensors `names` of every state (state -> name -> array), each element
+    from exactly one piece, and the experts' selection biases by output name (fp32; none: empty)."""
     manifest = read_manifest(folder)
     states, shapes = manifest["states"], manifest["tensors"]
     wanted = set(names)
@@ -401,4 +396,5 @@ def read(folder: str, names: list[str]) -> tuple[int, dict[str, dict[str, np.nda
             missing, twice = int((seen[k] == 0).sum()), int((seen[k] > 1).sum())
             raise CheckpointError(f"--resume {folder!r}: tensor {k} has {missing} elements in no piece and {twice} "
                                   f"in several: the manifest is inconsistent")
-    return manifest["step"], {s: {k: v.reshape(shapes[k]) for k, v in d.items()} for s, d in out.items()}
+    biases = {k: np.asarray(v, np.float32) for k, v in manifest.get("router_bias", {}).items()}
+    return manifest["step"], {s: {k: v.reshape(shapes[k]) for k, v in d.items()} for s, d in out.items()}, biases

@@ -62,7 +62,7 @@ def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> 
     out = {name: v for name, v in kept.items() if name not in ("gelu input", "gelu output")}
     return out | {"router scores": item * tokens * m.moe_experts,
                   "routed rows and weighted outputs": 2 * item * tokens * k * m.hidden,
-                  "experts' products and activation": (3 if m.arch == "llama" else 2) * item * tokens * k * f,
+                  "experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens * k * f,
                   "shared experts' products and activation": 3 * item * tokens * m.moe_shared_experts * f}
 
 

@@ -1,23 +1,22 @@
 """A mixture-of-experts FFN: router, dispatch, experts, combine, auxiliary loss.
 
-The layer replaces a block's MLP (the Llama's: llama_shard.py). For tokens
-x (b, s, h):
+The layer replaces a block's MLP (either model's: parallel/moe_shard.py). For tokens x (b, s, h):
 
 - router: logits = x W_r (h -> E experts), probabilities p = softmax(logits) over the experts (the
   sum exact, as every softmax here);
 - top-k: each token's k experts are those of the k largest probabilities. **Ties** (equal rounded
   probabilities) go to the lower expert index, so routing is a function of the exact numbers (every
   layout computes the same probabilities bit for bit, so routes every token alike). With node-limited
-  routing (DeepSeek-V3), the experts are in groups and a token's k come from its best few groups; The gates are the
-  chosen probabilities (Switch, GShard), or with `normalize` those divided by their sum (Mixtral,
-  Qwen, DeepSeek's norm_topk_prob);
+  routing (DeepSeek-V3), the experts are in groups and a token's k come from its best few (`choose`).
+  The gates are the chosen probabilities (Switch, GShard), or with `normalize` those divided by their
+  sum (Mixtral, Qwen, DeepSeek's norm_topk_prob);
 - capacity (`capacity_factor` > 0, GShard/Switch token dropping): each expert takes at most
   C = ceil(capacity_factor * s * k / E) of a sequence's tokens, first choices before second ones and
   earlier tokens first; the rest are dropped (their slot contributes zero). 0: dropless (Megatron-Core's
   default, every routed token computed);
 - dispatch: the routed tokens' rows, grouped by expert (in expert, token, choice order), through each
-  expert's FFN h -> F -> h with GELU, no biases (Megatron-Core's experts), each expert a GEMM sized by
-  the tokens it received, so imbalance is timed as it falls;
+  expert's FFN h -> F -> h with GELU (the GPT's) or SwiGLU (the Llama's), no biases (Megatron-Core's
+  experts), each expert a GEMM sized by the tokens it received, so imbalance is timed as it falls;
 - combine: y_t = sum_j g_tj * expert_j(x_t), the sum over a token's k slots exact (a partial rounded
   once), so its order -- which rank computed which expert -- never changes a bit; plus, with `shared`
   experts (DeepSeek-MoE's), their output, every token through them: n of them are one FFN of n times

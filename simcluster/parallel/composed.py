@@ -62,9 +62,9 @@ class Stage:
     """A pipeline stage's work for one step (pipeline.StageWork): its chunks' units on this rank."""
 
     def __init__(self, ctx: Context, parallelism: Parallelism, model: TransformerShard, dp: DPWrap, units: list[list[str]],
-                 step: int, passes: list[Pass], tapes: Tapes | None = None, tied_copy: bool = False) -> None:
+                 step: int, passes: list[Pass], tapes: Tapes | None = None, feeds: bool = False) -> None:
         self.ctx, self.ops, self.parallelism, self.model, self.dp = ctx, ctx.ops, parallelism, model, dp
-        self.tied_copy = tied_copy  # this stage's embedding is a tied head's copy: its gradients come with the head's
+        self.feeds = feeds  # a tied head here feeds the embedding unit its share of wte's gradient (_Placed.feeds)
         self.units, self.step, self.tapes = units, step, tapes  # units: by chunk
         self.weights: dict[str, Any] = {}  # a unit's weights' shapes, for tape keys
         self.split = deferred(passes)  # (micro-batch, chunk) whose weight gradients wait for a W pass
@@ -74,7 +74,7 @@ class Stage:
         for kind, _, g in passes:
             for u in units[g] if kind == "B" else ():
                 self.through[u] = self.through.get(u, 0) + 1
-        if tied_copy:  # (the head's micro-batches too: DualPipe's ends run the embedding for the others)
+        if feeds:  # (the head's micro-batches too: DualPipe's ends run the embedding for the others)
             self.through["embed"] = self.through.get("embed", 0) + self.through["head"]
         data = parallelism.data
         self.d, self.n = ctx.mesh.coord("dp"), ctx.mesh.dp.size
@@ -161,7 +161,7 @@ class Stage:
                 if u == "head":
                     tokens = where.total * self.parallelism.model.seq
                     dy = yield from model.head_backward(p, cache["head"], tokens, self.scale, grads, defer)
-                    if self.tied_copy:  # the copy's gradients: the head's share of wte (and nothing of wpe)
+                    if self.feeds:  # the copy's gradients: the head's share of wte (and nothing of wpe)
                         model.copy_gradients(cache["head"], grads)
                 elif u == "embed":
                     yield from model.embed_backward(cache["embed"], dy, grads)
@@ -209,7 +209,7 @@ class Stage:
         yield from self.dp.gradients(unit, grads, self.through[unit])
         for x in companions(m, unit):  # a block's experts, reduced over the ranks that hold them
             yield from self.dp.gradients(x, {k: mine.pop(k) for k in unit_names(m, x)}, self.through[unit])
-        if unit == "head" and self.tied_copy:
+        if unit == "head" and self.feeds:
             yield from self.hand_over("embed", j)
 
 
@@ -222,9 +222,9 @@ def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict
     stage = _placed(ctx, parallelism)
     shards = _Shards.of(ctx, parallelism, stage)
     ck = parallelism.checkpoint if ctx.ops.mode is not Mode.META else None  # (a preflight of a run that saves)
-    start, init, loaded = _weights(ctx, parallelism, shards, ck)
+    start, init, loaded, biases = _weights(ctx, parallelism, shards, ck)
     dp = _wrapped(ctx, parallelism, stage, shards, init, loaded, start)
-    return (yield from _train(ctx, parallelism, stage, shards, dp, start, ck))
+    return (yield from _train(ctx, parallelism, stage, shards, dp, start, ck, biases))
 
 
 @dataclass(frozen=True)
@@ -294,11 +294,12 @@ class _Shards:
 
 
 def _weights(ctx: Context, parallelism: Parallelism, shards: _Shards,
-             ck: Any) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """The first step, this rank's initial weights, and what a resumed checkpoint holds beside them."""
-    start, loaded = checkpoint.read(ck.resume, list(shards.kinds)) if ck and ck.resume else (0, {})
+             ck: Any) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The first step, this rank's initial weights, and what a resumed checkpoint holds beside them: the
+    optimizer's states, and the experts' selection biases."""
+    start, loaded, biases = checkpoint.read(ck.resume, list(shards.kinds)) if ck and ck.resume else (0, {}, {})
     full = loaded.pop("master") if loaded else init_params(ctx.ops, parallelism.model, list(shards.kinds))
-    return start, shards.split(ctx.ops, full, bool(loaded)), loaded
+    return start, shards.split(ctx.ops, full, bool(loaded)), loaded, biases
 
 
 def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shards, init: dict[str, Any],
@@ -320,7 +321,7 @@ def _wrapped(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Sh
 
 
 def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shards, dp: DPWrap, start: int,
-           ck: Any) -> Generator[Any, Any, dict[str, Any]]:
+           ck: Any, biases: dict[str, Any]) -> Generator[Any, Any, dict[str, Any]]:
     """The steps from `start`: the stage's passes, the optimizer step, the loss; a save where asked."""
     ops, data, m = ctx.ops, parallelism.data, parallelism.model
     model = (LlamaShard if m.arch == "llama" else TransformerShard)(ctx, parallelism)
@@ -329,14 +330,13 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
     grads: dict[str, Any] = {}
     first: dict[str, Any] = {}
     written = None
-    if ck and ck.resume and m.moe_bias_rate:  # the selection biases as the checkpoint's steps left them
-        model.restore_biases(checkpoint.router_bias(ck.resume))
+    model.restore_biases(biases)  # (a resumed run's: as the checkpoint's steps left them)
     for step in range(start, data.steps):
         if ck and ck.save and ck.at == step:
-            written = _save(ctx, ck, m, stage, shards, dp, step, getattr(model, "biases", {}))
+            written = _save(ctx, ck, m, stage, shards, dp, step, model.biases)
         dp.begin_step()
         work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes,
-                     tied_copy=stage.feeds)
+                     feeds=stage.feeds)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         grads = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
@@ -350,9 +350,9 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
             losses.append(ops.scale(ops.finalize(total), 1.0 / (data.global_batch * m.seq)))
     yield from dp.finish()
     if ck and ck.save and ck.at == data.steps:
-        written = _save(ctx, ck, m, stage, shards, dp, data.steps, getattr(model, "biases", {}))
-    return {"loss": losses, "first_step": start, "checkpoint": written, "routing": getattr(model, "routing", {}),
-            "router_bias": {k: ops.xp.to_host(v) for k, v in getattr(model, "biases", {}).items()},
+        written = _save(ctx, ck, m, stage, shards, dp, data.steps, model.biases)
+    return {"loss": losses, "first_step": start, "checkpoint": written, "routing": model.routing,
+            "router_bias": {k: ops.xp.to_host(v) for k, v in model.biases.items()},
             "expert_shard": (ctx.mesh.ep.rank_of(ctx.rank), ctx.mesh.ep.size), **dp.results(grads, first)}
 
 

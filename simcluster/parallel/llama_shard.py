@@ -133,7 +133,7 @@ class LlamaShard(TransformerShard):
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
         if self.m.is_moe(i):  # each tp rank routes its own tokens (sequence parallelism: parallelism.check)
             c = c_mine
-            z, mlp = yield from self.moe_forward(p, c, i, step, self.aux_scale / where.total, self._keep_all)
+            z, mlp = yield from self.moe_forward(p, c, i, step, where.total, self._keep_all)
         else:
             c = yield from self.gather(c_mine)
             f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)

@@ -15,6 +15,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model.moe import MoELayer, bias_step, host_float32, stack
+from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.expert_parallel import Exchange
@@ -29,7 +30,9 @@ class Experts:
     m: Any
     tp: Any
 
-    def init_experts(self, ctx: Context) -> None:
+    def init_experts(self, ctx: Context, precision: str) -> None:
+        # the balance loss's gradient: the mean over the step's sequences of each one's, scaled as the loss is
+        self.aux_scale = LOSS_SCALE[precision]
         # the ranks sharing out a sequence's tokens (cp, and tp with sequence parallelism), or None
         spread = tuple(a for a in ("cp", "tp") if ctx.mesh.size(a) > 1)
         self.spread = ctx.mesh.group(*spread) if spread and self.m.moe_experts else None
@@ -48,13 +51,14 @@ class Experts:
             layer.parts, layer.whole = self.spread.size, self.whole_sequences
         return layer
 
-    def moe_forward(self, p: dict[str, Any], c: Any, i: int, step: int, scale: float,
+    def moe_forward(self, p: dict[str, Any], c: Any, i: int, step: int, sequences: int,
                     counted: bool) -> Generator[Any, Any, tuple[Any, dict[str, Any]]]:
-        """Block i's experts on this rank's tokens c (b, s', h): their output and what the backward needs;
-        the router's statistics tallied unless `counted` (a recomputation runs the block again)."""
+        """Block i's experts on this rank's tokens c (b, s', h) of the step's `sequences`: their output and
+        what the backward needs; the router's statistics tallied unless `counted` (a recomputation runs
+        the block again)."""
         if i in self.bias:  # (the selection's: no gradient)
             p = p | {f"layers.{i}.moe.router.bias": self.bias[i]}
-        z, _, routed = yield from self.experts(i).forward(p, c, scale)
+        z, _, routed = yield from self.experts(i).forward(p, c, self.aux_scale / sequences)
         if not counted:
             self.tally(step, i, routed["routing"].tally())
         return z, {"moe": routed}

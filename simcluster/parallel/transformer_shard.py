@@ -30,7 +30,6 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import layer_activations, moe_activations
 from simcluster.model.gpt import GPT, Slice, narrow_logits, wide_logits
-from simcluster.model.precision import LOSS_SCALE
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.moe_shard import Experts
 from simcluster.parallel.parallelism import Parallelism
@@ -79,10 +78,7 @@ class TransformerShard(Experts):
         self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
-        # a mixture of experts' (moe_shard.py); its balance loss's gradient: the mean over the step's
-        # sequences of each one's, as the loss is scaled
-        self.aux_scale = LOSS_SCALE[parallelism.data.precision]
-        self.init_experts(ctx)
+        self.init_experts(ctx, parallelism.data.precision)  # a mixture of experts' part (moe_shard.py)
 
     # -- dropout masks: the slice of the single-device mask that this rank's tensor covers ----------
     def _mask(self, name: str, shape: tuple[int, ...], step: int, offset: tuple[int, ...],
@@ -201,7 +197,7 @@ class TransformerShard(Experts):
         c_mine, mu2, r2 = ops.layer_norm(x1, p[pre + "ln2.g"], p[pre + "ln2.b"], m.eps)
         if m.is_moe(i):  # each tp rank routes its own tokens through GELU experts (no biases: Megatron-Core's)
             c = c_mine
-            z, mlp = yield from self.moe_forward(p, c, i, step, self.aux_scale / where.total, self._keep_all)
+            z, mlp = yield from self.moe_forward(p, c, i, step, where.total, self._keep_all)
             with fusion.residual_mask(ops, m):
                 keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
             x2 = ops.add(x1, self.drop(z, keep_m))
