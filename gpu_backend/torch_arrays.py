@@ -193,6 +193,10 @@ class TorchArrays:
     def take_last(self, x: torch.Tensor, index: Any) -> torch.Tensor:
         return torch.gather(x, -1, self.asarray(index)[..., None])[..., 0]
 
+    def put_last(self, x: torch.Tensor, index: Any, values: torch.Tensor) -> torch.Tensor:
+        # (one write to each row: deterministic on a GPU too)
+        return x.scatter(-1, self.asarray(index)[..., None], values[..., None])
+
     def one_hot(self, index: Any, n: int, dtype: Any) -> torch.Tensor:
         return torch.nn.functional.one_hot(self.asarray(index), n).to(torch_dtype(dtype))
 

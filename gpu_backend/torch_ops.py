@@ -140,7 +140,6 @@ class TorchFastOps(FastOps):
         self.xp = TorchArrays(device)
         self._num = TorchFastNum(self.xp)
         self._kernels = TorchKernels(self.xp)
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def _matmul(self, a: Any, b: Any, partial: bool, out_shape: tuple[int, ...]) -> Any:
         out = _gemm(a, b, partial)
@@ -160,17 +159,18 @@ class TorchFastOps(FastOps):
         mathematics in another order of roundings: fast mode. Adam's moments are updated in place (the
         optimizer's own state: nothing else holds them); so is a donated parameter, as torch's optimizer
         updates its own; else the parameter is a new tensor (a delayed update still computes with the old
-        one). A clipped gradient is scaled into a buffer kept for the next step (the same multiplication as
-        `scale`): a new 4-byte-an-element tensor every step would cost a page fault every 4 KiB on a host
-        whose allocator returns large blocks to the system (glibc above 32 MiB)."""
+        one). A clipped gradient is scaled in its fp32 copy where the cast made one (the same multiplication
+        as `scale`; no buffer kept from step to step: the H200 showed one a flat unit, 1 GiB, never charged)."""
         fused = getattr(torch, "_fused_adamw_", None)
         if fused is None or param.dtype != torch.float32 or param.device.type == "meta":
             return super().adam(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay, grad_scale=grad_scale, donate=donate)
-        grad = grad.to(torch.float32)
+        wide = grad.to(torch.float32)
         if grad_scale is not None:
-            self._elementwise_cost("scale", tuple(grad.shape), 1)
-            grad = torch.mul(grad, self.xp.const(grad, grad_scale), out=self._scratch(grad))
+            self._elementwise_cost("scale", tuple(wide.shape), 1)
+            c = self.xp.const(wide, grad_scale)
+            wide = torch.mul(wide, c) if wide is grad else wide.mul_(c)  # (the caller's gradient left as it is)
+        grad = wide
         self._cost("adam", tuple(param.shape), 12, 7)
         if not donate:
             param = param.clone()
@@ -178,15 +178,6 @@ class TorchFastOps(FastOps):
         fused([param], [grad], [m], [v], [], [steps], amsgrad=False, lr=lr, beta1=beta1,
               beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=False)
         return param, m, v
-
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of like's shape and dtype, the same one each time it is asked for (its values are
-        the caller's to write: one user at a time)."""
-        key = (tuple(like.shape), like.dtype)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = self._buffers[key] = torch.empty_like(like)
-        return buffer
 
     def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any]:
         """torch's scaled_dot_product_attention (FlashAttention on a GPU, its fused CPU kernel here): the

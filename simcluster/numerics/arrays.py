@@ -17,7 +17,7 @@ kernels use, with dtypes named by their logical names: 'fp32', 'bf16', 'fp16', '
   uniform(seed, stream, shape, offset=, full_shape=, low=, high=)   the counter-based RNG (random.py)
   zeros(shape, dtype) zeros_like(x) asarray(x, dtype=None) broadcast_to(x, shape)
   concat(xs, dim) swapaxes(x, a, b) permute(x, dims) contiguous(x) repeat(x, n, dim)
-  take_last(x, index) one_hot(index, n, dtype)
+  take_last(x, index) put_last(x, index, values) one_hot(index, n, dtype)
   matmul(a, b) einsum(spec, a, b) sum(x, axis, dtype) max(x, axis)   (max keeps the axis)
   to_host(x)                                     a numpy array (verification, checkpoints, MoE routing)
   floor trunc abs isnan clip stack ldexp frexp full_like flip_last argmax_last any truth gather_last arange
@@ -111,6 +111,13 @@ class NumpyArrays:
     @staticmethod
     def take_last(x: Any, index: Any) -> np.ndarray:
         return np.take_along_axis(x, index[..., None], axis=-1)[..., 0]
+
+    @staticmethod
+    def put_last(x: Any, index: Any, values: Any) -> np.ndarray:
+        """A copy of x with x[..., index] = values (index and values shaped like x without its last axis)."""
+        out = np.array(x)
+        np.put_along_axis(out, index[..., None], values[..., None], axis=-1)
+        return out
 
     @staticmethod
     def one_hot(index: Any, n: int, dtype: Any) -> np.ndarray:

@@ -357,6 +357,18 @@ class Ops(FlatBuffers, Placement, AttentionOps):
             return MetaTensor(tuple(index.shape), x.dtype)
         return self.xp.take_last(x, self.xp.asarray(index))
 
+    def sub_one_hot(self, x: Any, index: Any, keep: Any = None) -> Any:
+        """x - one_hot(index) on the last axis, byte for byte (rows where `keep`, if given): a cross-entropy's
+        gradient with no one-hot made (vocabulary-wide, int64 on torch: once the largest buffers of a step)."""
+        self._cost("sub_one_hot", tuple(x.shape), 0, 2)
+        if self.mode is Mode.META:
+            return self._meta_like(x)
+        xp = self.xp
+        index = xp.asarray(index)
+        picked = xp.take_last(x, index)
+        one = xp.const(picked, 1) if keep is None else xp.astype(xp.asarray(keep), xp.name(picked.dtype))
+        return xp.put_last(x, index, self._binary(xp.subtract, picked, one))
+
     def one_hot(self, index: Any, n: int, like: Any) -> Any:
         shape = tuple(index.shape) + (n,)
         self._cost("one_hot", shape, 0, 1)

@@ -224,6 +224,7 @@ def composed(ctx: Context, parallelism: Parallelism) -> Generator[Any, Any, dict
     ck = parallelism.checkpoint if ctx.ops.mode is not Mode.META else None  # (a preflight of a run that saves)
     start, init, loaded, biases = _weights(ctx, parallelism, shards, ck)
     dp = _wrapped(ctx, parallelism, stage, shards, init, loaded, start)
+    del init, loaded  # (the wrapper's flat copies hold them: kept here too, a GPU held the weights twice)
     return (yield from _train(ctx, parallelism, stage, shards, dp, start, ck, biases))
 
 
@@ -338,10 +339,12 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
         work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes,
                      feeds=stage.feeds)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
-        grads = yield from dp.step(step)
+        reduced = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
             yield from model.balance(step, dp.sum_group, stage.twin)
-        first = first or grads
+        first = first or reduced
+        grads = reduced if step == data.steps - 1 else {}  # (not held through the next step, as no trainer does)
+        del reduced
         if work.loss_sum is not None:  # the last stage
             with ctx.annotate("forward", "loss"):
                 total = yield ctx.comm.all_reduce(work.loss_sum, group=dp.sum_group)

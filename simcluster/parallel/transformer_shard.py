@@ -245,6 +245,7 @@ class TransformerShard(Experts):
         xf_mine, stats = self.norm(x, p, "lnf")
         xf = yield from self.gather(xf_mine)
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
+        self._working(xf, 13, "forward")  # fp32 logits; two fp32 steps to e at a time, and a boolean mask
         logits, low = wide_logits(ops, ops.matmul(xf, w))  # (b, s/cp, V/tp): fp32 for the cross-entropy
         row_max = yield from self.tp_sum(ops.max(logits, -1), "max")
         e = ops.attention_weights(logits, row_max)
@@ -255,6 +256,7 @@ class TransformerShard(Experts):
         picked = ops.zero_where(mine, ops.gather_last(logits, local * mine))  # (an index of 0 where not mine)
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
+        self.ctx.memory.release("temporaries", "cross-entropy forward")
         return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
                           "sum_e": sum_e, "low": low}  # (not w: a weight, which the backward takes again, not an activation)
 
@@ -264,10 +266,12 @@ class TransformerShard(Experts):
         """dx into the last block; gradients into `grads` (a tied head's share of the embedding's as
         "wte"). With `defer`, an untied head's weight gradient waits for the W pass (ZB-H1)."""
         ops, m = self.ops, self.m
-        probs = ops.attention_probs(hc["e"], hc["sum_e"])
-        onehot = ops.zero_where(hc["mine"][..., None],
-                                ops.one_hot(hc["targets"] * hc["mine"], self.vocab, probs))
-        dlogits = narrow_logits(ops, ops.scale(ops.sub(probs, onehot), scale / tokens), hc["low"])
+        self._working(hc["xf"], 4, "backward")  # beside e: the softmax, then each result from the one before
+        # softmax - one_hot(targets) (their columns on this rank), scaled: two vocabulary-wide fp32 buffers at
+        # a time (the exponentials are let go once the softmax has them)
+        dlogits = ops.sub_one_hot(ops.attention_probs(hc.pop("e"), hc["sum_e"]), hc["targets"] * hc["mine"],
+                                  hc["mine"])
+        dlogits = narrow_logits(ops, ops.scale(dlogits, scale / tokens), hc["low"])
         w_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V/tp)
         if m.tied_head:
             grads["wte"] = ops.transpose_partial(w_grad())
@@ -276,8 +280,15 @@ class TransformerShard(Experts):
         else:
             grads["head"] = w_grad()
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
+        self.ctx.memory.release("temporaries", "cross-entropy backward")
         dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(w), partial=True))
         return self.norm_backward(dxf, hc["x_final"], p, "lnf", hc["stats"], grads)
+
+    def _working(self, xf: Any, per_logit: int, way: str) -> None:
+        """The cross-entropy's vocabulary-wide buffers beyond the head's cache while it runs, in bytes a logit
+        (the largest of a step's temporaries: on an H200 a 50K vocabulary's were 7 of a 1.2B GPT's 42 GiB)."""
+        tokens = xf.shape[0] * xf.shape[1]
+        self.ctx.memory.hold("temporaries", f"cross-entropy {way}", per_logit * tokens * self.vocab)
 
     def block_backward(self, p: dict[str, Any], dx2: Any, c: dict[str, Any], i: int, step: int, where: Slice,
                        grads: dict[str, Any], defer: list | None = None) -> Generator[Any, Any, Any]:
