@@ -265,3 +265,18 @@ def test_a_stated_skew_sizes_each_experts_gemms_by_its_share():
     capped = MoE(experts=4, top_k=2, ffn_hidden=5, capacity_factor=1.0)  # C = ceil(12 * 2 / 4) = 6
     first = [w for n, w in _recorded("meta", capped, 1.0) if n == "matmul" and w[2] == 5][:4]
     assert [w[1] for w in first] == [12, 12, 8, 6]
+
+
+def test_a_fast_check_says_when_a_token_took_another_route():
+    """Fast mode holds numbers to a bound; a routing choice is discrete, and a near-tie rounded the other
+    way sends a token elsewhere (a 1-rank DeepSeek-V3 on torch did): the verdict says so, and names exact mode."""
+    from simcluster.report import verification
+
+    expected = {"loss[0]": np.float32(4.66), "routing[0].layers.1.chosen": np.array([19.0, 13.0], np.float32)}
+    bounds = lambda name: 1e-3 if name.startswith("loss") else None  # noqa: E731
+    same = verification("fast", expected, dict(expected), bounds)
+    assert same["passed"] and "routing_differs" not in same
+    moved = verification("fast", expected, {**expected, "routing[0].layers.1.chosen": np.array([18.0, 14.0], np.float32)},
+                         bounds)
+    assert moved["routing_differs"]["outputs"] == ["routing[0].layers.1.chosen"]
+    assert "run.numerics=exact" in moved["routing_differs"]["why"]

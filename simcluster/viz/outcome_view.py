@@ -136,6 +136,9 @@ def render_torch(outcome: Outcome, out: Console, as_json: bool = False, width: i
             "" if a["passed"] else f"; [bold red]{a['differing']} DIFFER[/]: {', '.join(a['differ'])}"), markup=True)
         verdict = v.get("status") or ("bit-exact" if v.get("bit_exact") else "passed" if v.get("passed") else "MISMATCH")
         out.print(f"torch.distributed against one device: {verdict}", markup=False)
+        if not v.get("passed") and v.get("routing_differs"):
+            out.print(f"routing differs in {v['routing_differs']['count']} outputs: {v['routing_differs']['why']}",
+                      markup=False)
         if section.get("apart"):  # (a gap the tool can explain is said, not left to the reader)
             out.print("measured and predicted apart: " + "; ".join(section["apart"]), markup=False)
     return 0 if section["passed"] else 1

@@ -141,6 +141,8 @@ class ReportView:
         word = "bit-exact" if v.get("bit_exact") else ("within tolerance" if ok else "MISMATCH")
         t.add_row("verdict", f"[{'green' if ok else 'bold red'}]{'PASS' if ok else 'FAIL'}[/]: {word} "
                   f"against {v['reference']}")
+        if not ok and v.get("routing_differs"):
+            t.add_row("routing differs", escape(f"{v['routing_differs']['count']} outputs: {v['routing_differs']['why']}"))
         kinds: dict[str, int] = {}
         for name in v["outputs"]:
             kind = name.split("[")[0].split(".")[0]
