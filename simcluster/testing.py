@@ -267,8 +267,7 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
 def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
     stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over,
-    expert parallelism for a mixture of experts (beside tp only with sequence parallelism, beside tp or
-    cp only dropless), and
+    expert parallelism for a mixture of experts (beside tp only with sequence parallelism), and
     micro-batch count that `Parallelism.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
     other TrainingConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
@@ -279,17 +278,16 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
     m = model
     schedules = list(Schedule)
 
-    routed = bool(m.moe_experts)  # a mixture of experts: tp needs sp, capacity needs tp = cp = 1
-    whole = routed and bool(m.moe_capacity_factor)
+    routed = bool(m.moe_experts)  # a mixture of experts: tp needs sp
 
     @st.composite
     def draw(d: Any) -> Layout:
         tps = [t for t in divisors(math.gcd(m.heads, m.ffn_hidden, m.vocab))
-               if t <= max_world and (m.kv_heads % t == 0 or t % m.kv_heads == 0) and not (whole and t > 1)
+               if t <= max_world and (m.kv_heads % t == 0 or t % m.kv_heads == 0)
                and not (routed and m.seq % t)]
         tp = d(st.sampled_from(tps))
         attention = d(st.sampled_from(ATTENTIONS))
-        cps = [c for c in divisors(m.seq) if c * tp <= max_world and not (whole and c > 1)
+        cps = [c for c in divisors(m.seq) if c * tp <= max_world
                and not (c > 1 and attention in ("ring", "allgather") and m.causal and m.seq % (2 * c))
                and not (c > 1 and attention == "ulysses" and (m.heads // tp) % c)
                and not (routed and tp > 1 and (m.seq // c) % tp)]

@@ -151,8 +151,6 @@ def test_only_an_even_routing_folds_its_ep_peers(sets, simulated):
 @pytest.mark.parametrize("sets,words", [
     (("parallel.dp=4", "parallel.ep=3", "cluster.gpus_per_node=4"), "ep=3 must divide dp=4"),
     (("parallel.dp=2", "parallel.tp=2", "parallel.sp=false", "cluster.gpus_per_node=4"), "sequence parallelism"),
-    (("parallel.dp=2", "parallel.cp=2", "cluster.gpus_per_node=4", "model.moe_capacity_factor=1.0"),
-     "moe_capacity_factor"),
     (("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "model.moe_experts=6"), "moe_experts=6"),
     (("parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2", "model.moe_experts=0"), "mixture of experts"),
 ])

@@ -223,7 +223,7 @@ def test_data_parallel_halves_are_byte_identical_to_the_whole_batch():
 def test_a_capacity_counted_over_the_whole_batch_is_caught():
     """The broken variant: capacity over the rank's tokens (one long sequence) rather than each sequence's,
     so what is dropped depends on how the batch was split."""
-    def batch_wide(choice, batch, seq, moe):
+    def batch_wide(choice, batch, seq, moe, keep=None):
         capped = route(choice, 1, batch * seq, replace(moe, capacity_factor=moe.capacity_factor * seq / (batch * seq)))
         return replace(capped, chosen=route(choice, batch, seq, moe).chosen)  # (the balance loss stays per sequence)
     whole, halves = _split_and_whole(batch_wide)

@@ -89,7 +89,15 @@ def test_the_strategy_draws_expert_parallelism(ep):
     from hypothesis import find
 
     drawn = find(layouts(MOE, max_world=8), lambda lay: lay.mesh.ep == ep)
-    assert drawn.parallelism.ep == ep and drawn.mesh.sizes["tp"] == drawn.mesh.sizes["cp"] == 1  # (capacity)
+    assert drawn.parallelism.ep == ep
+
+
+@pytest.mark.parametrize("axis", ["tp", "cp"])
+def test_the_strategy_draws_an_experts_capacity_beside_tp_and_cp(axis):
+    from hypothesis import find
+
+    drawn = find(layouts(MOE, max_world=8), lambda lay: lay.mesh.sizes[axis] > 1)
+    assert drawn.parallelism.model.moe_capacity_factor == 1.0
 
 
 @pytest.mark.parametrize("axis", ["tp", "cp"])

@@ -63,7 +63,7 @@ def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
     sequence's, so what is dropped depends on how the batch is split over ranks."""
     plain = moe_module.route
 
-    def per_rank(choice, batch, seq, moe):
+    def per_rank(choice, batch, seq, moe, keep=None):
         wide = plain(choice, 1, batch * seq, moe_module.MoE(moe.experts, moe.top_k, moe.ffn_hidden, moe.aux_coeff,
                                                             moe.capacity_factor / batch))
         return moe_module.Routing(wide.choice, wide.pos, wide.token_of_row, wide.slot_of_row, wide.bounds,
@@ -78,9 +78,37 @@ def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
     assert not v["bit_exact"] and v["mismatches"]
 
 
+CAPACITY_SPREAD = [  # a sequence's tokens over tp (sequence parallel) and cp (zigzag) ranks, experts dropping some
+    ("parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "cluster.gpus_per_node=2", "model.moe_capacity_factor=0.5"),
+    ("parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=8",
+     "model.moe_capacity_factor=1.0", "model.moe_top_k=1", "model.heads=4"),
+]
+
+
+@pytest.mark.parametrize("sets", CAPACITY_SPREAD, ids=["tp2-sp", "cp2-tp2-ep2"])
+def test_an_experts_capacity_over_tp_and_cp_ranks_is_one_devices(sets):
+    """Capacity takes a sequence's tokens in position order: the ranks holding its parts gather their choices
+    and drop what one device drops (some of the choices are dropped: the test would pass without capacity)."""
+    report = run_scenario(load(None, MOE + list(sets))).report
+    assert report["verification"]["bit_exact"] and not report["verification"]["mismatches"]
+    assert any(layer["dropped"] for layer in report["experts"]["layers"])
+
+
+def test_a_capacity_over_a_ranks_part_of_the_sequences_is_caught(monkeypatch):
+    """The broken variant: each tp rank applies the capacity to its own tokens as if they were whole sequences."""
+    from simcluster.parallel import moe_shard
+
+    def own_part(self, choice, moe):
+        yield from ()
+        return None  # (route applies it to the rank's tokens as they are)
+
+    monkeypatch.setattr(moe_shard.Experts, "capacity_kept", own_part)
+    v = run_scenario(load(None, MOE + list(CAPACITY_SPREAD[0]))).report["verification"]
+    assert not v["bit_exact"] and v["mismatches"]
+
+
 @pytest.mark.parametrize("sets,words", [
     (("parallel.tp=2", "parallel.dp=4", "parallel.sp=false"), "tp=2 needs sequence parallelism"),
-    (("parallel.cp=2", "parallel.dp=4", "model.moe_capacity_factor=1.0"), "tp=1 x cp=2"),
     (("model.arch=gpt", "model.moe_shared_experts=1", "model.tied_head=false"), "moe_shared_experts = 0"),
     (("model.moe_first_dense=3", "model.global_batch=8"), "moe_first_dense=3"),
 ])

@@ -155,23 +155,32 @@ def choose(scores: np.ndarray, moe: MoE) -> np.ndarray:
     return top_k(s, moe.top_k)
 
 
-def route(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> Routing:
-    """The dispatch of tokens (b * s of them, sequence-major) whose choices are `choice` (T, k)."""
-    t_count, k = choice.shape
-    e_count = moe.experts
-    keep = np.ones((t_count, k), dtype=bool)
+def capacity_keep(choice: np.ndarray, batch: int, seq: int, moe: MoE) -> np.ndarray:
+    """Which of the choices (T, k) of b whole sequences of s tokens (sequence-major, in position order)
+    their experts take: per sequence, first choices before second ones, then earlier tokens, each
+    expert up to its capacity (all of them without one)."""
+    keep = np.ones(choice.shape, dtype=bool)
     cap = moe.capacity(seq)
-    if cap is not None:  # per sequence: first choices first, then earlier tokens
+    if cap is not None:
         for b in range(batch):
             block = choice[b * seq:(b + 1) * seq]
-            taken = np.zeros(e_count, dtype=np.int64)
-            for j in range(k):
+            taken = np.zeros(moe.experts, dtype=np.int64)
+            for j in range(choice.shape[1]):
                 for t in range(seq):
                     e = block[t, j]
                     if taken[e] < cap:
                         taken[e] += 1
                     else:
                         keep[b * seq + t, j] = False
+    return keep
+
+
+def route(choice: np.ndarray, batch: int, seq: int, moe: MoE, keep: np.ndarray | None = None) -> Routing:
+    """The dispatch of tokens (b * s of them, sequence-major) whose choices are `choice` (T, k): those
+    `keep` says (default: capacity_keep over these tokens as whole sequences)."""
+    t_count, k = choice.shape
+    e_count = moe.experts
+    keep = capacity_keep(choice, batch, seq, moe) if keep is None else keep
     tokens, slots = np.nonzero(keep)  # (token, choice) in token-major order
     experts = choice[tokens, slots]
     order = np.lexsort((slots, tokens, experts))  # by expert, then token, then choice
@@ -259,6 +268,9 @@ class MoELayer:
         # where a sequence's tokens are shared out over ranks (sequence or context parallelism): how many
         # parts, and the generator summing a (b, E) count over them (the balance loss's f is the sequence's)
         self.parts, self.whole = 1, None
+        # and the generator that says which of this rank's choices (b, s, k) an expert's capacity keeps, which
+        # the whole sequence's order decides (None: this rank's tokens are whole sequences)
+        self.sequences = None
 
     def _view(self, x: Any, shape: tuple[int, ...]) -> Any:
         return MetaTensor(shape, x.dtype) if self.meta else x.reshape(shape)
@@ -283,9 +295,14 @@ class MoELayer:
         select = scores if bias is None else ops.add(scores, bias)
         ops.kernel("topk", flops=float(b * s * moe.experts * moe.top_k), nbytes=float(b * s * moe.experts * 4))
         if self.meta:
+            if moe.capacity_factor and self.sequences is not None:  # (the same calls, no numbers)
+                yield from self.sequences(MetaTensor((b, s, moe.top_k), "int64"), moe)
             r = stated(b, s, moe, self.skew)
         else:
-            r = route(choose(ops.xp.to_host(select), moe), b, s, moe)
+            choice, keep = choose(ops.xp.to_host(select), moe), None
+            if moe.capacity_factor and self.sequences is not None:  # what the whole sequences' order drops
+                keep = yield from self.sequences(choice.reshape(b, s, moe.top_k), moe)
+            r = route(choice, b, s, moe, keep)
         one_hot = ops.one_hot(r.choice, moe.experts, scores)  # (T, k, E): a token's choices are distinct
         picked = ops.finalize(ops.sum(ops.mul(one_hot, self._middle(scores)), -1, partial=True))  # (T, k): one term each
         gates, total = picked, None

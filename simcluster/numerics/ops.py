@@ -268,6 +268,8 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         if self.mode is Mode.META:
             return MetaTensor(out_shape, table.dtype)
         xp = self.xp
+        if not table.shape[0]:  # (no rows: a capacity dropped every token this rank routed)
+            return xp.zeros(out_shape, xp.name(table.dtype))
         local = xp.asarray(ids) - row_offset  # (ids made on the host move to the data's device)
         mine = (local >= 0) & (local < table.shape[0])
         return xp.where(mine[..., None], table[xp.where(mine, local, 0)], xp.const(table, 0))

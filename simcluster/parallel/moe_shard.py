@@ -14,7 +14,7 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.moe import MoELayer, bias_step, host_float32, stack
+from simcluster.model.moe import MoE, MoELayer, bias_step, capacity_keep, host_float32, stack
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -47,9 +47,28 @@ class Experts:
         layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
         if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
             layer.exchange = Exchange(self.ctx, layer)
-        if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them
-            layer.parts, layer.whole = self.spread.size, self.whole_sequences
+        if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them,
+            # and an expert's capacity takes them in the whole sequence's order
+            layer.parts, layer.whole, layer.sequences = self.spread.size, self.whole_sequences, self.capacity_kept
         return layer
+
+    def capacity_kept(self, choice: Any, moe: MoE) -> Generator[Any, Any, Any]:
+        """Which of this rank's choices (b, s', k) the experts' capacities keep: every choice of the ranks
+        holding the rest of its sequences gathered (fp32 holds expert indices exactly), put in position order,
+        capacity_keep over the whole sequences as one device runs it, and this rank's part of that taken.
+        Meta mode has no choices, only the call."""
+        ops = self.ops
+        if ops.mode is Mode.META:
+            yield self.ctx.comm.all_gather(MetaTensor(tuple(choice.shape), "fp32"), group=self.spread)
+            return None
+        b, mine, k = choice.shape
+        got = yield self.ctx.comm.all_gather(ops.from_host(host_float32(choice)), group=self.spread)
+        parts = np.asarray(ops.xp.to_host(got), dtype=np.int64).reshape(self.spread.size, b, mine, k)
+        whole = np.empty((b, self.m.seq, k), dtype=np.int64)
+        for member, part in zip(self.spread.ranks, parts):
+            whole[:, self.token_positions(member)] = part
+        keep = capacity_keep(whole.reshape(-1, k), b, self.m.seq, moe).reshape(b, self.m.seq, k)
+        return keep[:, self.token_positions(self.ctx.rank)].reshape(b * mine, k)
 
     def moe_forward(self, p: dict[str, Any], c: Any, i: int, step: int, sequences: int,
                     counted: bool) -> Generator[Any, Any, tuple[Any, dict[str, Any]]]:

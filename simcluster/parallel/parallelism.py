@@ -119,10 +119,6 @@ class Parallelism:
         if m.moe_experts and tp > 1 and not self.sp:
             raise ValueError(f"a mixture of experts beside tensor parallelism routes each tp rank's own tokens: "
                              f"tp={tp} needs sequence parallelism (parallel.sp = true)")
-        if m.moe_experts and m.moe_capacity_factor and tp * cp > 1:
-            raise ValueError(f"an expert's capacity (model.moe_capacity_factor) takes a sequence's tokens in order, "
-                             f"which tp={tp} x cp={cp} share out over ranks: set it to 0 (dropless), or "
-                             f"parallel.tp = parallel.cp = 1")
         if self.ep > 1:
             if not m.moe_experts or m.moe_experts % self.ep or dp % self.ep:
                 raise ValueError(f"expert parallelism ep={self.ep} needs a mixture of experts whose count it divides "

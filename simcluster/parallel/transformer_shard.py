@@ -72,13 +72,20 @@ class TransformerShard(Experts):
         self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
         self.zigzag = parallelism.zigzag(self.P)
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
-        n = len(self.positions) // self.t if self.sp else len(self.positions)
-        self.tokens = self.positions[self.tr * n:(self.tr + 1) * n] if self.sp else self.positions
+        self.tokens = self.token_positions(ctx.rank)
         self.attention = ATTENTION[parallelism.attention] if self.P > 1 else local_attention
         self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
         self.init_experts(ctx, parallelism.data.precision)  # a mixture of experts' part (moe_shard.py)
+
+    def token_positions(self, rank: int) -> np.ndarray:
+        """The positions of a sequence whose tokens `rank` holds in the residual stream: its cp share, and
+        with sequence parallelism its tp part of that."""
+        c = self.ctx.mesh.mesh.coords(rank)
+        positions = layout(self.m.seq, self.P, c["cp"], self.zigzag)
+        n = len(positions) // self.t if self.sp else len(positions)
+        return positions[c["tp"] * n:(c["tp"] + 1) * n] if self.sp else positions
 
     # -- dropout masks: the slice of the single-device mask that this rank's tensor covers ----------
     def _mask(self, name: str, shape: tuple[int, ...], step: int, offset: tuple[int, ...],
