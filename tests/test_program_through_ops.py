@@ -21,6 +21,8 @@ HOST_SIDE = {  # (module, function): why it may call numpy
     "model/moe.py:choose": "the node-limited choice among the same scores read back, host indices",
     "parallel/moe_shard.py:Experts.whole_sequences": "a count's shape, and the summed counts read back as host integers",
     "model/moe.py:route": "the dispatch's integer indices, from those choices; the kernel set moves them",
+    "model/moe.py:capacity_keep": "which host choices an expert's capacity keeps, host booleans",
+    "parallel/moe_shard.py:Experts.capacity_kept": "the sequence's choices gathered, read back as host integers",
     "model/moe.py:stated": "meta mode's stated token counts, from shapes",
     "parallel/expert_parallel.py:read_counts": "the all-gathered counts read back (the receivers' sizes)",
     "model/moe.py:host_float32": "host integers as an fp32 array; moved by ops.from_host",
