@@ -439,19 +439,24 @@ def test_a_timed_kernel_set_puts_each_calls_time_on_the_kernels_it_recorded():
     them by the bytes each is charged."""
     from gpu_backend.step_profile import TimedKernels
 
+    class TwoKernels(TorchFastOps):
+        def norm_and_scale(self, x):  # (one call, two kernels: a norm's and a scale's)
+            return self.scale(self.layer_norm(x, x[0], x[0])[0], 0.5)
+
     timed = TimedKernels()
-    ops = timed.wrap(TorchFastOps("cpu"))
+    ops = timed.wrap(TwoKernels("cpu"))
     x = ops.xp.asarray(np.linspace(-2, 2, 4096, dtype=np.float32).reshape(64, 64))
     ops.gelu(x)
     with ops.fused("bias_gelu", nbytes=3 * x.numel() * 4):
         ops.gelu(ops.add(x, x))
+    ops.norm_and_scale(x)
     p, g, m, v = (ops.xp.asarray(np.full(1024, f, np.float32)) for f in (1.0, 0.5, 0.0, 0.0))
-    ops.adam(p, g, m, v, 1, lr=1e-3, grad_scale=0.5, donate=True)
-    assert timed.calls == {"gelu": 1, "bias_gelu": 1, "scale": 1, "adam": 1}  # nothing inside bias_gelu apart
+    ops.adam(p, g, m, v, 1, lr=1e-3, grad_scale=0.5, donate=True)  # (a clipped gradient's scaling is Adam's)
+    assert timed.calls == {"gelu": 1, "bias_gelu": 1, "layer_norm": 1, "scale": 1, "adam": 2}  # none inside bias_gelu
     assert timed.nbytes["bias_gelu"] == 3 * 4096 * 4
     assert all(t > 0 for t in timed.seconds.values())
-    share = timed.seconds["adam"] / (timed.seconds["adam"] + timed.seconds["scale"])
-    assert share == pytest.approx(timed.nbytes["adam"] / (timed.nbytes["adam"] + timed.nbytes["scale"]))
+    share = timed.seconds["layer_norm"] / (timed.seconds["layer_norm"] + timed.seconds["scale"])
+    assert share == pytest.approx(timed.nbytes["layer_norm"] / (timed.nbytes["layer_norm"] + timed.nbytes["scale"]))
 
 
 def test_a_step_profile_charges_a_16_bit_step_as_the_emulator_charges_it():

@@ -322,8 +322,9 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         scale(grad, grad_scale), which a kernel set may compute without keeping the scaled gradient.
         `donate`: the caller gives `param` up (nothing else holds it), so a kernel set may write the new
         weights into it; without it the old tensor is left as it was."""
-        if grad_scale is not None:
-            grad = self.scale(grad, grad_scale)
+        if grad_scale is not None:  # (named the optimizer's: a weight-sized pass, timed at the rate measured for those)
+            self._cost("adam", tuple(grad.shape), 1, 2)
+            grad = self._unary(lambda x, xp=self.xp: x * xp.const(x, grad_scale), grad)
         self._cost("adam", tuple(param.shape), 12, 7)
         if self.mode is Mode.META:
             return param, m, v
@@ -360,8 +361,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return self.xp.take_last(x, self.xp.asarray(index))
 
     def sub_one_hot(self, x: Any, index: Any, keep: Any = None) -> Any:
-        """x - one_hot(index) on the last axis, byte for byte (rows where `keep`, if given): a cross-entropy's
-        gradient with no one-hot made (vocabulary-wide, int64 on torch: once the largest buffers of a step)."""
+        """x - one_hot(index) on the last axis, byte for byte (rows where `keep`, if given), with no one-hot made."""
         self._cost("sub_one_hot", tuple(x.shape), 0, 2)
         if self.mode is Mode.META:
             return self._meta_like(x)
