@@ -252,7 +252,7 @@ def measured(program: Program, args: Sequence[Any], mesh: DeviceMesh, *, mode: s
     if given, is handed that kernel set and returns the one the program uses (calibrate's timed wrapper),
     which sees each kernel's cost as the emulator charges it in a run of `cost_dtype` (the model's dtype).
     The result's tensors come back to the host: whole, or with `digests` as digests.summarize makes them
-    against `expected` (the digests of the emulator's outputs of this rank; None: digests alone)."""
+    against `expected` (the digests of the emulator's outputs of this rank; None: none sent back)."""
     rank = dist.get_rank()
     if dist.get_world_size() != mesh.world_size:
         raise LaunchError(f"{dist.get_world_size()} processes for a mesh of {mesh.world_size} ranks")

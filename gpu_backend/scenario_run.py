@@ -120,7 +120,7 @@ def apart(sc: Scenario, section: dict[str, Any]) -> list[str]:
 def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outcome) -> Outcome:
     """The emulator's run of the scenario beside the real one (`runs`: backend.RankRun by rank, their
     results against `expected(sc, emulated)`)."""
-    verify = sc.run.verify  # (without it the ranks sent digests alone: nothing to restore)
+    verify = sc.run.verify  # (without it the ranks sent no outputs back: nothing to restore)
     real = [restore(run.result, mine) for run, mine in zip(runs, emulated.result.results)] if verify \
         else [run.result for run in runs]
     steps = emulated.report["steps"]
@@ -141,7 +141,7 @@ def finish(sc: Scenario, job: Job, runs: list[Any], backend: str, emulated: Outc
         "peak_memory_bytes": {str(r): run.peak_bytes for r, run in enumerate(runs)},
         "memory_measure": runs[0].memory_source,
         "outputs_sent": {"outputs": sum(run.outputs for run in runs), "sent_whole": sum(run.sent for run in runs),
-                         "rest": "digests equal to the emulator's" if verify else "digests alone (not compared)"},
+                         "rest": "digests equal to the emulator's" if verify else "not sent back (not compared)"},
         "against_emulator": (against(job.outputs(emulated.result.results), job.outputs(real), bounds) if verify
                              else {"status": "not requested (run.verify = false): the prediction ran in meta mode",
                                    "passed": True}),

@@ -47,8 +47,10 @@ def test_only_what_differs_is_sent_and_the_result_comes_back_whole():
     back = restore(sent, emulated)
     assert_same_bytes(back["grads"], on_host(mine)["grads"])
     assert back["note"] == "step 1" and back["loss"][1] == 1.25
-    alone, outputs, whole = summarize(mine, None, on_host)  # nothing to compare with: digests alone
-    assert (outputs, whole) == (4, 0) and isinstance(alone["grads"]["b"], Unsent)
+    copied = []
+    alone, outputs, whole = summarize(mine, None, lambda v: copied.append(v) or on_host(v))  # nothing to compare with
+    assert (outputs, whole) == (4, 0) and isinstance(alone["grads"]["b"], Unsent) and isinstance(alone["sum"], Unsent)
+    assert all(not isinstance(v, (torch.Tensor, Partial)) for v in copied)  # (no tensor copied to the host)
 
 
 @pytest.mark.torch
