@@ -47,11 +47,15 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 
 def host_to_torch(x: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A numpy array on `device` (bf16 moves as its bits: torch cannot take ml_dtypes arrays)."""
+    """A numpy array on `device` (bf16 moves as its bits: torch cannot take ml_dtypes arrays). To a GPU
+    through pinned memory, without waiting: a copy from pageable memory makes the host wait for every
+    kernel queued before it (torch synchronises the stream), and a step uploads its token ids and masks
+    each micro-batch (the pinned block is kept until its copy is done: torch's caching host allocator)."""
     x = np.ascontiguousarray(x)
-    if x.dtype == BF16:
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(device)
-    return torch.from_numpy(x).to(device)
+    t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == BF16 else torch.from_numpy(x)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def torch_to_host(t: torch.Tensor) -> np.ndarray:
