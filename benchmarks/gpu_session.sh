@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's GPU checks in one call of the device tool (not a test; about 4 minutes on one H100).
+# Issue 35's GPU checks in one call of the device tool (not a test; about 4 minutes on one H100 or H200).
 #
 # The device machine has torch, numpy, rich, ml_dtypes, hypothesis and pytest, but not simpy or shtab:
 # carry them as wheels. Once, here, in the repository's root:
@@ -22,5 +22,7 @@ timeout 150 python3 -m simcluster.cli calibrate -o "$OUT/profile.toml" --nproc "
 tail -3 "$OUT/calibrate.log"
 # the ~1.2B GPT: plain PyTorch, the torch backend, and the emulator's predictions
 timeout 200 python3 benchmarks/gpu_step.py --profile "$OUT/profile.toml" 2>&1 | tee "$OUT/step.log"
+# what the step holds at its peak, by the line that made it, beside the predicted peak
+timeout 100 python3 benchmarks/memory_at_peak.py > "$OUT/memory.log" 2>&1; head -14 "$OUT/memory.log"
 # where the backend's step spends its time
 timeout 100 python3 benchmarks/gpu_profile.py > "$OUT/profile.log" 2>&1; head -32 "$OUT/profile.log"
