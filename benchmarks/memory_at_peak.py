@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gpu_backend.backend import measured
+from gpu_step import sets_of  # (the GPT gpu_step.py trains; this script's folder is on the path)
 from simcluster.config.scenario import load
 from simcluster.run.job import job_of
 from simcluster.run.runner import run_scenario
@@ -84,11 +85,7 @@ def main() -> None:
                             world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sets = [f"model.hidden={a.hidden}", f"model.layers={a.layers}", f"model.heads={a.heads}",
-            f"model.ffn_hidden={4 * a.hidden}", f"model.seq={a.seq}", f"model.vocab={a.vocab}",
-            f"model.global_batch={a.batch}", "model.dtype=bf16", "model.tied_head=false", "model.dropout=0",
-            "parallel.dp=1", "parallel.zero=0", "cluster.gpus_per_node=1", "run.numerics=fast", "run.verify=false",
-            f"run.steps={a.steps}", *a.set]
+    sets = sets_of(a) + ["run.numerics=fast", "run.verify=false", f"run.steps={a.steps}", *a.set]
     sc = load(None, sets)
     job = job_of(sc, fold=False)
     tracker = LiveTensors(a.frames)

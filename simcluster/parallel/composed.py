@@ -336,8 +336,7 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
         if ck and ck.save and ck.at == step:
             written = _save(ctx, ck, m, stage, shards, dp, step, model.biases)
         dp.begin_step()
-        work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes,
-                     feeds=stage.feeds)
+        work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes, feeds=stage.feeds)
         yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
         reduced = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
