@@ -125,7 +125,7 @@ SHARED = ["model.layers=3", "model.hidden=128", "model.heads=8", "model.ffn_hidd
           "model.moe_first_dense=1", "model.moe_aux_coeff=0.001", "model.moe_capacity_factor=1.5",
           "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5", "model.moe_skew=0.5",
           "parallel.ep=2", "model.moe_shared_experts=1", "model.moe_bias_rate=0.001", "model.moe_groups=2",
-          "model.moe_group_limit=1"]
+          "model.moe_group_limit=1", "model.moe_shared_overlap=true"]
 
 
 def _value(x):
@@ -147,7 +147,7 @@ def test_the_programs_configurations_take_every_key_they_share_by_name():
                     assert _value(getattr(target, f.name)) == getattr(section, f.name), f.name
                     assert _value(f.default) != getattr(section, f.name), f"{f.name}: set it away from the default"
                     shared += 1
-    assert shared == 44  # 29 of ModelConfig (14 of them the mixture of experts), 9 of TrainingConfig, 6 of Parallelism
+    assert shared == 45  # 30 of ModelConfig (15 of them the mixture of experts), 9 of TrainingConfig, 6 of Parallelism
     assert got.model.seed == sc.run.seed and got.data.precision == "fp16" and got.virtual == 1
 
 

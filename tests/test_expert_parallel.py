@@ -268,3 +268,19 @@ def test_a_bias_moved_by_a_ranks_own_loads_is_caught(monkeypatch):
     v = _outputs("parallel.dp=2", "cluster.gpus_per_node=2")[0]["verification"]
     reference.cache_clear()
     assert not v["bit_exact"]
+
+
+def test_the_shared_experts_overlap_the_all_to_all_with_the_same_numbers():
+    """model.moe_shared_overlap (Megatron-Core's moe_shared_expert_overlap): the shared experts computed while
+    the rows travel to their experts, and their backward while the output gradients do. Over nodes the
+    all-to-all is long enough to hide under them: a shorter step; and the run stays byte-identical to one
+    device (the same kernels in another order)."""
+    base = META + ["parallel.ep=4", "model.moe_shared_experts=1", "cluster.gpus_per_node=2", "cluster.nodes=2"]
+    plain = run_scenario(load(None, base)).report
+    overlapped = run_scenario(load(None, base + ["model.moe_shared_overlap=true"])).report
+    saved = plain["steady_step_ns"] - overlapped["steady_step_ns"]
+    hidden = [r["communication_overlap"]["per_rank"]["0"]["hidden_ns"] for r in (plain, overlapped)]
+    assert 0 < saved <= hidden[1] - hidden[0]  # (no more saved than the communication newly hidden)
+    v = _report("parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "model.moe_shared_experts=1",
+                "model.moe_shared_overlap=true", "parallel.zero=1")["verification"]
+    assert v["bit_exact"] and any("shared.w1" in name for name in v["outputs"])

@@ -26,7 +26,7 @@ HOST_SIDE = {  # (module, function): why it may call numpy
     "model/moe.py:stated": "meta mode's stated token counts, from shapes",
     "parallel/expert_parallel.py:read_counts": "the all-gathered counts read back (the receivers' sizes)",
     "model/moe.py:host_float32": "host integers as an fp32 array; moved by ops.from_host",
-    "model/moe.py:bias_step": "the bias's change from the step's loads, read back; moved by ops.constant",
+    "parallel/moe_shard.py:bias_step": "the bias's change from the step's loads, read back; moved by ops.constant",
     "model/moe.py:Routing.tally": "the router's statistics, host integers counted from the dispatch",
     "model/moe.py:balance_gradient": "the balance loss's coefficients from the choice counts; moved by ops.constant",
     "parallel/composed.py:assemble": "a finished run's results, on the host, as one device's tensors",

@@ -111,6 +111,10 @@ class ModelSection(Section):
     moe_shared_experts: int = key(
         0, "shared experts every token also goes through, each of moe_ffn_hidden (DeepSeek-MoE, DeepSeek-V3: 1)",
         minimum=0)
+    moe_shared_overlap: bool = key(
+        False, "the shared experts computed while the routed tokens travel to their experts (forward) and their "
+        "gradients back (backward), under expert parallelism's all-to-all (Megatron-Core's "
+        "moe_shared_expert_overlap); the same numbers either way")
     moe_groups: int = key(
         1, "node-limited routing: the experts in this many equal groups, in order (DeepSeek-V3: 8, one a node)",
         minimum=1)

@@ -63,9 +63,10 @@ class ModelConfig:
     moe_route_scale: float = 1.0
     moe_skew: float = 0.0  # meta mode's stated routing (moe.stated): 0 uniform, 1 Zipf
     moe_shared_experts: int = 0  # every token through these too (DeepSeek-MoE), each of moe_ffn_hidden
+    moe_shared_overlap: bool = False  # the shared experts under the all-to-all (moe.MoE.overlap_shared)
     moe_groups: int = 1  # node-limited routing (moe.choose): the experts' groups, and how many a token may use
     moe_group_limit: int = 0
-    moe_bias_rate: float = 0.0  # DeepSeek-V3's bias update speed (moe.bias_step; 0: no bias)
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's bias update speed (moe_shard.bias_step; 0: no bias)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn_hidden", "seq", "vocab"):
@@ -106,7 +107,7 @@ class ModelConfig:
         return MoE(self.moe_experts, self.moe_top_k, self.moe_ffn_hidden or self.ffn_hidden, self.moe_aux_coeff,
                    self.moe_capacity_factor, self.moe_normalize, "swiglu" if self.arch == "llama" else "gelu",
                    self.moe_scores, self.moe_route_scale,
-                   self.moe_shared_experts, self.moe_groups, self.moe_group_limit)
+                   self.moe_shared_experts, self.moe_groups, self.moe_group_limit, self.moe_shared_overlap)
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has the mixture of experts (after the first dense ones)."""

@@ -61,6 +61,7 @@ class MoE:
     shared: int = 0  # shared experts every token goes through, as one FFN of shared x ffn_hidden (DeepSeek: 1)
     groups: int = 1  # the experts in this many equal groups, in order (DeepSeek-V3: 8, a node's each)
     group_limit: int = 0  # a token's experts from at most this many groups (DeepSeek-V3: 4); 0: any
+    overlap_shared: bool = False  # the shared experts while the rows travel (Megatron-Core's moe_shared_expert_overlap)
 
     def __post_init__(self) -> None:
         if self.activation not in ("gelu", "swiglu") or self.scores not in ("softmax", "sigmoid"):
@@ -206,15 +207,6 @@ def host_float32(counts: Any) -> np.ndarray:
     return np.asarray(counts, dtype=np.float32)
 
 
-def bias_step(loads: np.ndarray, rate: float) -> np.ndarray:
-    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): after each step, each expert's
-    selection bias moves by `rate` towards an even load -- up for an expert that took fewer of the
-    step's tokens than the mean, down for more -- from the step's loads (E,) over every rank: the
-    change, fp32."""
-    loads = np.asarray(loads, dtype=np.float64)
-    return (rate * np.sign(loads.mean() - loads)).astype(np.float32)
-
-
 def stack(ops: Ops, parts: list[Any]) -> Any:
     """The experts' gradient partials (one an expert) as one partial of the stacked weight (E, ...): their
     limbs side by side, nothing added or rounded (no kernel: a grouped GEMM writes them so)."""
@@ -245,8 +237,9 @@ class Local:
         return bounds
         yield  # (a generator: expert parallelism's plan communicates)
 
-    def there(self, rows: Any, bounds: tuple[int, ...]) -> Generator[Any, Any, list[Any]]:
-        return [self.layer.slice_rows(rows, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
+    def there(self, rows: Any, bounds: tuple[int, ...], meanwhile: Any = None) -> Generator[Any, Any, tuple[list[Any], Any]]:
+        return ([self.layer.slice_rows(rows, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)],
+                meanwhile() if meanwhile is not None else None)
         yield
 
     def back(self, outs: list[Any], bounds: tuple[int, ...]) -> Generator[Any, Any, Any]:
@@ -314,7 +307,8 @@ class MoELayer:
             gates = ops.scale(gates, moe.route_scale)
         rows = ops.embedding(r.token_of_row, xf)  # (R, h)
         plan = yield from self.exchange.plan(r.bounds)
-        inputs = yield from self.exchange.there(rows, plan)  # each expert of this rank's, its rows
+        overlap = bool(moe.shared) and moe.overlap_shared  # (the shared experts while the rows travel)
+        inputs, early = yield from self.exchange.there(rows, plan, (lambda: self._shared(p, xf)) if overlap else None)
         acts, out = [], []
         for e, x_e in enumerate(inputs):
             act, o = self._expert(p, e, x_e)
@@ -324,7 +318,7 @@ class MoELayer:
         y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
         shared = None
         if moe.shared:
-            shared, out_shared = self._shared(p, xf)
+            shared, out_shared = early if overlap else self._shared(p, xf)
             y = ops.add(y, out_shared)
         chosen = r.chosen
         if moe.aux_coeff and self.whole is not None:  # every part's choices of each expert, per sequence
@@ -412,7 +406,10 @@ class MoELayer:
         d_gates = ops.finalize(ops.sum(ops.mul(dyf, c["slots"]), -1, partial=True))  # (T, k)
         d_out = ops.embedding(r.slot_of_row, self._view(d_slots, (b * s * moe.top_k, h)))  # (R, h)
         expert_grads: dict[str, list[Any]] = {"experts.w_fc": [], "experts.w_out": [], "experts.w_up": []}
-        d_in = yield from self.exchange.there(d_out, c["plan"])
+        overlap, early_grads = c["shared"] is not None and moe.overlap_shared, {}
+        shared_dx = (lambda: self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)), early_grads)) \
+            if overlap else None  # (the shared experts' backward while the output gradients travel)
+        d_in, early = yield from self.exchange.there(d_out, c["plan"], shared_dx)
         dx_rows = [self._expert_backward(p, e, x_e, c["acts"][e], d_in[e], expert_grads)
                    for e, x_e in enumerate(c["inputs"])]
         for name, partials in expert_grads.items():
@@ -444,5 +441,7 @@ class MoELayer:
         grads[pre + "router"] = ops.einsum("th,te->he", c["x"], d_logits, partial=True)
         dx = ops.add(dx, ops.matmul(d_logits, ops.transpose(p[pre + "router"])))
         if c["shared"] is not None:
-            dx = ops.add(dx, self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)), grads))
+            dx = ops.add(dx, early if overlap else self._shared_backward(p, c["x"], c["shared"],
+                                                                          self._view(dy, (b * s, h)), grads))
+            grads.update(early_grads)  # (where they go without the overlap)
         return self._view(dx, (b, s, h))

@@ -63,12 +63,15 @@ class Exchange:
         flat = read_counts(ops.xp.to_host(every))
         return Plan([flat[q * experts:(q + 1) * experts] for q in range(self.ep)], self.me, self.ep)
 
-    def there(self, rows: Any, plan: Plan) -> Generator[Any, Any, list[Any]]:
-        """My experts' inputs: from each rank the rows it has for them, joined expert by expert."""
+    def there(self, rows: Any, plan: Plan, meanwhile: Any = None) -> Generator[Any, Any, tuple[list[Any], Any]]:
+        """My experts' inputs: from each rank the rows it has for them, joined expert by expert; and what
+        `meanwhile()` computes while they travel (the all-to-all issued first, waited for after it)."""
         ops, cut, n = self.ctx.ops, self.layer.slice_rows, plan.local
         sizes = [sum(plan.mine(q)) for q in range(self.ep)]
-        got = yield self.ctx.comm.all_to_all_rows(rows, group=self.group, send_rows=[plan.to(q) for q in range(self.ep)],
-                                                  recv_rows=sizes)
+        work = self.ctx.comm.all_to_all_rows(rows, group=self.group, send_rows=[plan.to(q) for q in range(self.ep)],
+                                             recv_rows=sizes, async_op=meanwhile is not None)
+        early = meanwhile() if meanwhile is not None else None
+        got = yield work
         starts = [sum(sizes[:q]) for q in range(self.ep)]  # where each rank's rows begin
         inputs = []
         for e in range(n):
@@ -77,7 +80,7 @@ class Exchange:
                 at = starts[q] + sum(plan.mine(q)[:e])
                 parts.append(cut(got, at, at + plan.mine(q)[e]))
             inputs.append(ops.concat(parts, 0))
-        return inputs
+        return inputs, early
 
     def back(self, outs: list[Any], plan: Plan) -> Generator[Any, Any, Any]:
         """Each expert's output rows back to the ranks they came from; mine joined in the order I sent them."""

@@ -14,7 +14,7 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.moe import MoE, MoELayer, bias_step, capacity_keep, host_float32, stack
+from simcluster.model.moe import MoE, MoELayer, capacity_keep, host_float32, stack
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -111,7 +111,7 @@ class Experts:
             self.routing[f"{key}.{name}"] = n if have is None else have + n
 
     def balance(self, step: int, group: Any, twin: Any = None) -> Generator[Any, Any, None]:
-        """DeepSeek-V3's bias update after a step (moe.bias_step), for the MoE layers this rank ran: their
+        """DeepSeek-V3's bias update after a step (bias_step), for the MoE layers this rank ran: their
         loads over every data-parallel rank (all-reduced: fp32 holds the counts exactly), over the tp
         ranks (each routed its own tokens), and under DualPipe over the `twin` that holds the same layers
         for the other direction's micro-batches. Meta mode routes as stated, so its bias moves nothing:
@@ -137,3 +137,11 @@ class Experts:
             self.bias[i] = self.ops.constant(values, "fp32")
             self.biases[name] = self.bias[i]
 
+
+def bias_step(loads: np.ndarray, rate: float) -> np.ndarray:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): after each step, each expert's
+    selection bias moves by `rate` towards an even load -- up for an expert that took fewer of the
+    step's tokens than the mean, down for more -- from the step's loads (E,) over every rank: the
+    change, fp32."""
+    loads = np.asarray(loads, dtype=np.float64)
+    return (rate * np.sign(loads.mean() - loads)).astype(np.float32)
