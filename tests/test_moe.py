@@ -21,8 +21,9 @@ def _weights(rng, h, moe, dtype=np.float64):
     if moe.shared:
         n = moe.shared * f
         out |= {"moe.shared.w1": (rng.standard_normal((h, n)) / np.sqrt(h)).astype(dtype),
-                "moe.shared.w3": (rng.standard_normal((h, n)) / np.sqrt(h)).astype(dtype),
                 "moe.shared.w2": (rng.standard_normal((n, h)) / np.sqrt(n)).astype(dtype)}
+        if moe.activation == "swiglu":
+            out["moe.shared.w3"] = (rng.standard_normal((h, n)) / np.sqrt(h)).astype(dtype)
     return out
 
 
@@ -77,7 +78,9 @@ def _torch(moe, p, x, dy, scale, bias=None):
                 out = torch.nn.functional.silu(hidden) * (xf[rows] @ t["moe.experts.w_up"][ex])
             out = out @ t["moe.experts.w_out"][ex]
             y = y.index_add(0, torch.nonzero(rows)[:, 0], gates[rows, j:j + 1] * out)
-    if moe.shared:  # every token through the shared experts too
+    if moe.shared and moe.activation == "gelu":  # every token through the shared experts too
+        y = y + torch.nn.functional.gelu(xf @ t["moe.shared.w1"], approximate="tanh") @ t["moe.shared.w2"]
+    elif moe.shared:
         y = y + (torch.nn.functional.silu(xf @ t["moe.shared.w1"]) * (xf @ t["moe.shared.w3"])) @ t["moe.shared.w2"]
     loss = (y.reshape(b, s, h) * torch.tensor(dy)).sum()
     aux = torch.zeros((), dtype=torch.float64)
@@ -92,12 +95,14 @@ def _torch(moe, p, x, dy, scale, bias=None):
     return y.detach().reshape(b, s, h).numpy(), scale * aux.item(), tx.grad.numpy(), grads, choice.numpy()
 
 
-@pytest.mark.parametrize("top,normalize,capacity,aux", [(1, False, 0.0, 0.0), (2, False, 0.0, 0.01),
-                                                        (2, True, 0.0, 0.01), (1, False, 0.6, 0.01),
-                                                        (2, True, 0.75, 0.02), (3, False, 1.0, 0.0)])
-def test_forward_and_backward_match_torch_autograd(top, normalize, capacity, aux):
+@pytest.mark.parametrize("top,normalize,capacity,aux,shared", [(1, False, 0.0, 0.0, 0), (2, False, 0.0, 0.01, 0),
+                                                               (2, True, 0.0, 0.01, 1), (1, False, 0.6, 0.01, 0),
+                                                               (2, True, 0.75, 0.02, 0), (3, False, 1.0, 0.0, 2)])
+def test_forward_and_backward_match_torch_autograd(top, normalize, capacity, aux, shared):
+    """GELU experts (the GPT's), and GELU shared experts beside them."""
     rng = np.random.default_rng(top * 7 + int(capacity * 10))
-    moe = MoE(experts=4, top_k=top, ffn_hidden=5, aux_coeff=aux, capacity_factor=capacity, normalize=normalize)
+    moe = MoE(experts=4, top_k=top, ffn_hidden=5, aux_coeff=aux, capacity_factor=capacity, normalize=normalize,
+              shared=shared)
     b, s, h = 3, 6, 8
     p, x, dy = _weights(rng, h, moe), rng.standard_normal((b, s, h)), rng.standard_normal((b, s, h))
     y, got_aux, dx, grads, routing = _ours(moe, p, x, dy, 0.5)

@@ -47,15 +47,18 @@ GPT = ("model.arch=gpt", "model.tied_head=false")
      "model.micro_batch=1", "model.dropout=0.1", "model.dtype=bf16"),
     ("parallel.dp=2", "parallel.ep=2", "parallel.cp=2", "parallel.zero=3",
      "model.moe_scores=sigmoid", "model.moe_bias_rate=0.01", "parallel.schedule=dualpipe", "parallel.pp=2",
-     "cluster.gpus_per_node=8", "model.micro_batch=1", "model.global_batch=8"),
-], ids=["gpt-dp2-ep2-capacity", "gpt-ep2-tp2-pp2-dropout-bf16", "gpt-ep2-cp2-dualpipe-zero3-bias"])
+     "cluster.gpus_per_node=8", "model.micro_batch=1", "model.global_batch=8", "model.moe_shared_experts=1",
+     "model.moe_shared_overlap=true"),
+], ids=["gpt-dp2-ep2-capacity", "gpt-ep2-tp2-pp2-dropout-bf16", "gpt-ep2-cp2-dualpipe-zero3-bias-shared"])
 def test_the_gpt_with_gelu_experts_is_byte_identical_to_one_device(sets):
     """The GPT's MLP replaced by GELU experts without biases (Megatron-Core's), the residual's dropout on
     the experts' output: every layout byte-identical to one device."""
     v = _verified(*GPT, *sets)
     assert v["bit_exact"] and not v["mismatches"]
     assert any(".moe.experts.w_fc" in name for name in v["outputs"])
-    assert not any(".moe.experts.w_up" in name or ".mlp.w_fc" in name for name in v["outputs"] if ".layers.1." in name)
+    assert not any(".moe.experts.w_up" in name or ".mlp.w_fc" in name or "shared.w3" in name
+                   for name in v["outputs"] if ".layers.1." in name)
+    assert any(".moe.shared.w1" in name for name in v["outputs"]) == ("model.moe_shared_experts=1" in sets)
 
 
 def test_a_capacity_counted_over_a_ranks_tokens_is_caught(monkeypatch):
@@ -109,7 +112,6 @@ def test_a_capacity_over_a_ranks_part_of_the_sequences_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("sets,words", [
     (("parallel.tp=2", "parallel.dp=4", "parallel.sp=false"), "tp=2 needs sequence parallelism"),
-    (("model.arch=gpt", "model.moe_shared_experts=1", "model.tied_head=false"), "moe_shared_experts = 0"),
     (("model.moe_first_dense=3", "model.global_batch=8"), "moe_first_dense=3"),
 ])
 def test_what_it_does_not_run_is_refused_in_one_line(sets, words):

@@ -55,7 +55,7 @@ def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> 
     """A layer's tensors (layer_activations) with its MLP's replaced by a mixture of experts' (model/moe.py):
     per token the router's scores (E), each of its k routed rows (h), the experts' two products and their
     SwiGLU (3 F_e each; GELU experts, gpt's: the product and its GELU, 2 F_e), the k weighted outputs (h),
-    and the shared experts' products and SwiGLU (3 F_e each), for the rank's share of the sequence's
+    and the shared experts' the same way (3 or 2 F_e each), for the rank's share of the sequence's
     tokens (`parts`: the ranks sharing them out); the MLP's input stays."""
     item, tokens = ITEMSIZE[m.dtype], m.seq * b // parts
     k, f = m.moe_top_k, m.moe_ffn_hidden or m.ffn_hidden
@@ -63,7 +63,8 @@ def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> 
     return out | {"router scores": item * tokens * m.moe_experts,
                   "routed rows and weighted outputs": 2 * item * tokens * k * m.hidden,
                   "experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens * k * f,
-                  "shared experts' products and activation": 3 * item * tokens * m.moe_shared_experts * f}
+                  "shared experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens
+                  * m.moe_shared_experts * f}
 
 
 def layer_bytes(**kw: object) -> int:

@@ -94,9 +94,6 @@ class ModelConfig:
         if self.attention_kernel not in ("flash", "unfused"):
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
         if self.moe_experts:
-            if self.arch != "llama" and self.moe_shared_experts:
-                raise ValueError("shared experts are SwiGLU FFNs (DeepSeek's), built for the llama architecture: "
-                                 "set model.arch = \"llama\" or model.moe_shared_experts = 0")
             self.moe  # (checks the router's fields)
 
     @property
@@ -147,6 +144,9 @@ class ModelConfig:
             if self.is_moe(i):  # GELU experts without biases (Megatron-Core's)
                 e, f = self.moe_experts, self.moe_ffn_hidden or F
                 shapes |= {p + "moe.router": (h, e), p + "moe.experts.w_fc": (e, h, f), p + "moe.experts.w_out": (e, f, h)}
+                if self.moe_shared_experts:  # one GELU FFN of their inner sizes side by side
+                    n = self.moe_shared_experts * f
+                    shapes |= {p + "moe.shared.w1": (h, n), p + "moe.shared.w2": (n, h)}
             else:
                 shapes |= {p + "mlp.w_fc": (h, F), p + "mlp.b_fc": (F,), p + "mlp.w_out": (F, h), p + "mlp.b_out": (h,)}
         shapes |= {"lnf.g": (h,), "lnf.b": (h,)}

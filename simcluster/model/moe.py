@@ -330,33 +330,30 @@ class MoELayer:
         return self._view(y, (b, s, h)), aux, cache
 
     def _expert(self, p: dict[str, Any], e: int, x: Any) -> tuple[dict[str, Any], Any]:
-        ops, pre = self.ops, self.pre
-        f = ops.matmul(x, self._expert_weight(p, "experts.w_fc", e))
-        if self.moe.activation == "gelu":
-            g = ops.gelu(f)
-            return {"f": f, "g": g}, ops.matmul(g, self._expert_weight(p, "experts.w_out", e))
-        up = ops.matmul(x, self._expert_weight(p, "experts.w_up", e))
-        g = ops.mul(ops.silu(f), up)
-        return {"f": f, "up": up, "g": g}, ops.matmul(g, self._expert_weight(p, "experts.w_out", e))
+        w = lambda name: self._expert_weight(p, "experts." + name, e)  # noqa: E731
+        return self._ffn(x, w("w_fc"), w("w_up") if self.moe.activation == "swiglu" else None, w("w_out"))
 
     def _shared(self, p: dict[str, Any], x: Any) -> tuple[dict[str, Any], Any]:
-        """The shared experts' SwiGLU over every token (T, h)."""
-        ops, pre = self.ops, self.pre
-        f, up = ops.matmul(x, p[pre + "shared.w1"]), ops.matmul(x, p[pre + "shared.w3"])
+        """The shared experts over every token (T, h): the experts' FFN of their inner sizes side by side."""
+        pre = self.pre + "shared."
+        return self._ffn(x, p[pre + "w1"], p.get(pre + "w3"), p[pre + "w2"])
+
+    def _ffn(self, x: Any, w_in: Any, w_up: Any, w_out: Any) -> tuple[dict[str, Any], Any]:
+        """h -> F -> h without biases: GELU (the GPT's: no w_up) or SwiGLU; (what the backward keeps, the output)."""
+        ops = self.ops
+        f = ops.matmul(x, w_in)
+        if w_up is None:
+            g = ops.gelu(f)
+            return {"f": f, "g": g}, ops.matmul(g, w_out)
+        up = ops.matmul(x, w_up)
         g = ops.mul(ops.silu(f), up)
-        return {"f": f, "up": up, "g": g}, ops.matmul(g, p[pre + "shared.w2"])
+        return {"f": f, "up": up, "g": g}, ops.matmul(g, w_out)
 
     def _shared_backward(self, p: dict[str, Any], x: Any, act: dict[str, Any], dout: Any,
                          grads: dict[str, Any]) -> Any:
-        ops, pre = self.ops, self.pre
-        grads[pre + "shared.w2"] = ops.einsum("tf,th->fh", act["g"], dout, partial=True)
-        dg = ops.matmul(dout, ops.transpose(p[pre + "shared.w2"]))
-        d_up = ops.mul(dg, ops.silu(act["f"]))
-        df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
-        grads[pre + "shared.w1"] = ops.einsum("th,tf->hf", x, df, partial=True)
-        grads[pre + "shared.w3"] = ops.einsum("th,tf->hf", x, d_up, partial=True)
-        return ops.add(ops.matmul(df, ops.transpose(p[pre + "shared.w1"])),
-                       ops.matmul(d_up, ops.transpose(p[pre + "shared.w3"])))
+        pre = self.pre + "shared."
+        return self._ffn_backward(x, act, dout, p[pre + "w1"], p.get(pre + "w3"), p[pre + "w2"],
+                                  lambda w, g: grads.__setitem__(pre + {"in": "w1", "up": "w3", "out": "w2"}[w], g))
 
     def _expert_weight(self, p: dict[str, Any], name: str, e: int) -> Any:
         w = p[self.pre + name]
@@ -364,19 +361,25 @@ class MoELayer:
 
     def _expert_backward(self, p: dict[str, Any], e: int, x: Any, act: dict[str, Any], dout: Any,
                          grads: dict[str, list[Any]]) -> Any:
-        ops, pre = self.ops, self.pre
-        grads["experts.w_out"].append(ops.einsum("rf,rh->fh", act["g"], dout, partial=True))
-        dg = ops.matmul(dout, ops.transpose(self._expert_weight(p, "experts.w_out", e)))
-        if self.moe.activation == "gelu":
+        w = lambda name: self._expert_weight(p, "experts." + name, e)  # noqa: E731
+        return self._ffn_backward(x, act, dout, w("w_fc"), w("w_up") if self.moe.activation == "swiglu" else None,
+                                  w("w_out"), lambda n, g: grads["experts." + {"in": "w_fc", "up": "w_up", "out": "w_out"}[n]].append(g))
+
+    def _ffn_backward(self, x: Any, act: dict[str, Any], dout: Any, w_in: Any, w_up: Any, w_out: Any,
+                      put: Any) -> Any:
+        """dx of _ffn; each weight's gradient (a partial over the rows) to put("out" / "in" / "up", partial)."""
+        ops = self.ops
+        put("out", ops.einsum("tf,th->fh", act["g"], dout, partial=True))
+        dg = ops.matmul(dout, ops.transpose(w_out))
+        if w_up is None:
             df = ops.gelu_backward(dg, act["f"])
-            grads["experts.w_fc"].append(ops.einsum("rh,rf->hf", x, df, partial=True))
-            return ops.matmul(df, ops.transpose(self._expert_weight(p, "experts.w_fc", e)))
+            put("in", ops.einsum("th,tf->hf", x, df, partial=True))
+            return ops.matmul(df, ops.transpose(w_in))
         d_up = ops.mul(dg, ops.silu(act["f"]))
         df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
-        grads["experts.w_fc"].append(ops.einsum("rh,rf->hf", x, df, partial=True))
-        grads["experts.w_up"].append(ops.einsum("rh,rf->hf", x, d_up, partial=True))
-        return ops.add(ops.matmul(df, ops.transpose(self._expert_weight(p, "experts.w_fc", e))),
-                       ops.matmul(d_up, ops.transpose(self._expert_weight(p, "experts.w_up", e))))
+        put("in", ops.einsum("th,tf->hf", x, df, partial=True))
+        put("up", ops.einsum("th,tf->hf", x, d_up, partial=True))
+        return ops.add(ops.matmul(df, ops.transpose(w_in)), ops.matmul(d_up, ops.transpose(w_up)))
 
     def _aux(self, scores: Any, chosen: Any, b: int, s: int, scale: float) -> tuple[Any, Any, Any]:
         """This rank's part of the sequences' balance loss (its s tokens of each of b, of the `parts` a
