@@ -17,6 +17,13 @@ GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 (nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__)") 2>&1 | tee "$OUT/env.log"
 # exact and fast mode on NCCL against the emulator (one rank a GPU, at most 2)
 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+# a DeepSeek-V3-like mixture of experts on one GPU in exact mode (routing read back, sigmoid scores, a shared
+# expert under the all-to-all's place, node-limited groups, the selection bias): byte-identical?
+timeout 90 python3 -m simcluster.cli run deepseek_v3 --backend torch --dist-backend nccl --json --set parallel.dp=1 \
+    --set parallel.ep=1 --set parallel.pp=1 --set parallel.tp=1 --set parallel.sp=false --set parallel.schedule=1f1b \
+    --set cluster.gpus_per_node=1 --set run.numerics=exact > "$OUT/moe.json" 2> "$OUT/moe.err"
+python3 -c "import json; t = json.load(open('$OUT/moe.json'))['torch']; print('MoE exact on', t['device'], t['against_emulator'])" \
+    2>&1 | tee "$OUT/moe.log"
 # a calibrated profile of this GPU (all-reduce over the GPUs where there are several)
 timeout 150 python3 -m simcluster.cli calibrate -o "$OUT/profile.toml" --nproc "$GPUS" > "$OUT/calibrate.log" 2>&1
 tail -3 "$OUT/calibrate.log"
