@@ -5,6 +5,7 @@ form; folded as unfolded; what it does not run refused in one line."""
 
 import json
 
+import numpy as np
 import pytest
 
 from simcluster.config.scenario import load
@@ -284,3 +285,36 @@ def test_the_shared_experts_overlap_the_all_to_all_with_the_same_numbers():
     v = _report("parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4", "model.moe_shared_experts=1",
                 "model.moe_shared_overlap=true", "parallel.zero=1")["verification"]
     assert v["bit_exact"] and any("shared.w1" in name for name in v["outputs"])
+
+
+FLAT = """device = "every GEMM at 1 TFLOP/s (1,000 FLOPs a ns), nothing else taking time"
+peak_tflops = 1e6
+peak_tflops_fp32 = 1e6
+memory_gbyte_per_s = 1e9
+kernel_overhead_ns = 0
+gemm = [{dtype = "fp32", batch = 1, m = 64, n = 64, k = 64, tflops = 1.0},
+        {dtype = "fp32", batch = 1, m = 64, n = 64, k = 64, tflops = 1.0, partial = true}]
+"""
+
+
+def test_a_skewed_routings_straggler_is_slower_by_its_extra_rows_gemm_time(tmp_path):
+    """Zipf routing over 8 experts, ep 4 (rank q holds experts 2q and 2q+1), on a machine where only GEMMs take
+    time: each sequence's 64 x 2 choices share out as 128 (e+1)^-1 / sum, in whole tokens by largest
+    remainders, [47, 23, 16, 12, 9, 8, 7, 6]; every rank of the ep group sends its sequence's rows, so rank 0
+    computes 4 x 70 rows a micro-batch and layer, rank 3 4 x 13. A SwiGLU expert's row costs 18 h F FLOPs
+    (three products forward, each twice backward): rank 0's compute exceeds rank 3's by exactly that, over
+    2 layers x 2 micro-batches x 3 steps, to a ns a kernel."""
+    profile = tmp_path / "flat.toml"
+    profile.write_text(FLAT)
+    report = run_scenario(load(None, META + ["parallel.ep=4", "model.moe_skew=1", "run.steps=3",
+                                             f"cluster.profile={profile}"]), fold=False).report
+    w = 1.0 / np.arange(1, 9)
+    exact = 64 * 2 * w / w.sum()
+    counts = np.floor(exact).astype(int)
+    counts[np.argsort(-(exact - counts), kind="stable")[:128 - counts.sum()]] += 1
+    assert counts.tolist() == [47, 23, 16, 12, 9, 8, 7, 6]
+    rows = [4 * (counts[2 * q] + counts[2 * q + 1]) for q in range(4)]
+    expected_ns = (rows[0] - rows[3]) * 18 * 256 * 512 / 1000 * 2 * 2 * 3
+    compute = {int(r): v["compute"] for r, v in report["busy_ns"].items()}
+    assert max(compute, key=compute.get) == 0
+    assert abs((compute[0] - compute[3]) - expected_ns) <= 100  # (each kernel's time rounded up to a ns)
