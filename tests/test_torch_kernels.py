@@ -522,7 +522,7 @@ def test_a_steps_peak_on_torch_is_the_predicted_peak(family, one_process_group):
     from simcluster.run.job import job_of
     from simcluster.run.runner import run_scenario
 
-    sc = load(None, ["model.hidden=256", "model.layers=2", "model.heads=8", "model.ffn_hidden=1024", "model.seq=128",
+    sc = load(None, ["model.hidden=256", "model.layers=2", "model.heads=8", "model.ffn_hidden=1024", "model.seq=64",
                      "model.vocab=8192", "model.global_batch=8", "model.dtype=bf16", "model.tied_head=false",
                      "model.dropout=0", "parallel.dp=1", "cluster.gpus_per_node=1", "run.numerics=fast",
                      "run.verify=false", "run.steps=3", "run.clip_grad=1.0", *family])
