@@ -307,8 +307,8 @@ class MoELayer:
             gates = ops.scale(gates, moe.route_scale)
         rows = ops.embedding(r.token_of_row, xf)  # (R, h)
         plan = yield from self.exchange.plan(r.bounds)
-        overlap = bool(moe.shared) and moe.overlap_shared  # (the shared experts while the rows travel)
-        inputs, early = yield from self.exchange.there(rows, plan, (lambda: self._shared(p, xf)) if overlap else None)
+        shared_forward = (lambda: self._shared(p, xf)) if moe.shared else None  # (overlapped: while the rows travel)
+        inputs, early = yield from self.exchange.there(rows, plan, shared_forward if moe.overlap_shared else None)
         acts, out = [], []
         for e, x_e in enumerate(inputs):
             act, o = self._expert(p, e, x_e)
@@ -317,8 +317,8 @@ class MoELayer:
         slots = ops.embedding(r.pos, (yield from self.exchange.back(out, plan)))  # (T, k, h): zero where dropped
         y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
         shared = None
-        if moe.shared:
-            shared, out_shared = early if overlap else self._shared(p, xf)
+        if shared_forward is not None:
+            shared, out_shared = early if moe.overlap_shared else shared_forward()
             y = ops.add(y, out_shared)
         chosen = r.chosen
         if moe.aux_coeff and self.whole is not None:  # every part's choices of each expert, per sequence
@@ -362,8 +362,9 @@ class MoELayer:
     def _expert_backward(self, p: dict[str, Any], e: int, x: Any, act: dict[str, Any], dout: Any,
                          grads: dict[str, list[Any]]) -> Any:
         w = lambda name: self._expert_weight(p, "experts." + name, e)  # noqa: E731
+        names = {"in": "experts.w_fc", "up": "experts.w_up", "out": "experts.w_out"}
         return self._ffn_backward(x, act, dout, w("w_fc"), w("w_up") if self.moe.activation == "swiglu" else None,
-                                  w("w_out"), lambda n, g: grads["experts." + {"in": "w_fc", "up": "w_up", "out": "w_out"}[n]].append(g))
+                                  w("w_out"), lambda n, g: grads[names[n]].append(g))
 
     def _ffn_backward(self, x: Any, act: dict[str, Any], dout: Any, w_in: Any, w_up: Any, w_out: Any,
                       put: Any) -> Any:
@@ -409,10 +410,10 @@ class MoELayer:
         d_gates = ops.finalize(ops.sum(ops.mul(dyf, c["slots"]), -1, partial=True))  # (T, k)
         d_out = ops.embedding(r.slot_of_row, self._view(d_slots, (b * s * moe.top_k, h)))  # (R, h)
         expert_grads: dict[str, list[Any]] = {"experts.w_fc": [], "experts.w_out": [], "experts.w_up": []}
-        overlap, early_grads = c["shared"] is not None and moe.overlap_shared, {}
-        shared_dx = (lambda: self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)), early_grads)) \
-            if overlap else None  # (the shared experts' backward while the output gradients travel)
-        d_in, early = yield from self.exchange.there(d_out, c["plan"], shared_dx)
+        shared_grads: dict[str, Any] = {}  # (put in `grads` after the router's, overlapped or not)
+        shared_backward = (lambda: self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)),
+                                                         shared_grads)) if c["shared"] is not None else None
+        d_in, early = yield from self.exchange.there(d_out, c["plan"], shared_backward if moe.overlap_shared else None)
         dx_rows = [self._expert_backward(p, e, x_e, c["acts"][e], d_in[e], expert_grads)
                    for e, x_e in enumerate(c["inputs"])]
         for name, partials in expert_grads.items():
@@ -443,8 +444,7 @@ class MoELayer:
             d_logits = ops.sub(ds, ops.mul(ds, scores))
         grads[pre + "router"] = ops.einsum("th,te->he", c["x"], d_logits, partial=True)
         dx = ops.add(dx, ops.matmul(d_logits, ops.transpose(p[pre + "router"])))
-        if c["shared"] is not None:
-            dx = ops.add(dx, early if overlap else self._shared_backward(p, c["x"], c["shared"],
-                                                                          self._view(dy, (b * s, h)), grads))
-            grads.update(early_grads)  # (where they go without the overlap)
+        if shared_backward is not None:
+            dx = ops.add(dx, early if moe.overlap_shared else shared_backward())
+            grads.update(shared_grads)
         return self._view(dx, (b, s, h))
