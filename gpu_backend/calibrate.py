@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
-from gpu_backend.step_profile import step_rates
+from gpu_backend.step_profile import REPEATS, step_rates
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.config.options import say_error
 from simcluster.topology import profile as _profile
@@ -58,7 +58,7 @@ class Grid:
     attention: tuple[tuple[int, int, int], ...]  # (batch * heads, sequence, head dimension)
     copy_bytes: int
     message_bytes: tuple[int, ...]
-    repeats: int
+    repeats: int  # timings each figure is the median of; on a CPU, also the step profiles taken
 
 
 GRIDS = {  # (device type, quick)
@@ -264,7 +264,7 @@ def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc: int, kind: str, timeout_s: float,
-            say: Callable[[str], None]) -> list[_profile.Kernel]:
+            say: Callable[[str], None], repeats: int = REPEATS) -> list[_profile.Kernel]:
     """A training step's kernels at the rates they reach as the program calls them (step_profile.py), on a
     CPU. Not on a GPU: a call returns when its kernel is queued, so timing the calls times the launches,
     and a small step's kernels are all launch. On an H100 (2026-11-27) such rates (flash attention at
@@ -276,7 +276,7 @@ def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc:
         return []
     say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama)")
     runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
-    per_rank = in_processes(step_rates, (overhead, runs, nproc), nproc, kind, timeout_s=timeout_s)
+    per_rank = in_processes(step_rates, (overhead, runs, nproc, repeats), nproc, kind, timeout_s=timeout_s)
     out = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
     return out + [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in out if k.dtype == "bf16"]
 
@@ -307,7 +307,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     else:
         got = _measure(device, grid, tuple(dtypes))
     overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
-    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say) + list(measured)
+    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say, grid.repeats) + list(measured)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))

@@ -168,7 +168,7 @@ def test_names_and_descriptions_are_printed_verbatim_not_as_markup(tmp_path, mon
     written (it used to raise MarkupError: a closing tag that matches nothing)."""
     f = tmp_path / "odd.toml"
     f.write_text('name = "x[/bold]y [red]z"\ndescription = "shows [/x] and [b]bold[/b]"\n'
-                 '[model]\nlayers = 1\n[compare]\n"parallel.zero" = [0, 1]\n')
+                 '[model]\nlayers = 1\n[run]\nnumerics = "meta"\n[compare]\n"parallel.zero" = [0, 1]\n')
     assert main(["run", str(f), "--width", "80"]) == 0
     out = capsys.readouterr().out
     assert "scenario 'x[/bold]y [red]z': 2 variants" in out
@@ -176,7 +176,7 @@ def test_names_and_descriptions_are_printed_verbatim_not_as_markup(tmp_path, mon
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "shows [/x] and [b]bold[/b]" in out
-    f.write_text('name = "x[/bold]y"\n[model]\nlayers = 1\n')
+    f.write_text('name = "x[/bold]y"\n[model]\nlayers = 1\n[run]\nnumerics = "meta"\n')
     assert main(["run", str(f), "--width", "80"]) == 0
     assert "scenario 'x[/bold]y': gpt" in capsys.readouterr().out
 

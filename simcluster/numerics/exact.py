@@ -29,6 +29,7 @@ import numpy as np
 
 from simcluster.numerics import limbs as _limbs
 from simcluster.numerics.arrays import NUMPY
+from simcluster.numerics.dtypes import dtype_name
 
 PRODUCT_LO = -80  # grid bottom for operands of products: 2 * PRODUCT_LO == limbs.WINDOW_LO
 SUM_LO = -150  # grid bottom for sums of single float32 values (below float32's smallest subnormal)
@@ -43,22 +44,38 @@ def _check_finite(x: Any, what: str, xp: Any = NUMPY) -> None:
 
 
 def slices(x: Any, beta: int, lo: int, xp: Any = NUMPY) -> list[tuple[int, Any]]:
-    """[(s, X_s)]: the non-zero slices of x on the grid 2**(lo + s*beta), as integer-valued float64."""
+    """[(e, X)]: x's non-zero slices, x == sum X * 2**e (after truncating x toward zero to a multiple
+    of 2**lo), each X integer-valued float64 below 2**beta in magnitude, the e's lo' + s*beta.
+
+    lo' is lo raised to the lowest bit that any element can set (by its exponent and its dtype's
+    significand) where that lies above lo: no element loses a bit either way, so the slices sum to
+    the same value, and values that span fewer bits than beta fit in one slice rather than straddling
+    a boundary of the absolute grid. The grid's bottom moves; what each element contributes does not.
+    """
+    bits = _SIGNIFICAND.get(dtype_name(x.dtype), 53)  # an element's set bits lie in [e - bits, e)
     x64 = xp.astype(x, "fp64", copy=False)
-    mag = xp.trunc(xp.ldexp(xp.abs(x64), -lo))  # exact: a power-of-two scaling of float32 values
+    if not math.prod(x64.shape):
+        return []
+    mag = xp.abs(x64)
+    e = xp.frexp(mag)[1]  # mag < 2**e
+    lowest = xp.where(mag > 0, xp.astype(e, "fp64"), math.inf).min()
+    top, lowest = (float(v) for v in xp.to_host(xp.stack([mag.max(), lowest], 0)))
+    if top == 0.0:
+        return []
+    lo = max(lo, int(lowest) - bits)
+    n = -(-(math.frexp(top)[1] - lo) // beta)  # slices up to top's leading bit (top < 2**frexp(top)[1])
+    if n <= 0:
+        return []  # every element truncates to zero
+    mag = xp.trunc(xp.ldexp(mag, -lo))  # exact: a power-of-two scaling, truncating only below 2**lo
     sign = xp.where(x64 < 0, -1.0, 1.0)
     radix = float(2**beta)
-    out: list[tuple[int, Any]] = []
-    s = 0
-    while True:
+    lows = []
+    for _ in range(n):
         high = xp.floor(mag / radix)
-        low = mag - high * radix  # exact: the low beta bits of an exact integer
-        if xp.truth(xp.any(low)):
-            out.append((s, sign * low))
-        if not xp.truth(xp.any(high)):
-            return out
+        lows.append(mag - high * radix)  # exact: the low beta bits of an exact integer
         mag = high
-        s += 1
+    nonzero = [True] if n == 1 else xp.to_host(xp.any(xp.stack(lows, 0).reshape(n, -1), 1))
+    return [(lo + s * beta, sign * low) for s, low in enumerate(lows) if nonzero[s]]
 
 
 def _beta(terms: int, operands: int) -> int:
@@ -66,6 +83,7 @@ def _beta(terms: int, operands: int) -> int:
     return max(1, (53 - max(1, math.ceil(math.log2(terms + 1)))) // operands)
 
 
+_SIGNIFICAND = {"fp32": 24, "bf16": 8, "fp16": 11}  # significant bits (IEEE 754; bfloat16's 7 stored + 1)
 _SPEC = re.compile(r"^([a-z]+),([a-z]+)->([a-z]*)$")
 
 
@@ -88,10 +106,10 @@ def einsum(spec: str, a: Any, b: Any, xp: Any = NUMPY) -> Any:
     beta = _beta(terms, 2)
     acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
     b_slices = slices(b, beta, PRODUCT_LO, xp)
-    for s, xs in slices(a, beta, PRODUCT_LO, xp):
-        for t, ys in b_slices:
+    for ea, xs in slices(a, beta, PRODUCT_LO, xp):
+        for eb, ys in b_slices:
             r = xp.einsum(spec, xs, ys)  # exact: integers, all partial sums < 2**53
-            _limbs.add_scaled_integers(acc, r, 2 * PRODUCT_LO + (s + t) * beta, xp)
+            _limbs.add_scaled_integers(acc, r, ea + eb, xp)
     return _limbs.normalize(acc, xp)
 
 
@@ -106,9 +124,9 @@ def matmul(a: Any, b: Any, xp: Any = NUMPY) -> Any:
     out_shape = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))) + (a.shape[-2], b.shape[-1])
     acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
     b_slices = slices(b, beta, PRODUCT_LO, xp)
-    for s, xs in slices(a, beta, PRODUCT_LO, xp):
-        for t, ys in b_slices:
-            _limbs.add_scaled_integers(acc, xp.matmul(xs, ys), 2 * PRODUCT_LO + (s + t) * beta, xp)
+    for ea, xs in slices(a, beta, PRODUCT_LO, xp):
+        for eb, ys in b_slices:
+            _limbs.add_scaled_integers(acc, xp.matmul(xs, ys), ea + eb, xp)
     return _limbs.normalize(acc, xp)
 
 
@@ -123,6 +141,6 @@ def sum(x: Any, axis: int | tuple[int, ...] | None, xp: Any = NUMPY) -> Any:
     beta = _beta(terms, 1)
     out_shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
     acc = xp.zeros(out_shape + (_limbs.LIMBS,), "int64")
-    for s, xs in slices(x, beta, SUM_LO, xp):
-        _limbs.add_scaled_integers(acc, xp.sum(xs, axes) if axes else xs, SUM_LO + s * beta, xp)
+    for e, xs in slices(x, beta, SUM_LO, xp):
+        _limbs.add_scaled_integers(acc, xp.sum(xs, axes) if axes else xs, e, xp)
     return _limbs.normalize(acc, xp)

@@ -82,7 +82,7 @@ def add_scaled_integers(acc: Any, r: Any, exponent: int, xp: Any = NUMPY) -> Non
     e = exponent - WINDOW_LO
     if e < 0:
         raise OverflowError(f"a term of weight 2**{exponent} lies below the exact window 2**{WINDOW_LO}")
-    if math.prod(r.shape):
+    if exponent + 53 > TERM_LIMIT_EXP and math.prod(r.shape):  # |r| < 2**53: only high weights can leave
         big = float(xp.to_host(xp.abs(r).max()))
         if big and math.ldexp(big, exponent) >= 2.0**TERM_LIMIT_EXP:
             raise OverflowError(f"a sum of magnitude {math.ldexp(big, exponent):.4g} is outside the exact window "
