@@ -151,6 +151,34 @@ def test_sliced_einsum_equals_rational_arithmetic():
             assert have == want
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_slices_add_up_to_the_operand_truncated_to_the_grid_and_sit_where_its_bits_are(dtype):
+    """x == sum X * 2**e for the slices of x on a grid from 2**-80 (bits below it dropped, toward zero),
+    each |X| < 2**beta and integer; values within one slice's width of bits take one slice (the
+    grid's bottom at the lowest bit their dtype can set, not at a fixed multiple of beta from 2**-80)."""
+    from fractions import Fraction
+
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(11)
+    for scale in (1e-30, 2.0**-75, 1e-3, 1.0, 3e4):
+        x = (rng.standard_normal((3, 5)) * scale).astype(dt)
+        x[0, 0] = 0
+        beta = 23
+        got = exact.slices(x, beta, exact.PRODUCT_LO)
+        for _, xs in got:
+            assert np.all(xs == np.trunc(xs)) and np.all(np.abs(xs) < 2.0**beta)
+        for i in range(3):
+            for j in range(5):
+                want = Fraction(float(x[i, j]))
+                grid = Fraction(2) ** exact.PRODUCT_LO
+                want = (abs(want) // grid) * grid * (1 if want >= 0 else -1)
+                assert sum(Fraction(float(xs[i, j])) * Fraction(2) ** e for e, xs in got) == want
+    one = np.array([1.0, 1.5, -1.75, 2.0 - 2.0**-6], dt)  # one exponent: the dtype's significand wide
+    assert len(exact.slices(one, 25, exact.PRODUCT_LO)) == (2 if dtype == "float64" else 1)  # (53 bits > 25)
+
+
 def test_transcendentals_agree_with_numpy_in_float64():
     x = np.linspace(-30, 30, 10001)
     np.testing.assert_allclose(transcendental.exp(x), np.exp(x), rtol=4e-16)
