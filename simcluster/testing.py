@@ -32,7 +32,7 @@ from simcluster.numerics.divisors import divisors
 from simcluster.numerics.tolerance import bound as fast_bound
 from simcluster.numerics.tolerance import training_bounds
 from simcluster.parallel.data_parallel import TrainingConfig
-from simcluster.parallel.parallelism import ATTENTIONS, ZERO_OVER, Parallelism
+from simcluster.parallel.parallelism import ATTENTIONS, DISPATCHERS, ZERO_OVER, Parallelism
 from simcluster.parallel.pipeline_schedules import Schedule
 from simcluster.program.mesh import AXES, DeviceMesh
 from simcluster.topology.presets import preset
@@ -307,12 +307,14 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         # a mixture of experts: expert parallelism over runs of dp ranks
         eps = divisors(math.gcd(dp, m.moe_experts)) if m.moe_experts else [1]
         ep = d(st.sampled_from(eps))
+        dispatcher = d(st.sampled_from(DISPATCHERS)) if ep > 1 else "alltoall"
         micro = d(st.sampled_from(_micro_batch_counts(schedule, pp, None if global_batch is None else global_batch // dp)))
         batch = global_batch or dp * micro * d(st.integers(1, 2))
         data = TrainingConfig(model=m, global_batch=batch, micro_batches=micro,
                         zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
         parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
-                    zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep)
+                    zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep,
+                    dispatcher=dispatcher)
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
         try:
             parallelism.check(dp, pp, cp, tp)

@@ -188,6 +188,8 @@ def test_names_and_descriptions_are_printed_verbatim_not_as_markup(tmp_path, mon
     ("parallel.prefetch=false", ["parallel.zero=3"], "parallel.prefetch = false does nothing with parallel.zero = 1"),
     ("parallel.schedule=gpipe", ["parallel.pp=2", "parallel.dp=4", "model.tied_head=false"],
      "parallel.schedule = 'gpipe' does nothing with parallel.pp = 1"),
+    ("parallel.moe_dispatcher=allgather", ["model.moe_experts=4", "parallel.ep=2"],
+     "parallel.moe_dispatcher = 'allgather' does nothing with parallel.ep = 1"),
 ])
 def test_a_setting_that_does_nothing_is_warned_about(setting, layout, message, capsys):
     """Warned on stderr (the run goes on); not where the layout uses it."""

@@ -88,6 +88,59 @@ def test_the_all_to_all_moves_each_ranks_rows_for_other_ranks_experts():
     assert comm[("ep", "all_gather")]["calls_per_rank"] == 2 * 3  # the plan: a layer a step (the backward reuses it)
 
 
+def test_the_all_gather_dispatcher_moves_the_groups_tokens_not_their_routed_rows():
+    """Megatron-Core's allgather dispatcher, the same run (ep 4, top-2, T = 128 tokens a rank, h 256, fp32):
+    a layer a step all-gathers each rank's choices and gates (T x 2 x 4 bytes each), its tokens (T x h x 4)
+    and in the backward its output gradients (T x h x 4), 3 peers each; it reduce-scatters the combined
+    outputs and the input gradients (3 peers x T x h x 4 each) and the gates' gradients (3 x T x 2 x 4).
+    With ep 4 > k 2 that is more than the all-to-all's rows; no all-to-all at all."""
+    t, h, peers, times = 128, 256, 3, 2 * 3  # 2 layers, 3 steps
+    comm = {(c["group"], c["collective"]): c for c in run_scenario(
+        load(None, META + ["parallel.ep=4", "parallel.moe_dispatcher=allgather"])).report["communication"]}
+    assert comm[("ep", "all_gather")]["bytes_per_rank"] == peers * (2 * t * 2 * 4 + 2 * t * h * 4) * times
+    assert comm[("ep", "reduce_scatter")]["bytes_per_rank"] == peers * (2 * t * h * 4 + t * 2 * 4) * times
+    assert comm[("ep", "all_gather")]["calls_per_rank"] == 4 * times
+    assert comm[("ep", "reduce_scatter")]["calls_per_rank"] == 3 * times
+    assert ("ep", "all_to_all") not in comm
+
+
+@pytest.mark.parametrize("sets", [
+    ("parallel.dp=4", "parallel.ep=4", "cluster.gpus_per_node=4", "parallel.zero=1", "model.moe_capacity_factor=0.5",
+     "model.dtype=bf16"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.gpus_per_node=4", "parallel.schedule=dualpipe",
+     "model.micro_batch=1", "model.global_batch=8", "model.moe_scores=sigmoid", "model.moe_bias_rate=0.01",
+     "model.moe_shared_experts=1", "model.moe_shared_overlap=true"),
+    ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.cp=2", "parallel.sp=true", "model.heads=4",
+     "cluster.gpus_per_node=8", "parallel.zero=3", "model.moe_capacity_factor=1.0", "parallel.recompute=full"),
+], ids=["dp4-ep4-dropping-bf16", "dp2-ep2-pp2-dualpipe-shared-overlap", "dp2-ep2-tp2-cp2-zero3-recompute"])
+def test_the_all_gather_dispatcher_is_byte_identical_to_one_device(sets):
+    v = _report("parallel.moe_dispatcher=allgather", *sets)["verification"]
+    assert v["bit_exact"] and not v["mismatches"]
+    assert "grads.layers.1.moe.router" in v["outputs"] or "params.layers.1.moe.router" in v["outputs"]
+
+
+def test_an_all_gather_combine_rounded_before_its_sum_is_caught(monkeypatch):
+    """The broken variant: each rank rounds its experts' share of a token's output before the
+    reduce-scatter adds the shares, so a token with two of its three experts on one rank and one on the
+    other is rounded twice (the reduction of two floats rounds once: two ranks' single slots would not
+    show it)."""
+    from simcluster.parallel.expert_parallel import AllGather
+
+    def rounded_first(self, outs, r, gates, state):
+        ops = self.ctx.ops
+        state["outs"] = outs
+        weighted = ops.concat([ops.mul(o, g) for o, g in zip(outs, state["gates"])], 0)
+        placed = ops.finalize(ops.embedding_backward(self._join(state["tokens"]), weighted, self.ep * state["t"]))
+        return (yield self.ctx.comm.reduce_scatter(placed, group=self.group, dim=0))
+
+    monkeypatch.setattr(AllGather, "combine", rounded_first)
+    reference.cache_clear()
+    v = _report("parallel.moe_dispatcher=allgather", "parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=2",
+                "parallel.zero=0", "model.moe_top_k=3")["verification"]
+    reference.cache_clear()
+    assert not v["bit_exact"] and v["mismatches"]
+
+
 def test_each_rank_holds_its_share_of_the_experts():
     """fp32 DDP: 4 bytes a parameter held; the experts' 2 layers x 3 x 8 x 256 x 512 parameters held a
     quarter each with ep 4, the rest whole."""
@@ -180,6 +233,28 @@ def test_plan_searches_expert_parallelism():
     experts = m.layers * 3 * m.moe_experts * m.hidden * m.ffn_hidden
     assert one.memory_bytes - eight.memory_bytes == pytest.approx((16 + 4) * experts * 7 / 8, rel=1e-9)
     assert "EP8" in eight.layout.label() and "CP" not in eight.layout.label()
+
+
+def test_plan_searches_the_dispatcher_where_there_is_expert_parallelism():
+    """Both token dispatchers for every ep > 1, one (the default) for ep 1; --fix narrows them. The estimate
+    charges the all-gather dispatcher ep - 1 peers' tokens each way where the all-to-all charges
+    k (ep - 1) / ep of them: with top-2 and ep 8, 7 / (2 x 7/8) = 4 times the exchange."""
+    from simcluster.analysis.estimate import Layout, estimate
+    from simcluster.analysis.planner import layouts, parse_fixed
+
+    sc = load("moe", at_scale=True)
+    searched = {(lay.ep, lay.dispatcher) for lay in layouts(sc) if lay.dp == 64}
+    assert searched == {(1, "alltoall")} | {(ep, d) for ep in (2, 4, 8) for d in ("alltoall", "allgather")}
+    assert {lay.dispatcher for lay in layouts(sc, parse_fixed(["dispatcher=allgather"]))} == {"allgather"}
+    base = dict(tp=1, pp=1, cp=1, dp=64, zero=0, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
+    a2a, ag = (estimate(sc, Layout(**base, ep=8, dispatcher=d)) for d in ("alltoall", "allgather"))
+    assert ag.memory_bytes == a2a.memory_bytes and "EP8 allgather" in ag.layout.label()
+    m, spec = sc.model, sc.cluster_spec()
+    micro_batches = m.global_batch // 64 // 1
+    # the all-to-all's: forward and backward, out and back, k (ep - 1) / ep of a rank's tokens, 16-bit, over
+    # NVLink (the 8 ranks of an ep group are a node's), each layer and micro-batch
+    a2a_exchange = 2 * 2 * m.seq * 2 * 7 / 8 * m.hidden * 2 / (spec.nvlink_bytes_per_ns * 1e9) * m.layers * micro_batches
+    assert ag.seconds - a2a.seconds == pytest.approx(3 * a2a_exchange, rel=1e-9)
 
 
 def test_an_expert_parallel_checkpoint_resumes_on_other_layouts(tmp_path):

@@ -18,13 +18,14 @@ OPTIONS = {
     "zero": [0, 1, 2, 3], "micro_batches": [1, 2], "recompute": ["none", "selective", "full"],
     "precision": ["fp32", "bf16", "fp16"], "top_k": [1, 2], "capacity": [0.0, 1.0, 0.5], "scores": ["softmax", "sigmoid"],
     "normalize": [False, True], "aux": [0.0, 0.01], "first_dense": [0, 1], "offload": ["none", "cpu"],
+    "dispatcher": ["alltoall", "allgather"],
 }
 
 
 def valid(row):
     """ep divides dp (and the 4 experts); DualPipe needs an even number of stages and runs without
-    offloading; offloading the optimizer needs a ZeRO stage."""
-    return (row["dp"] % row["ep"] == 0 and not (row["schedule"] == "dualpipe" and (row["pp"] % 2
+    offloading; offloading the optimizer needs a ZeRO stage; a dispatcher other than the default needs ep."""
+    return (row["dp"] % row["ep"] == 0 and (row["ep"] > 1 or row["dispatcher"] == "alltoall") and not (row["schedule"] == "dualpipe" and (row["pp"] % 2
                                                                                      or row["offload"] != "none"))
             and not (row["offload"] != "none" and row["zero"] == 0))
 
@@ -38,7 +39,8 @@ def test_the_rows_cover_every_feasible_pair():
 
 
 def _name(row):
-    return f"dp{row['dp']}-ep{row['ep']}-pp{row['pp']}-{row['schedule']}-z{row['zero']}-k{row['top_k']}-c{row['capacity']}"
+    return (f"dp{row['dp']}-ep{row['ep']}{'-ag' if row['dispatcher'] == 'allgather' else ''}-pp{row['pp']}-"
+            f"{row['schedule']}-z{row['zero']}-k{row['top_k']}-c{row['capacity']}")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=_name)
@@ -54,7 +56,8 @@ def test_bit_exact_against_one_device(row):
     data = TrainingConfig(model=model, global_batch=row["dp"] * m, micro_batches=m, steps=2,
                           precision=row["precision"], zero=row["zero"], offload_optimizer=row["offload"])
     layout = Layout(DeviceMesh(dp=row["dp"], pp=pp, ep=row["ep"]), Parallelism(
-        data=data, schedule=row["schedule"], virtual=2 if row["schedule"] == "interleaved" else 1, ep=row["ep"]))
+        data=data, schedule=row["schedule"], virtual=2 if row["schedule"] == "interleaved" else 1, ep=row["ep"],
+        dispatcher=row["dispatcher"]))
     assert_bit_exact(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble,
                      reference_config=layout.one_device)
 

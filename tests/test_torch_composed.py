@@ -250,11 +250,13 @@ def test_a_mixture_of_experts_in_fast_mode_on_gloo():
                                        "cluster.gpus_per_node=2"))
 
 
-def test_expert_parallelism_on_gloo():
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_parallelism_on_gloo(dispatcher):
     """ep 2 x dp 2 (4 ranks, each pair sharing out 4 experts): the all-to-all as gloo's all_to_all_single
-    with uneven split sizes, byte-identical to the emulator and to one device."""
+    with uneven split sizes, or the all-gather dispatcher's gathers and reduce-scatters of exact partials,
+    byte-identical to the emulator and to one device."""
     byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=4", "parallel.ep=2", "cluster.gpus_per_node=4",
-                                       "model.moe_capacity_factor=1.0"))
+                                       "model.moe_capacity_factor=1.0", f"parallel.moe_dispatcher={dispatcher}"))
 
 
 def test_expert_parallelism_beside_tensor_parallelism_on_gloo():

@@ -14,7 +14,8 @@ tensor-parallel collectives on the critical path, the context-parallel exchanges
 all-to-alls, all-gather KV's gathers, the ring's transfers beyond what each block's attention hides),
 ZeRO-3's gathers and what the data-parallel gradient reduction leaves exposed after the backward pass.
 A mixture of experts: its experts' states an ep-th a rank, sharded by ZeRO over the dp/ep ranks holding
-them, its routed activations (activations.moe_activations), and expert parallelism's all-to-all.
+them, its routed activations (activations.moe_activations), and expert parallelism's all-to-all (or
+all-gather and reduce-scatter).
 """
 
 from __future__ import annotations
@@ -55,20 +56,23 @@ class Layout:
     virtual: int
     sp: int = 1  # sequence parallelism with tp (1: on; 0: off, as Megatron-LM before 2022)
     ep: int = 1  # expert parallelism (a mixture of experts), carved out of dp
+    dispatcher: str = "alltoall"  # how ep moves the tokens (parallel.moe_dispatcher)
 
     def label(self) -> str:
         sched = "" if self.pp == 1 else (f" interleaved v{self.virtual}" if self.schedule == "interleaved" else
                                          " " + self.schedule.upper())
         sp = " no-SP" if self.tp > 1 and not self.sp else ""
         if self.ep > 1:  # (EP where CP would be, the line as long, unless there is cp too)
-            return f"TP{self.tp}{sp} PP{self.pp}{sched}{f' CP{self.cp}' if self.cp > 1 else ''} DP{self.dp} EP{self.ep}"
+            ag = " allgather" if self.dispatcher == "allgather" else ""
+            return f"TP{self.tp}{sp} PP{self.pp}{sched}{f' CP{self.cp}' if self.cp > 1 else ''} DP{self.dp} EP{self.ep}{ag}"
         return f"TP{self.tp}{sp} PP{self.pp}{sched} CP{self.cp} DP{self.dp}"
 
     def scenario(self, sc: Scenario) -> Scenario:
         return replace(sc, variants=(), model=replace(sc.model, micro_batch=self.micro_batch),
                        parallel=replace(sc.parallel, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, zero=self.zero,
                                         recompute=self.recompute, schedule=self.schedule,
-                                        virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp), ep=self.ep))
+                                        virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp), ep=self.ep,
+                                        moe_dispatcher=self.dispatcher))
 
 
 @dataclass(frozen=True)
@@ -155,9 +159,11 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     exchange = _context_exchange(lsc.parallel.attention, layout, model, spec, nvlink, nodes) * model.layers / p * m
     # expert parallelism's all-to-all: a rank's routed rows for other ranks' experts, out and back, a
     # forward (twice under full recomputation) and a backward, each MoE layer of the busiest stage (the ep
-    # group: dp ranks, a stride of pp cp tp apart, inside a node while ep of them fit one)
+    # group: dp ranks, a stride of pp cp tp apart, inside a node while ep of them fit one); the all-gather
+    # dispatcher's gathers and reduce-scatters move e - 1 peers' tokens instead, whatever k
     if e > 1:
-        rows = layout.micro_batch * model.seq / spread * model.moe_top_k * (e - 1) / e
+        tokens = layout.micro_batch * model.seq / spread
+        rows = tokens * (e - 1) if layout.dispatcher == "allgather" else tokens * model.moe_top_k * (e - 1) / e
         link = nvlink if e * p * c * t <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
         exchange += passes * 2 * rows * model.hidden * 2 / link * math.ceil(model.layers / p) * m
     return Estimate(layout, memory, compute + tp_comm + exchange + gathers

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 from simcluster.analysis.estimate import BUBBLE, Estimate, Layout, estimate
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.numerics.divisors import divisors
+from simcluster.parallel.parallelism import DISPATCHERS
 from simcluster.run import budget
 from simcluster.run.runner import run_scenario
 from simcluster.topology.presets import PRESETS
@@ -104,10 +105,12 @@ def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Itera
             for cp in [c for c in _divisors(world // (tp * pp)) if c <= 8]:
                 dp = world // (tp * pp * cp)
                 for ep in _divisors(math.gcd(dp, sc.model.moe_experts)) if sc.model.moe_experts else (1,):
-                    yield from _variants(tp, pp, cp, dp, ep, sps, chunks)
+                    for dispatcher in DISPATCHERS if ep > 1 else DISPATCHERS[:1]:
+                        yield from _variants(tp, pp, cp, dp, ep, dispatcher, sps, chunks)
 
 
-def _variants(tp: int, pp: int, cp: int, dp: int, ep: int, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:
+def _variants(tp: int, pp: int, cp: int, dp: int, ep: int, dispatcher: str, sps: tuple[int, ...],
+              chunks: tuple[int, ...]) -> Iterator[Layout]:
     """A layout's degrees with each ZeRO stage, micro-batch, recomputation, schedule and sp."""
     schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s in BUBBLE for v in (chunks if s == "interleaved" else (1,))]
     for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
@@ -115,7 +118,7 @@ def _variants(tp: int, pp: int, cp: int, dp: int, ep: int, sps: tuple[int, ...],
             for recompute in RECOMPUTE:
                 for schedule, virtual in schedules:
                     for sp in (sps if tp > 1 else sps[:1]):  # (tp 1: no sp either way)
-                        yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp, ep)
+                        yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp, ep, dispatcher)
 
 
 def bottleneck(report: dict[str, Any]) -> str:

@@ -79,6 +79,9 @@ class Scenario:
                        f"gathers weights)")
         if p.schedule != d.schedule and p.pp == 1:
             out.append(f"parallel.schedule = {p.schedule!r} does nothing with parallel.pp = 1")
+        if p.moe_dispatcher != d.moe_dispatcher and p.ep == 1:
+            out.append(f"parallel.moe_dispatcher = {p.moe_dispatcher!r} does nothing with parallel.ep = 1 (it is how "
+                       f"expert parallelism sends tokens to the ranks holding their experts)")
         if p.virtual_stages > 1 and (p.schedule != "interleaved" or p.pp == 1):
             out.append(f"parallel.virtual_stages = {p.virtual_stages} does nothing without the interleaved "
                        f"schedule and parallel.pp > 1")

@@ -167,6 +167,11 @@ class ParallelSection(Section):
     ep: int = key(
         1, "expert-parallel degree (a mixture of experts): each run of ep data-parallel ranks shares out the "
         "experts, tokens dispatched to them and back by all-to-all; must divide dp and model.moe_experts", minimum=1)
+    moe_dispatcher: Literal["alltoall", "allgather"] = key(
+        "alltoall", "how expert parallelism (ep > 1) moves tokens to their experts and back, as Megatron-Core's "
+        "token dispatchers: alltoall (each token's routed rows to the ranks holding its experts, by uneven "
+        "all-to-all), allgather (the ep group's tokens all-gathered to every rank, the outputs reduce-scattered "
+        "back: ep tokens' worth each way, not k routed rows; no counts to wait for)")
     pp: int = key(1, "pipeline-parallel degree", minimum=1)
     cp: int = key(1, "context-parallel degree", minimum=1)
     tp: int = key(1, "tensor-parallel degree", minimum=1)

@@ -30,9 +30,10 @@ Every sum a parallel layout might split (a weight gradient over tokens, a combin
 exact partial in exact mode. Routing needs the probabilities on the host (Megatron-Core reads the
 token counts back too, to size its grouped GEMM). Meta mode has no numbers to route by: it is routed
 as stated (`stated`: uniform, or skewed by a parameter) and records the same kernels, each expert's
-GEMMs sized by the tokens the statement gives it. The rows reach their experts through an exchange:
-`Local` slices them on this rank; expert parallelism's sends them to the ranks holding their experts
-and back (parallel/expert_parallel.py), which is why forward and backward are generators.
+GEMMs sized by the tokens the statement gives it. The rows reach their experts through a dispatcher
+(moe_dispatch.py): `Local` slices them on this rank; expert parallelism's send them to the ranks
+holding their experts and back (parallel/expert_parallel.py), which is why forward and backward are
+generators.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model.moe_dispatch import Local
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import MetaTensor, Partial
 
@@ -227,37 +229,17 @@ def local(steps: Generator[Any, Any, Any]) -> Any:
     raise RuntimeError("the layer communicated: run it inside a rank's program")
 
 
-class Local:
-    """Every expert on this rank: rows grouped by expert are sliced for each, and joined back."""
-
-    def __init__(self, layer: "MoELayer") -> None:
-        self.layer = layer
-
-    def plan(self, bounds: tuple[int, ...]) -> Generator[Any, Any, tuple[int, ...]]:
-        return bounds
-        yield  # (a generator: expert parallelism's plan communicates)
-
-    def there(self, rows: Any, bounds: tuple[int, ...], meanwhile: Any = None) -> Generator[Any, Any, tuple[list[Any], Any]]:
-        return ([self.layer.slice_rows(rows, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)],
-                meanwhile() if meanwhile is not None else None)
-        yield
-
-    def back(self, outs: list[Any], bounds: tuple[int, ...]) -> Generator[Any, Any, Any]:
-        return self.layer.ops.concat(outs, 0)
-        yield
-
-
 class MoELayer:
     """Forward and backward of the layer through `ops` (exact or fast mode). A `router.bias` among the
     weights (DeepSeek-V3's auxiliary-loss-free balancing: a buffer the training loop moves, no gradient)
     is added to the scores for choosing the experts only."""
 
-    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, exchange: Any = None) -> None:
+    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, dispatcher: Any = None) -> None:
         self.ops, self.moe, self.pre, self.skew = ops, moe, prefix, skew
         self.meta = ops.mode is Mode.META  # (routed as `stated` says, with `skew`: there are no numbers)
-        # how the rows reach their experts and come back: on this rank (`Local`), or expert parallelism's
-        # all-to-all (parallel/expert_parallel.py)
-        self.exchange = exchange if exchange is not None else Local(self)
+        # how the rows reach their experts and come back (moe_dispatch.py): on this rank (`Local`), or
+        # expert parallelism's all-to-all or all-gather (parallel/expert_parallel.py)
+        self.dispatcher = dispatcher if dispatcher is not None else Local(self)
         # where a sequence's tokens are shared out over ranks (sequence or context parallelism): how many
         # parts, and the generator summing a (b, E) count over them (the balance loss's f is the sequence's)
         self.parts, self.whole = 1, None
@@ -278,7 +260,7 @@ class MoELayer:
 
     def forward(self, p: dict[str, Any], x: Any, aux_scale: float = 1.0) -> Generator[Any, Any, tuple[Any, Any, dict]]:
         """(y (b, s, h), the auxiliary loss summed over the sequences times `aux_scale`, the cache); a
-        generator, for the exchange's communication (none on one rank: `local`)."""
+        generator, for the dispatcher's communication (none on one rank: `local`)."""
         ops, moe, pre = self.ops, self.moe, self.pre
         b, s, h = x.shape
         xf = self._view(x, (b * s, h))
@@ -305,17 +287,15 @@ class MoELayer:
         unscaled = gates
         if moe.route_scale != 1.0:
             gates = ops.scale(gates, moe.route_scale)
-        rows = ops.embedding(r.token_of_row, xf)  # (R, h)
-        plan = yield from self.exchange.plan(r.bounds)
         shared_forward = (lambda: self._shared(p, xf)) if moe.shared else None  # (overlapped: while the rows travel)
-        inputs, early = yield from self.exchange.there(rows, plan, shared_forward if moe.overlap_shared else None)
+        inputs, early, sent = yield from self.dispatcher.dispatch(xf, r, gates,
+                                                                shared_forward if moe.overlap_shared else None)
         acts, out = [], []
         for e, x_e in enumerate(inputs):
             act, o = self._expert(p, e, x_e)
             acts.append(act)
             out.append(o)
-        slots = ops.embedding(r.pos, (yield from self.exchange.back(out, plan)))  # (T, k, h): zero where dropped
-        y = ops.finalize(ops.sum(ops.mul(slots, ops.expand_last(gates)), 1, partial=True))
+        y = yield from self.dispatcher.combine(out, r, gates, sent)
         shared = None
         if shared_forward is not None:
             shared, out_shared = early if moe.overlap_shared else shared_forward()
@@ -325,7 +305,7 @@ class MoELayer:
             chosen = yield from self.whole(chosen)
         aux, aux_grad, balance = self._aux(scores, chosen, b, s, aux_scale)
         cache = {"x": xf, "scores": scores, "routing": r, "one_hot": one_hot, "total": total, "unscaled": unscaled,
-                 "gates": gates, "inputs": inputs, "plan": plan, "acts": acts, "slots": slots, "aux_grad": aux_grad,
+                 "gates": gates, "inputs": inputs, "sent": sent, "acts": acts, "aux_grad": aux_grad,
                  "balance": balance, "shared": shared}
         return self._view(y, (b, s, h)), aux, cache
 
@@ -405,22 +385,19 @@ class MoELayer:
         ops, moe, pre = self.ops, self.moe, self.pre
         b, s, h = dy.shape
         r: Routing = c["routing"]
-        dyf = self._middle(self._view(dy, (b * s, h)))  # (T, 1, h)
-        d_slots = ops.mul(dyf, ops.expand_last(c["gates"]))  # (T, k, h)
-        d_gates = ops.finalize(ops.sum(ops.mul(dyf, c["slots"]), -1, partial=True))  # (T, k)
-        d_out = ops.embedding(r.slot_of_row, self._view(d_slots, (b * s * moe.top_k, h)))  # (R, h)
+        dyt = self._view(dy, (b * s, h))
         expert_grads: dict[str, list[Any]] = {"experts.w_fc": [], "experts.w_out": [], "experts.w_up": []}
         shared_grads: dict[str, Any] = {}  # (put in `grads` after the router's, overlapped or not)
-        shared_backward = (lambda: self._shared_backward(p, c["x"], c["shared"], self._view(dy, (b * s, h)),
-                                                         shared_grads)) if c["shared"] is not None else None
-        d_in, early = yield from self.exchange.there(d_out, c["plan"], shared_backward if moe.overlap_shared else None)
+        shared_backward = (lambda: self._shared_backward(p, c["x"], c["shared"], dyt, shared_grads)
+                           ) if c["shared"] is not None else None
+        d_in, d_gates, early = yield from self.dispatcher.combine_backward(
+            dyt, r, c["gates"], c["sent"], shared_backward if moe.overlap_shared else None)
         dx_rows = [self._expert_backward(p, e, x_e, c["acts"][e], d_in[e], expert_grads)
                    for e, x_e in enumerate(c["inputs"])]
         for name, partials in expert_grads.items():
             if partials:
                 grads[pre + name] = partials
-        dx_back = yield from self.exchange.back(dx_rows, c["plan"])
-        dx = ops.finalize(ops.sum(ops.embedding(r.pos, dx_back), 1, partial=True))
+        dx = yield from self.dispatcher.dispatch_backward(dx_rows, r, c["sent"])
         if moe.route_scale != 1.0:
             d_gates = ops.scale(d_gates, moe.route_scale)
         d_picked = d_gates

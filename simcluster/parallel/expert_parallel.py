@@ -1,8 +1,10 @@
 """Expert parallelism: a mixture of experts' experts shared out over an ep group, tokens sent to them and back.
 
-Megatron-Core's layout (Shoeybi et al.; its MoE's "alltoall" token dispatcher): the ep group is ep
-consecutive data-parallel ranks (mesh.expert_groups); rank q of it holds experts [q E/ep, (q+1) E/ep).
-Each rank routes its own tokens (model/moe.py: the rows grouped by expert), then
+Two dispatchers (model/moe_dispatch.py says what one does; parallel.moe_dispatcher picks), Megatron-Core's
+"alltoall" (AllToAll, below) and "allgather" (AllGather, its docstring). In Megatron-Core's layout
+(Shoeybi et al.) the ep group is ep consecutive data-parallel ranks (mesh.expert_groups); rank q of it
+holds experts [q E/ep, (q+1) E/ep). With the all-to-all, each rank routes its own tokens (model/moe.py:
+the rows grouped by expert), then
   plan:  the rows it has for each expert, all-gathered over the group (the receivers' sizes: Megatron
          reads these counts back to the host too);
   there: to each rank, the rows for its experts, and from each, the rows it has for mine; an expert's
@@ -23,7 +25,8 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model.moe import host_float32
+from simcluster.model.moe import host_float32, route
+from simcluster.model.moe_dispatch import Rows
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.program.context import Context
@@ -45,11 +48,12 @@ class Plan:
         return sum(self.counts[self.me][q * self.local:(q + 1) * self.local])
 
 
-class Exchange:
-    """The all-to-all of one MoE layer on one rank of its ep group (model/moe.py calls it)."""
+class AllToAll(Rows):
+    """The all-to-all dispatcher of one MoE layer on one rank of its ep group (model/moe.py calls it)."""
 
     def __init__(self, ctx: Context, layer: Any) -> None:
-        self.ctx, self.layer, self.group = ctx, layer, ctx.mesh.ep
+        super().__init__(layer)
+        self.ctx, self.group = ctx, ctx.mesh.ep
         self.me, self.ep = self.group.rank_of(ctx.rank), self.group.size
 
     def plan(self, bounds: tuple[int, ...]) -> Generator[Any, Any, Plan]:
@@ -92,6 +96,97 @@ class Exchange:
         return (yield self.ctx.comm.all_to_all_rows(self.ctx.ops.concat(parts, 0), group=self.group,
                                                     send_rows=[sum(plan.mine(q)) for q in range(self.ep)],
                                                     recv_rows=[plan.to(q) for q in range(self.ep)]))
+
+
+class AllGather:
+    """Megatron-Core's "allgather" token dispatcher for one MoE layer on one rank of its ep group: every
+    rank's tokens, gates and choices all-gathered over the group; my experts' rows taken from them (the
+    all-to-all's rows, in its order); their weighted outputs put at their tokens' places among the
+    group's, an exact partial, reduce-scattered back: each token gets the exact sum of its slots, from
+    whichever ranks ran them. Backward: dy all-gathered, the input gradients reduce-scattered the same
+    way, and each gate's gradient, rounded where its expert ran, sent to its token's rank (zero from the
+    others: the sum is that one value). A rank moves the group's tokens, not its k routed copies: more
+    than the all-to-all's rows once ep exceeds k, but no counts to wait for and no uneven splits."""
+
+    def __init__(self, ctx: Context, layer: Any) -> None:
+        self.ctx, self.layer, self.group = ctx, layer, ctx.mesh.ep
+        self.me, self.ep = self.group.rank_of(ctx.rank), self.group.size
+
+    def dispatch(self, x: Any, r: Any, gates: Any, meanwhile: Any = None) -> Generator[Any, Any, tuple[list, Any, dict]]:
+        ops, comm, layer = self.ctx.ops, self.ctx.comm, self.layer
+        (t, _), k = x.shape, gates.shape[1]
+        routes = yield from self._routes(r, t, k)
+        every_gate = yield comm.all_gather(gates, group=self.group, dim=0)  # (ep T, k)
+        work = comm.all_gather(x, group=self.group, dim=0, async_op=meanwhile is not None)  # (ep T, h)
+        early = meanwhile() if meanwhile is not None else None
+        every = yield work
+        n = layer.moe.experts // self.ep
+        tokens, slots = [], []  # my experts' rows: their tokens among the group's, their slots among its T k
+        for e in range(self.me * n, (self.me + 1) * n):
+            tokens.append(self._rows(routes, e, lambda q, rq, lo, hi: q * t + rq.token_of_row[lo:hi]))
+            slots.append(self._rows(routes, e, lambda q, rq, lo, hi: q * t * k + rq.slot_of_row[lo:hi]))
+        flat = layer._view(every_gate, (self.ep * t * k, 1))
+        state = {"tokens": tokens, "slots": slots, "gates": [ops.embedding(s, flat) for s in slots], "t": t}
+        return [ops.embedding(tok, every) for tok in tokens], early, state
+
+    def _routes(self, r: Any, t: int, k: int) -> Generator[Any, Any, list[Any]]:
+        """Every group rank's routing of its own tokens: its choices all-gathered, -1 where a capacity
+        dropped one (fp32 holds expert indices exactly). Meta mode routes as stated: every rank alike."""
+        ops = self.ctx.ops
+        if ops.mode is Mode.META:
+            yield self.ctx.comm.all_gather(MetaTensor((t, k), "fp32"), group=self.group, dim=0)
+            return [r] * self.ep
+        kept = np.where(np.asarray(r.pos) >= 0, np.asarray(r.choice), -1)
+        got = yield self.ctx.comm.all_gather(ops.from_host(host_float32(kept)), group=self.group, dim=0)
+        every = np.asarray(ops.xp.to_host(got), dtype=np.int64).reshape(self.ep, t, k)
+        moe = self.layer.moe
+        return [r if q == self.me else route(np.maximum(every[q], 0), 1, t, moe, every[q] >= 0) for q in range(self.ep)]
+
+    def _rows(self, routes: list[Any], e: int, index: Any) -> Any:
+        """Expert e's rows from every rank in rank order, as index(q, its routing, first, end) says each
+        (meta mode: their count)."""
+        counts = [rq.bounds[e + 1] - rq.bounds[e] for rq in routes]
+        if self.ctx.ops.mode is Mode.META:
+            return MetaTensor((sum(counts),), "int64")
+        return np.concatenate([index(q, rq, rq.bounds[e], rq.bounds[e + 1]) for q, rq in enumerate(routes)])
+
+    def _join(self, parts: list[Any]) -> Any:
+        if self.ctx.ops.mode is Mode.META:
+            return MetaTensor((sum(p.shape[0] for p in parts),), "int64")
+        return np.concatenate(parts)
+
+    def combine(self, outs: list[Any], r: Any, gates: Any, state: dict) -> Generator[Any, Any, Any]:
+        ops = self.ctx.ops
+        state["outs"] = outs
+        weighted = ops.concat([ops.mul(o, g) for o, g in zip(outs, state["gates"])], 0)  # (R, h): as one device's
+        placed = ops.embedding_backward(self._join(state["tokens"]), weighted, self.ep * state["t"])
+        return ops.finalize((yield self.ctx.comm.reduce_scatter(placed, group=self.group, dim=0, donate=True)))
+
+    def combine_backward(self, dy: Any, r: Any, gates: Any, state: dict,
+                         meanwhile: Any = None) -> Generator[Any, Any, tuple[list, Any, Any]]:
+        ops, comm, layer = self.ctx.ops, self.ctx.comm, self.layer
+        t, k = state["t"], gates.shape[1]
+        work = comm.all_gather(dy, group=self.group, dim=0, async_op=meanwhile is not None)  # (ep T, h)
+        early = meanwhile() if meanwhile is not None else None
+        every = yield work
+        d_in, d_gate = [], []
+        for tok, g, out in zip(state["tokens"], state["gates"], state["outs"]):
+            rows = ops.embedding(tok, every)  # (R_e, h): dy of each row's token
+            d_in.append(ops.mul(rows, g))
+            d_gate.append(ops.finalize(ops.sum(ops.mul(rows, out), -1, partial=True)))  # (R_e,): as one device's
+        joined = ops.concat(d_gate, 0)
+        placed = ops.finalize(ops.embedding_backward(self._join(state["slots"]),
+                                                     layer._view(joined, (joined.shape[0], 1)), self.ep * t * k))
+        mine = yield comm.reduce_scatter(placed, group=self.group, dim=0)  # (T k, 1)
+        return d_in, layer._view(mine, (t, k)), early
+
+    def dispatch_backward(self, dx_rows: list[Any], r: Any, state: dict) -> Generator[Any, Any, Any]:
+        ops = self.ctx.ops
+        placed = ops.embedding_backward(self._join(state["tokens"]), ops.concat(dx_rows, 0), self.ep * state["t"])
+        return ops.finalize((yield self.ctx.comm.reduce_scatter(placed, group=self.group, dim=0, donate=True)))
+
+
+DISPATCHERS = {"alltoall": AllToAll, "allgather": AllGather}  # (parallel.moe_dispatcher)
 
 
 def read_counts(gathered: np.ndarray) -> list[int]:

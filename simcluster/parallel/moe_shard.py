@@ -18,7 +18,7 @@ from simcluster.model.moe import MoE, MoELayer, capacity_keep, host_float32, sta
 from simcluster.model.precision import LOSS_SCALE
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
-from simcluster.parallel.expert_parallel import Exchange
+from simcluster.parallel.expert_parallel import DISPATCHERS
 from simcluster.program.context import Context
 
 
@@ -30,9 +30,10 @@ class Experts:
     m: Any
     tp: Any
 
-    def init_experts(self, ctx: Context, precision: str) -> None:
+    def init_experts(self, ctx: Context, precision: str, dispatcher: str = "alltoall") -> None:
         # the balance loss's gradient: the mean over the step's sequences of each one's, scaled as the loss is
         self.aux_scale = LOSS_SCALE[precision]
+        self.dispatcher = DISPATCHERS[dispatcher]  # expert parallelism's (parallel/expert_parallel.py)
         # the ranks sharing out a sequence's tokens (cp, and tp with sequence parallelism), or None
         spread = tuple(a for a in ("cp", "tp") if ctx.mesh.size(a) > 1)
         self.spread = ctx.mesh.group(*spread) if spread and self.m.moe_experts else None
@@ -43,10 +44,10 @@ class Experts:
 
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
-        this rank's share of them, the rows exchanged with the ep group (parallel/expert_parallel.py)."""
+        this rank's share of them, the tokens dispatched over the ep group (parallel/expert_parallel.py)."""
         layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
         if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
-            layer.exchange = Exchange(self.ctx, layer)
+            layer.dispatcher = self.dispatcher(self.ctx, layer)
         if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them,
             # and an expert's capacity takes them in the whole sequence's order
             layer.parts, layer.whole, layer.sequences = self.spread.size, self.whole_sequences, self.capacity_kept

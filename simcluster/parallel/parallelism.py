@@ -29,6 +29,7 @@ from simcluster.parallel.pipeline_schedules import check as check_schedule
 ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
 CP_ALIKE = ("ulysses", "allgather")  # attentions whose cp ranks run the same shapes (`alike`; Ulysses: given own kv heads)
 ZERO_OVER = ("dp_cp", "dp")
+DISPATCHERS = ("alltoall", "allgather")  # expert parallelism's token dispatchers (expert_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,14 @@ class Parallelism:
     scatter_gather: bool = False
     checkpoint: Any = None  # checkpoint.Checkpointing: save after a step, or resume (exact and fast modes)
     ep: int = 1  # expert parallelism: experts shared out over runs of ep data-parallel ranks (mesh.expert_groups)
+    dispatcher: str = "alltoall"  # how ep sends tokens to their experts: alltoall or allgather (expert_parallel.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention {self.attention!r} is not valid; valid: {', '.join(ATTENTIONS)}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher {self.dispatcher!r} is not valid; valid: {', '.join(DISPATCHERS)}")
         if self.zero_over not in ZERO_OVER:
             raise ValueError(f"zero_over {self.zero_over!r} is not valid; valid: {', '.join(ZERO_OVER)}")
 

@@ -77,7 +77,7 @@ class TransformerShard(Experts):
         self.keeps_scores = parallelism.attention == "rsa" and self.P > 1  # whole score rows, whatever the kernel
         self.gpt = GPT(ctx.ops, m, memory=ctx.memory)  # its unsharded helpers
         self._keep_all = False
-        self.init_experts(ctx, parallelism.data.precision)  # a mixture of experts' part (moe_shard.py)
+        self.init_experts(ctx, parallelism.data.precision, parallelism.dispatcher)  # a mixture of experts' part (moe_shard.py)
 
     def token_positions(self, rank: int) -> np.ndarray:
         """The positions of a sequence whose tokens `rank` holds in the residual stream: its cp share, and

@@ -93,7 +93,7 @@ def parallelism_of(sc: Scenario, mesh: DeviceMesh) -> Parallelism:
                              f"to be a multiple of pp={p.pp}: set model.micro_batch so that global_batch / dp / "
                              f"micro_batch is a multiple of {p.pp}")
         parallelism = Parallelism(**alike(Parallelism, p), data=cfg, virtual=p.virtual_stages,
-                                  checkpoint=checkpoint.of(sc))
+                                  dispatcher=p.moe_dispatcher, checkpoint=checkpoint.of(sc))
         parallelism.check(**mesh.sizes)
     return parallelism
 
