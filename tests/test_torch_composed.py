@@ -2,9 +2,9 @@
 family alone from the command line (`simcluster run --backend torch`), and a 4D layout on 8 processes,
 compared here byte for byte."""
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the
 
 from byte_compare import assert_same_bytes  # noqa: E402
 from gpu_backend.backend import spawn  # noqa: E402
+from simcluster.cli import main  # noqa: E402
 from simcluster.engine import simulate  # noqa: E402
 from simcluster.model.gpt import ModelConfig  # noqa: E402
 from simcluster.parallel.composed import assemble, composed  # noqa: E402
@@ -35,14 +36,18 @@ def same_on_gloo(data, mesh, **options):
 
 
 def on_torch(*sets):
-    """`simcluster run --backend torch --json` with these --set overrides: the report."""
-    args = [sys.executable, "-m", "simcluster.cli", "run", "--backend", "torch", "--json", "--watchdog", "60",
-            "--timeout", "300"]
+    """`simcluster run --backend torch --json` with these --set overrides: the report. The command's main
+    runs in this process, as `python -m simcluster.cli` would run it, so that the ranks' fork server (which
+    imports torch, 2-3 s here) starts once a test worker, not once a test; tests/test_torch_launch.py runs
+    the command as a process of its own."""
+    args = ["run", "--backend", "torch", "--json", "--watchdog", "60", "--timeout", "300"]
     for s in sets:
         args += ["--set", s]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(args)
+    assert status == 0, err.getvalue()[-2000:]
+    return json.loads(out.getvalue())
 
 
 def byte_identical_everywhere(report):
