@@ -1,5 +1,9 @@
-"""Exact partial sums: any split, any order, same bytes; clear errors outside the window."""
+"""Exact partial sums: any split, any order, same bytes; clear errors outside the window; rounded once,
+correctly, down to the window's lowest digit."""
 
+from fractions import Fraction
+
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -49,3 +53,37 @@ def test_non_finite_term_is_reported():
 def test_negative_values_round_trip():
     x = np.array([-3.5, -2.0**-90, 7.25, -1e9], dtype=np.float64)
     assert limbs.to_float(limbs.normalize(limbs.from_float64(x)), np.float64).tolist() == x.tolist()
+
+
+FORMATS = {"fp32": (24, -149, np.float32), "bf16": (8, -133, ml_dtypes.bfloat16), "fp16": (11, -24, np.float16)}
+
+
+def _nearest(x: Fraction, name: str) -> float:
+    """x rounded to nearest, ties to even, in the format's significand and down to its least subnormal
+    (no overflow: the values drawn stay far below each format's largest)."""
+    p, least, _ = FORMATS[name]
+    if x == 0:
+        return 0.0
+    a = abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2**e <= a < 2**(e + 2)
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    while Fraction(2) ** e > a:
+        e -= 1
+    unit = Fraction(2) ** max(e - p + 1, least)
+    q, rem = divmod(a, unit)
+    q += rem > unit / 2 or (rem == unit / 2 and q % 2 == 1)
+    return float(q * unit) * (1 if x > 0 else -1)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=limbs.LIMBS - 1, max_size=limbs.LIMBS - 1),
+       st.integers(-2, 1), st.integers(0, limbs.LIMBS - 1))
+def test_rounding_is_correct_down_to_the_lowest_digit(name, digits, top, keep):
+    """Normalized limbs with only their lowest `keep` + 1 digits (a value as small as 2**-160, below
+    float32's least subnormal) round as the exact rational does: to nearest, ties to even. Values in the
+    lowest digit alone were rounded 32 times too large (the leading pair taken as (that digit, 0))."""
+    row = digits[:keep + 1] + [0] * (limbs.LIMBS - 1 - keep) + ([top] if keep == limbs.LIMBS - 1 else [0])
+    value = sum(Fraction(d) * Fraction(2) ** (limbs.WINDOW_LO + limbs.LIMB_BITS * i) for i, d in enumerate(row))
+    got = limbs.to_float(np.array([row], np.int64), FORMATS[name][2])[0]
+    assert float(got) == _nearest(value, name)

@@ -127,10 +127,10 @@ def _round_to_format(mag: Any, name: str, xp: Any) -> Any:
     n = ext.shape[-1]
     nonzero = ext != 0
     lead = (n - 1) - xp.argmax_last(xp.astype(xp.flip_last(nonzero), "int32"))  # index of the leading digit
-    lead = xp.where(xp.any(nonzero, -1), lead, 0)
-    below = xp.maximum(lead - 1, 0)
+    # (at least 1: a value in the lowest digit alone is the pair (0, that digit); zero is (0, 0))
+    lead = xp.maximum(xp.where(xp.any(nonzero, -1), lead, 0), 1)
     hi = xp.gather_last(ext, lead)
-    lo = xp.where(lead > 0, xp.gather_last(ext, below), 0)
+    lo = xp.gather_last(ext, lead - 1)
     sticky = xp.any(nonzero & (xp.arange(n) < (lead - 1)[..., None]), -1)
     # bit length of hi * 2**32 + lo, or one more: its float64 rounding's exponent (both forms round the
     # exact integer once, to nearest)
@@ -143,8 +143,7 @@ def _round_to_format(mag: Any, name: str, xp: Any) -> Any:
     dropped = xp.where(wide, (lo != 0) | ((hi & ((1 << s_hi) - 1)) != 0), (lo & ((1 << s_lo) - 1)) != 0)
     sticky = sticky | dropped
     m = (kept << 1) | xp.astype(sticky, "int64")  # at most precision + 4 bits: exact in float32
-    exponent = shift - 1 + LIMB_BITS * (xp.where(lead > 0, lead, 1) - 1) + WINDOW_LO
-    exponent = xp.where(lead > 0, exponent, WINDOW_LO)
+    exponent = shift - 1 + LIMB_BITS * (lead - 1) + WINDOW_LO
     value = xp.ldexp(xp.astype(m, "fp64"), exponent)
     return xp.astype(xp.astype(value, "fp32"), name) if name == "bf16" else xp.astype(value, name)
 
