@@ -89,13 +89,17 @@ def test_dropout_masks_continue_after_a_resume(tmp_path):
 PAIRS = sorted(LAYOUTS)
 
 
+SAVED: dict[str, str] = {}  # a layout's checkpoint after step 1, saved once (a save is a function of its scenario)
+
+
 @given(st.sampled_from(PAIRS), st.sampled_from(PAIRS))
 def test_a_checkpoint_resumes_under_any_other_layout(tmp_path_factory, saved_by, resumed_by):
     """Property: saved under one layout after step 1, resumed under another, the resumed run equals the
     single-device uninterrupted run byte for byte (its verification), which every layout equals."""
-    folder = str(tmp_path_factory.mktemp("ck"))
-    run_scenario(scenario(saved_by, f"run.save_checkpoint={folder!r}", steps=1))
-    resumed, rest = outputs(scenario(resumed_by, f"run.resume={folder!r}", steps=2))
+    if saved_by not in SAVED:
+        SAVED[saved_by] = str(tmp_path_factory.mktemp("ck"))
+        run_scenario(scenario(saved_by, f"run.save_checkpoint={SAVED[saved_by]!r}", steps=1))
+    resumed, rest = outputs(scenario(resumed_by, f"run.resume={SAVED[saved_by]!r}", steps=2))
     v = resumed.report["verification"]
     assert v["bit_exact"], (saved_by, resumed_by, v["mismatches"])
     assert "loss[1]" in rest and "loss[0]" not in rest
