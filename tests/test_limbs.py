@@ -87,3 +87,26 @@ def test_rounding_is_correct_down_to_the_lowest_digit(name, digits, top, keep):
     value = sum(Fraction(d) * Fraction(2) ** (limbs.WINDOW_LO + limbs.LIMB_BITS * i) for i, d in enumerate(row))
     got = limbs.to_float(np.array([row], np.int64), FORMATS[name][2])[0]
     assert float(got) == _nearest(value, name)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@given(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=16), min_size=1, max_size=20), st.integers(-130, 10),
+       st.integers(-3, 3))
+def test_ties_and_what_lies_a_digit_beside_them_round_as_the_rational_does(name, values, scale, nudge):
+    """Halfway between two neighbours of the format (a sum of two values often is), or 2**-160 either side
+    of halfway: float64 cannot tell these apart, so the rounding must come from the digits. Each rounds to
+    nearest, ties to even, as the exact rational does (a float64 value taken at its word at a tie fails)."""
+    _, _, dt = FORMATS[name]
+    with np.errstate(over="ignore", invalid="ignore"):  # (fp16's overflows to inf are dropped below)
+        x = (np.array(values, np.float64) * 2.0**scale).astype(dt)
+        bits = x.view(np.uint32 if dt is np.float32 else np.uint16)
+        above = (bits + 1).astype(bits.dtype).view(dt)  # the next magnitude (same sign)
+        ties = (x.astype(np.float64) + above.astype(np.float64)) / 2  # exact: two more bits than the format's
+    ok = np.isfinite(ties) & (np.abs(ties) < 2.0**30)
+    row = limbs.from_float64(ties[ok])
+    row[..., 0] += nudge  # +- a few units of the window's lowest digit
+    row = limbs.normalize(row)
+    got = limbs.to_float(row, dt)
+    for r, g in zip(row, got):
+        value = sum(Fraction(int(d)) * Fraction(2) ** (limbs.WINDOW_LO + limbs.LIMB_BITS * i) for i, d in enumerate(r))
+        assert float(g) == _nearest(value, name)

@@ -148,8 +148,38 @@ def _round_to_format(mag: Any, name: str, xp: Any) -> Any:
     return xp.astype(xp.astype(value, "fp32"), name) if name == "bf16" else xp.astype(value, name)
 
 
+_LEAST_EXP = {"fp32": -149, "fp16": -24, "bf16": -133}  # the least subnormal's exponent: the spacing at the bottom
+
+
+def _horner(mag: Any, xp: Any) -> Any:
+    """Non-negative digits' value in float64: each of the five additions (of non-negative numbers)
+    rounds once, so its relative error is below 6 * 2**-53."""
+    acc = xp.astype(mag[..., 0], "fp64")
+    for i in range(1, LIMBS):
+        acc = acc / _RADIX + xp.astype(mag[..., i], "fp64")
+    return xp.ldexp(acc, WINDOW_HI)
+
+
+def _round_via_float64(mag: Any, name: str, xp: Any) -> tuple[Any, Any]:
+    """(r, sure): the magnitude's float64 value v rounded to `name`, and where r is certainly the
+    correct rounding of the exact value: v lies inside r's interval of round-to-nearest (r less half
+    the spacing below it, which halves at a power of two, to r plus half the spacing above) by more
+    than 2**-48 v, far beyond v's error. Nearly every element is sure; the rest go the exact way."""
+    v = _horner(mag, xp)
+    r = xp.astype(v, name)
+    r64 = xp.astype(r, "fp64")
+    p, least = _PRECISION[name], _LEAST_EXP[name] + _PRECISION[name]  # least: the smallest normal's frexp exponent
+    m, e = xp.frexp(r64)  # r64 = m 2**e, m in [0.5, 1); a zero's spacing is the subnormals'
+    e = xp.maximum(xp.where(r64 == 0, least, e), least)
+    up = xp.ldexp(1.0, e - p)
+    down = xp.where((m == 0.5) & (e > least), up / 2, up)
+    tol = v * 2.0**-48
+    return r, (v - (r64 - down / 2) > tol) & ((r64 + up / 2) - v > tol) & xp.isfinite(r64)
+
+
 def to_float(limbs: Any, dtype: Any = np.float32, xp: Any = NUMPY) -> Any:
-    """Round normalized limbs once to `dtype`: correctly rounded for float32, bfloat16 and float16.
+    """Round normalized limbs once to `dtype`: correctly rounded for float32, bfloat16 and float16 --
+    through float64 where that is certainly right, else from the digits (_round_to_format).
 
     float64 results (used only by fast mode and diagnostics) come from Horner's scheme on the
     magnitude, within an ulp.
@@ -159,9 +189,10 @@ def to_float(limbs: Any, dtype: Any = np.float32, xp: Any = NUMPY) -> Any:
     mag = normalize(xp.where(negative[..., None], -limbs, limbs), xp)  # all digits non-negative
     name = dtype_name(dtype)
     if name in _PRECISION:
-        out = _round_to_format(mag, name, xp)
+        out, sure = _round_via_float64(mag, name, xp)
+        if not xp.truth(sure.all()):  # ties (a sum of two values often is one), and what lies within 2**-48 of one
+            unsure = ~sure
+            out[unsure] = _round_to_format(mag[unsure], name, xp)
         return xp.astype(xp.where(negative, -out, out), name)
-    acc = xp.astype(mag[..., 0], "fp64")
-    for i in range(1, LIMBS):
-        acc = acc / _RADIX + xp.astype(mag[..., i], "fp64")
-    return xp.astype(xp.ldexp(xp.where(negative, -acc, acc), WINDOW_HI), name)
+    acc = _horner(mag, xp)
+    return xp.astype(xp.where(negative, -acc, acc), name)
