@@ -63,6 +63,35 @@ def test_simulations_in_worker_processes_give_the_same_table_and_progress(capsys
     assert "--jobs" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_plan_and_a_sweep_on_a_local_ray_cluster_give_what_they_give_here(capsys):
+    """Issue 40: `plan --ray` starts a local Ray cluster, runs the three simulations as its tasks and
+    stops it: the same JSON and progress lines as --jobs 1. `sweep --ray`, in a process already connected
+    to a cluster, runs on it and leaves it running: the same points as here. An address where no cluster
+    answers is one line, at once (not Ray's minutes of retries)."""
+    ray = pytest.importorskip("ray", reason="ray is in the test extra")
+    args = ["plan", "--simulate", "3", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
+    assert main(args + ["--jobs", "1"]) == 0
+    here = capsys.readouterr()
+    assert main(args + ["--ray"]) == 0
+    there = capsys.readouterr()
+    assert there.out == here.out and len(json.loads(there.out)["rows"]) == 3
+    assert there.err.splitlines()[:-1] == here.err.splitlines()[:-1]  # (the last: the estimate's rate)
+    assert not ray.is_initialized()  # the plan's own cluster, stopped
+    sweep = ["sweep", "--key", "parallel.zero", "--values", "0,3,4", "--json", "--set", "run.numerics=meta"]
+    assert main(sweep) == 0
+    points = capsys.readouterr().out
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        assert main(sweep + ["--ray", "auto"]) == 0
+        assert capsys.readouterr().out == points and ray.is_initialized()  # joined, and left running
+    finally:
+        ray.shutdown()
+    assert '"refused": ""' in points and "parallel.zero" in points  # (4: a refused point, as here)
+    assert main(args + ["--ray", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--ray 127.0.0.1:1: no Ray cluster answers there" in err and len(err.strip().splitlines()) == 1
+
+
 def test_plan_command_json_is_deterministic_and_says_when_nothing_fits(capsys):
     args = ["plan", "--simulate", "1", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
     assert main(args) == 0
@@ -251,7 +280,7 @@ def test_a_plan_that_cannot_finish_here_is_refused_before_it_simulates(monkeypat
     sc = load(None, SMALL)
     chosen = []
 
-    def simulated(scenarios, fold, jobs, announce):
+    def simulated(scenarios, fold, jobs, announce, ray=None):
         chosen.extend(scenarios)
         raise RuntimeError("simulated")
 

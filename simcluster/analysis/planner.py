@@ -16,13 +16,12 @@ The estimate only chooses what to simulate: every figure in the table is the sim
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
 from simcluster.analysis.estimate import BUBBLE, Estimate, Layout, estimate
+from simcluster.analysis.workers import in_order
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.numerics.divisors import divisors
 from simcluster.parallel.parallelism import DISPATCHERS
@@ -138,10 +137,11 @@ def bottleneck(report: dict[str, Any]) -> str:
 
 
 def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, Layout], None] | None = None,
-           fold: bool = True, fixed: dict[str, tuple[Any, ...]] | None = None, jobs: int = 1) -> Search:
+           fold: bool = True, fixed: dict[str, tuple[Any, ...]] | None = None, jobs: int = 1,
+           ray: str | None = None) -> Search:
     """Estimate every layout (those with the `fixed` values), simulate the `simulate` best that fit,
-    best first; `jobs` simulations at a time, each in a process of its own (the same rows, in the same
-    order, however many)."""
+    best first; `jobs` simulations at a time, each in a process of its own, or as tasks on a Ray cluster
+    (`ray`: workers.py): the same rows, in the same order, however they run."""
     if sc.run.program != "transformer":
         raise ScenarioError(f"plan searches layouts of a model: run.program = 'transformer', not {sc.run.program!r}")
     base = replace(sc, run=replace(sc.run, numerics="meta", verify=False, steps=1))
@@ -159,9 +159,9 @@ def search(sc: Scenario, *, simulate: int = 8, on_simulate: Callable[[int, int, 
     stage1 = time.perf_counter() - start
     chosen = distinct_first(fitting, simulate)
     scenarios = [e.layout.scenario(base) for e in chosen]
-    _afford(scenarios, chosen, fold, jobs)
+    _afford(scenarios, chosen, fold, jobs if ray is None else len(scenarios))  # (Ray's cluster: any width)
     announce = None if on_simulate is None else lambda i: on_simulate(i, len(chosen), chosen[i].layout)
-    reports = _simulated(scenarios, fold, jobs, announce)
+    reports = _simulated(scenarios, fold, jobs, announce, ray)
     rows = [Row(e.layout, e, r) for e, r in zip(chosen, reports)]
     rows.sort(key=lambda r: (not r.report["memory"]["fits"], r.report["step_time_ns"], r.layout.label()))
     return Search(examined, len(estimates), len(fitting), stage1, tuple(rows))
@@ -201,26 +201,11 @@ def _report(sc: Scenario, fold: bool) -> dict[str, Any]:
     return run_scenario(sc, fold=fold, trace=False).report
 
 
-def _simulated(scenarios: list[Scenario], fold: bool, jobs: int,
-               announce: Callable[[int], None] | None) -> list[dict[str, Any]]:
-    """Each scenario's report: one after the other, or `jobs` worker processes at a time (taken in
-    order: `announce(i)` as the i-th is waited for)."""
-    if jobs <= 1 or len(scenarios) <= 1:
-        reports = []
-        for i, one in enumerate(scenarios):
-            if announce is not None:
-                announce(i)
-            reports.append(_report(one, fold))
-        return reports
-    # (the platform's own start method: fork on Linux; spawn on macOS, where forking is unsafe)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(scenarios)), mp_context=multiprocessing.get_context()) as pool:
-        futures = [pool.submit(_report, one, fold) for one in scenarios]
-        reports = []
-        for i, future in enumerate(futures):
-            if announce is not None:
-                announce(i)
-            reports.append(future.result())
-        return reports
+def _simulated(scenarios: list[Scenario], fold: bool, jobs: int, announce: Callable[[int], None] | None,
+               ray: str | None = None) -> list[dict[str, Any]]:
+    """Each scenario's report: one after the other, `jobs` worker processes at a time, or as Ray tasks
+    (workers.py; taken in order: `announce(i)` as the i-th is waited for)."""
+    return in_order(_report, scenarios, fold, jobs=jobs, ray=ray, announce=announce)
 
 
 def _capacity(sc: Scenario) -> float:

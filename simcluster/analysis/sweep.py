@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from simcluster.analysis.workers import in_order
 from simcluster.config.scenario import Scenario, ScenarioError, load, parse_override
 from simcluster.engine.errors import SimulationError
 from simcluster.program.comm import ProgramError
@@ -45,28 +46,33 @@ def overrides_for(base: Scenario, key: str, value: str, given: Sequence[str]) ->
 
 
 def sweep(name: str | None, key: str, values: Sequence[str], given: Sequence[str] = (), *, at_scale: bool = False,
-          on_point: Callable[[int, int, str], None] | None = None) -> tuple[Scenario, list[Point]]:
+          on_point: Callable[[int, int, str], None] | None = None, ray: str | None = None) -> tuple[Scenario, list[Point]]:
+    """One point a value, in the values' order: here one after another, or as tasks on a Ray cluster
+    (`ray`: workers.py), `on_point(i, n, value)` as each is waited for."""
     base = load(name, list(given), at_scale=at_scale)
     if base.variants:
         raise ScenarioError(f"scenario {base.name!r} has a [compare] table; sweep one of its variants with "
                             f"--set (a compared key picks one), or a scenario without one")
-    points = []
-    for i, value in enumerate(values):
-        if on_point is not None:
-            on_point(i, len(values), value)
-        try:
-            sc = load(name, overrides_for(base, key, value, given), at_scale=at_scale)
-            report = run_all(sc).report
-        except (ScenarioError, SimulationError, ProgramError) as exc:
-            points.append(Point(value, refused=str(exc).splitlines()[0]))
-            continue
-        v = report["verification"]
-        verdict = "not verified" if not v.get("outputs_compared") else "bit-exact" if v.get("bit_exact") else \
-            "within tolerance" if v.get("passed") else "MISMATCH"
-        m = report["memory"]
-        points.append(Point(value, report["step_time_ns"], m["peak_bytes"], m["fits"], verdict,
-                            capacity_bytes=m["capacity_bytes"], dp=sc.parallel.dp))
+    announce = None if on_point is None else lambda i: on_point(i, len(values), values[i])
+    sets = [overrides_for(base, key, value, given) for value in values]
+    points = in_order(_point, list(zip(values, sets)), name, at_scale, ray=ray, announce=announce)
     return base, points
+
+
+def _point(value_and_sets: tuple[str, list[str]], name: str | None, at_scale: bool) -> Point:
+    """One value's run, or why it could not run."""
+    value, sets = value_and_sets
+    try:
+        sc = load(name, sets, at_scale=at_scale)
+        report = run_all(sc).report
+    except (ScenarioError, SimulationError, ProgramError) as exc:
+        return Point(value, refused=str(exc).splitlines()[0])
+    v = report["verification"]
+    verdict = "not verified" if not v.get("outputs_compared") else "bit-exact" if v.get("bit_exact") else \
+        "within tolerance" if v.get("passed") else "MISMATCH"
+    m = report["memory"]
+    return Point(value, report["step_time_ns"], m["peak_bytes"], m["fits"], verdict,
+                 capacity_bytes=m["capacity_bytes"], dp=sc.parallel.dp)
 
 
 def capacity(points: list[Point]) -> int | None:

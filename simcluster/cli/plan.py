@@ -32,6 +32,11 @@ def add(sub: Any) -> None:
     plan.add_argument("--jobs", type=int, default=None, metavar="N",
                       help="simulations run at a time, each in a process of its own with its own memory (default: "
                            f"the CPUs, at most {JOBS}); the same table whatever N")
+    plan.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                      help="run the simulations as tasks on a Ray cluster: alone, a local one started for the "
+                           "plan (as ray.init() starts it); with an address, a running one (auto, or "
+                           "ray://HEAD:10001), to which this simcluster is shipped. Needs pip install "
+                           "'simcluster[ray]'; the same table as without")
     plan.add_argument("--json", action="store_true", help="print the search as one JSON document instead")
     plan.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUES",
                       help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
@@ -69,7 +74,7 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
                 err.print(f"simulating {i + 1} of {n}: {layout.label()}", highlight=False, soft_wrap=True)
 
         found = search(scenario, simulate=args.simulate, on_simulate=on_simulate, fold=args.fold, fixed=fixed,
-                       jobs=jobs)
+                       jobs=jobs, ray=args.ray)
     if not found.rows:
         if not found.valid:
             err.print(f"[bold red]error:[/] no valid layout of {scenario.name!r} among the {found.examined} "

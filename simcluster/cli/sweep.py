@@ -25,6 +25,10 @@ def add(sub: Any) -> None:
     sweep.add_argument("--values", required=True, help="its values, comma-separated, e.g. 1,2,4,8")
     sweep.add_argument("--svg", metavar="FILE", help="also write the chart as SVG")
     sweep.add_argument("--json", action="store_true", help="print the points as JSON instead")
+    sweep.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run the points as tasks on a Ray cluster: alone, a local one started for the sweep; "
+                            "with an address, a running one (auto, or ray://HEAD:10001). Needs pip install "
+                            "'simcluster[ray]'; the same points as without")
     sweep.set_defaults(command_of=command)
 
 
@@ -42,7 +46,8 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
         if err.is_terminal:
             err.print(f"({i + 1}/{n}) {args.key}={value}", markup=False, highlight=False)
 
-    base, points = sweep(args.scenario, args.key, values, args.overrides, at_scale=args.at_scale, on_point=said)
+    base, points = sweep(args.scenario, args.key, values, args.overrides, at_scale=args.at_scale, on_point=said,
+                         ray=args.ray)
     if args.json:
         sys.stdout.write(document(as_json(args.key, points)) + "\n")
     else:
