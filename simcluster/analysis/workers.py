@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import socket
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from simcluster.config.scenario import ScenarioError
@@ -52,8 +53,6 @@ def _on_ray(fn: Callable[..., Any], items: Sequence[Any], args: tuple, address: 
     except ImportError:
         raise ScenarioError("--ray needs Ray, which is not installed here: pip install 'simcluster[ray]' "
                             "(or without --ray, the simulations run in local processes)") from None
-    import simcluster
-
     started = not ray.is_initialized()
     if started:
         _reachable(address)
@@ -62,7 +61,7 @@ def _on_ray(fn: Callable[..., Any], items: Sequence[Any], args: tuple, address: 
                 ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
             else:
                 ray.init(address=address, log_to_driver=False, logging_level="ERROR",
-                         runtime_env={"py_modules": [simcluster]})
+                         runtime_env={"py_modules": [str(Path(__file__).resolve().parents[1])]})  # (simcluster/)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ScenarioError(f"--ray {address}: could not start or join a Ray cluster: "
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
