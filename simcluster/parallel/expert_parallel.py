@@ -151,6 +151,7 @@ class AllGather:
         return np.concatenate([index(q, rq, rq.bounds[e], rq.bounds[e + 1]) for q, rq in enumerate(routes)])
 
     def _join(self, parts: list[Any]) -> Any:
+        """Index arrays (host) joined end to end (meta mode: their count)."""
         if self.ctx.ops.mode is Mode.META:
             return MetaTensor((sum(p.shape[0] for p in parts),), "int64")
         return np.concatenate(parts)

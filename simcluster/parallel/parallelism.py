@@ -22,6 +22,7 @@ from typing import Any
 
 
 from simcluster.numerics.divisors import divisors, listed
+from simcluster.parallel import expert_parallel
 from simcluster.parallel.data_parallel import TrainingConfig
 from simcluster.parallel.pipeline_schedules import PipelineShape, Schedule
 from simcluster.parallel.pipeline_schedules import check as check_schedule
@@ -29,7 +30,7 @@ from simcluster.parallel.pipeline_schedules import check as check_schedule
 ATTENTIONS = ("ulysses", "ring", "allgather", "rsa")
 CP_ALIKE = ("ulysses", "allgather")  # attentions whose cp ranks run the same shapes (`alike`; Ulysses: given own kv heads)
 ZERO_OVER = ("dp_cp", "dp")
-DISPATCHERS = ("alltoall", "allgather")  # expert parallelism's token dispatchers (expert_parallel.py)
+DISPATCHERS = tuple(expert_parallel.DISPATCHERS)  # expert parallelism's token dispatchers, by name
 
 
 @dataclass(frozen=True)
