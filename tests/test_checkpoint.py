@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simcluster.checkpoint import CheckpointError, read_manifest, resolve
@@ -92,10 +92,13 @@ PAIRS = sorted(LAYOUTS)
 SAVED: dict[str, str] = {}  # a layout's checkpoint after step 1, saved once (a save is a function of its scenario)
 
 
+@settings(max_examples=max(12, settings.default.max_examples // 2))
 @given(st.sampled_from(PAIRS), st.sampled_from(PAIRS))
 def test_a_checkpoint_resumes_under_any_other_layout(tmp_path_factory, saved_by, resumed_by):
     """Property: saved under one layout after step 1, resumed under another, the resumed run equals the
-    single-device uninterrupted run byte for byte (its verification), which every layout equals."""
+    single-device uninterrupted run byte for byte (its verification), which every layout equals. (Half
+    the profile's examples, 1 s each here: the issue's named changes are the test below; the thorough
+    profile draws 125 of the 196 pairs.)"""
     if saved_by not in SAVED:
         SAVED[saved_by] = str(tmp_path_factory.mktemp("ck"))
         run_scenario(scenario(saved_by, f"run.save_checkpoint={SAVED[saved_by]!r}", steps=1))

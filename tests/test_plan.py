@@ -64,17 +64,17 @@ def test_simulations_in_worker_processes_give_the_same_table_and_progress(capsys
 
 
 def test_a_plan_and_a_sweep_on_a_local_ray_cluster_give_what_they_give_here(capsys):
-    """Issue 40: `plan --ray` starts a local Ray cluster, runs the three simulations as its tasks and
+    """Issue 40: `plan --ray` starts a local Ray cluster, runs the two simulations as its tasks and
     stops it: the same JSON and progress lines as --jobs 1. `sweep --ray`, in a process already connected
     to a cluster, runs on it and leaves it running: the same points as here. An address where no cluster
     answers is one line, at once (not Ray's minutes of retries)."""
     ray = pytest.importorskip("ray", reason="ray is in the test extra")
-    args = ["plan", "--simulate", "3", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
+    args = ["plan", "--simulate", "2", "--json"] + [x for kv in SMALL for x in ("--set", kv)]
     assert main(args + ["--jobs", "1"]) == 0
     here = capsys.readouterr()
     assert main(args + ["--ray"]) == 0
     there = capsys.readouterr()
-    assert there.out == here.out and len(json.loads(there.out)["rows"]) == 3
+    assert there.out == here.out and len(json.loads(there.out)["rows"]) == 2
     assert there.err.splitlines()[:-1] == here.err.splitlines()[:-1]  # (the last: the estimate's rate)
     assert not ray.is_initialized()  # the plan's own cluster, stopped
     sweep = ["sweep", "--key", "parallel.zero", "--values", "0,3,4", "--json", "--set", "run.numerics=meta"]
