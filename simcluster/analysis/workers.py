@@ -23,18 +23,14 @@ def in_order(fn: Callable[..., Any], items: Sequence[Any], *args: Any, jobs: int
     if ray is not None:
         return _on_ray(fn, items, args, ray, announce)
     if jobs <= 1 or len(items) <= 1:
-        out = []
-        for i, item in enumerate(items):
-            if announce is not None:
-                announce(i)
-            out.append(fn(item, *args))
-        return out
+        return _waited(list(items), lambda item: fn(item, *args), announce)
     # (the platform's own start method: fork on Linux; spawn on macOS, where forking is unsafe)
     with ProcessPoolExecutor(max_workers=min(jobs, len(items)), mp_context=multiprocessing.get_context()) as pool:
         return _waited([pool.submit(fn, item, *args) for item in items], lambda f: f.result(), announce)
 
 
 def _waited(handles: list[Any], result: Callable[[Any], Any], announce: Callable[[int], None] | None) -> list[Any]:
+    """result(handle) for each, in order, announce(i) before the i-th is waited for."""
     out = []
     for i, handle in enumerate(handles):
         if announce is not None:

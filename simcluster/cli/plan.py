@@ -41,7 +41,7 @@ def add(sub: Any) -> None:
     plan.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUES",
                       help="search only layouts whose FIELD takes one of VALUES (comma-separated), e.g. "
                            "--fix cp=1 --fix zero=0,1 --fix recompute=full; fields: tp, pp, cp, dp, zero, "
-                           "micro_batch, recompute, schedule, virtual (the interleaved schedule's chunks a "
+                           "micro_batch, recompute, schedule, ep, dispatcher (alltoall, allgather), virtual (the interleaved schedule's chunks a "
                            "stage; 2 unless fixed), sp (1: sequence parallelism with tp, the default; 0: without, "
                            "as Megatron-LM before 2022)")
     plan.set_defaults(command_of=command)

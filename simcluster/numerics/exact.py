@@ -1,14 +1,16 @@
-"""Exact sums of products, fast: slices on a fixed grid, float64 BLAS, integer limbs.
+"""Exact sums of products, fast: slices of beta-bit integers, float64 BLAS, integer limbs.
 
-Every float32 operand is cut into slices of beta-bit integers on an absolute grid of powers of two:
+Every float32 operand is first truncated toward zero to a multiple of 2**lo, an absolute grid (the
+same for every rank, every shard, every shape), then cut into slices of beta-bit integers:
 
-    x = sum_s X_s * 2**(lo + s*beta),   X_s integers with |X_s| < 2**beta
+    x = sum_s X_s * 2**(lo' + s*beta),   X_s integers with |X_s| < 2**beta
 
-(after truncating x toward zero to a multiple of 2**lo). A product of two slices summed over k terms
-is a sum of integers below k * 2**(2*beta) <= 2**53, so float64 BLAS computes it exactly, in any
-order. Each such exact integer goes into the limbs at its weight. The grid is absolute (the same for
-every rank, every shard, every shape), so any split of the summed dimension, combined in any order,
-gives the same limbs: this is what makes tensor, sequence and data parallel sums bit-exact.
+where lo' >= lo is where the array's own bits begin (`slices`): a choice of cut, not of value. A
+product of two slices summed over k terms is a sum of integers below k * 2**(2*beta) <= 2**53, so
+float64 BLAS computes it exactly, in any order. Each such exact integer goes into the limbs at its
+weight. What each element contributes depends only on it and the absolute grid, so any split of the
+summed dimension, combined in any order, gives the same limbs: this is what makes tensor, sequence and
+data parallel sums bit-exact.
 
 Products: operands are truncated to multiples of 2**-80 (PRODUCT_LO) so that every product lands in
 the limb window (2**-160). Values below 2**-80 in a matmul operand contribute nothing; that is a
