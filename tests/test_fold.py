@@ -7,7 +7,7 @@ import pytest
 from simcluster.cli import main
 from simcluster.config.scenario import load
 from simcluster.engine import simulate
-from simcluster.engine.fold import fold_for
+from simcluster.engine.fold import Fold, fold_for
 from simcluster.model.config import ModelConfig
 from simcluster.numerics.tensor import MetaTensor
 from simcluster.parallel.composed import composed
@@ -30,6 +30,9 @@ FOLDING = [
     ("sequence_volume", ["cluster.gpus_per_node=2", "cluster.nodes=4"]),  # Ulysses' cp over two nodes
     ("llama3_4d", ["parallel.attention=ulysses", "model.kv_heads=4"]),  # GQA, a cp rank's own kv heads
     ("llama3_4d", ["parallel.pp=1", "parallel.cp=4", "run.clip_grad=0"]),  # all-gather CP's peers in a node
+    # plan's best at scale in miniature: tp 2 x cp 8 over two nodes a replica, ZB-V, ZeRO-1 over dp x cp
+    ("llama3_4d", ["parallel.cp=8", "cluster.nodes=8", "parallel.schedule=zb-v", "parallel.zero=1",
+                   "model.global_batch=8", "model.seq=64"]),
     ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
     ("tp_cliff", []),  # TP inside a node (folds), TP across nodes (does not)
 ]
@@ -76,9 +79,10 @@ def test_the_comparison_catches_a_fold_over_ranks_that_differ():
     assert forced.full_trace().to_jsonl() != unfolded.trace.to_jsonl()
 
 
-def test_a_collective_that_is_not_symmetric_runs_unfolded():
+def test_a_collective_that_is_not_symmetric_runs_unfolded(monkeypatch):
     """A broadcast from rank 0 over dp is a chain that starts at one replica: not the same in every
-    block. The run notices, runs unfolded, and says why."""
+    block, nor does each block's ports carry what the first's do. The run notices, runs unfolded, and
+    says why."""
     def prog(ctx):
         x = MetaTensor((1024,), "fp32")
         yield ctx.comm.all_reduce(x, group=ctx.mesh.dp)
@@ -89,6 +93,10 @@ def test_a_collective_that_is_not_symmetric_runs_unfolded():
     plain = simulate(prog, mesh=mesh, cluster=spec, mode="meta")
     assert run.fold is None and "broadcast" in run.unfolded_because
     assert run.trace.to_jsonl() == plain.trace.to_jsonl()
+    # the ports check is what refuses it: without, the fold goes ahead and times another run
+    monkeypatch.setattr(Fold, "_ports_alike", lambda *args: None)
+    forced = simulate(prog, mesh=mesh, cluster=spec, mode="meta", fold=("dp",))
+    assert forced.fold is not None and forced.full_trace().to_jsonl() != plain.trace.to_jsonl()
 
 
 def test_where_a_layout_folds():
@@ -144,8 +152,9 @@ def test_context_parallel_peers_fold_under_ulysses_and_all_gather_attention_only
     """Ulysses gives every cp rank the same shapes: with one cp group a node, one rank stands for its
     node's four (and the other node's); so does all-gather attention (every rank attends its two zigzag
     chunks to all the keys); ring attention gives each rank other blocks of the mask, and
-    its cp peers run. Where a ring through a node's tp and cp ranks cannot be its own image under
-    both rotations (llama3_4d's world all-reduce), the run folds dp and tp, and says why not cp."""
+    its cp peers run. A ring through a node's tp and cp ranks in node order is not its own image under
+    the cp rotation (llama3_4d's world all-reduce; ZeRO over dp x cp across nodes), but every port
+    carries what its representative's does: cp folds with tp too."""
     sc = load("sequence_volume", ["run.numerics=meta", "cluster.gpus_per_node=4", "cluster.nodes=2"])
     runs = dict(run_all(sc, fold=True).variants)
     ulysses, ring = (runs[f"tp=1, cp=4, sp=false, attention={a}"].result for a in ("ulysses", "ring"))
@@ -154,5 +163,5 @@ def test_context_parallel_peers_fold_under_ulysses_and_all_gather_attention_only
     gathered = run_all(load("llama3_4d", ["run.numerics=meta", "parallel.pp=1", "parallel.cp=4", "run.clip_grad=0"]))
     assert gathered.result.fold.cp_local == 4 and gathered.result.fold.copies == 16  # one rank of 16 runs
     mixed = run_all(load("llama3_4d", ["run.numerics=meta", "parallel.attention=ulysses", "model.kv_heads=4"]))
-    assert mixed.result.fold.tp and not mixed.result.fold.cp_local
-    assert "does not move the same bytes" in mixed.result.unfolded_because
+    assert mixed.result.fold.tp and mixed.result.fold.cp_local == 2 and mixed.result.unfolded_because == ""
+    assert mixed.result.fold.copies == 8

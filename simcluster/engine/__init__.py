@@ -85,8 +85,7 @@ def simulate(program: Program | Sequence[Program], *args: Any, mesh: DeviceMesh,
             raise ValueError(f"folding replicas needs meta mode (in {Mode(mode).value} mode they hold different "
                              f"numbers)")
         # Fold along every axis given; where the run is not symmetric along ep (a skewed routing), without
-        # it; where not along cp (a ring through a node's tp and cp ranks cannot be its own image under
-        # both rotations), along dp and tp; where not along tp either, along dp alone.
+        # it; where not along cp either (fold.py's checks), along dp and tp; where not along tp, dp alone.
         attempts, axes = [fold], fold
         for axis in ("ep", "cp", "tp"):
             if axis in axes and (axis != "tp" or "dp" in fold):

@@ -15,14 +15,16 @@ and each is a symmetry of the whole run:
   that spans dp (tp, cp) onto itself;
 - of the cluster: every link is one rank's port (cluster.py) and nodes are mapped onto nodes, so
   NVLink onto NVLink and NIC onto NIC;
-- of each collective's phases over a group it maps onto itself: its rings onto themselves (checked
-  for every collective, `FoldError` otherwise: a chain from a root is not). The ep rotation is the
-  exception: it does not map the data-parallel ring onto itself (the ring steps from one ep group
-  into the next), so for it the check is the weaker one that the replay needs: every member's port
-  sends and receives the same flows (bytes, inside a node or not) as its image's, and the flows the
-  replay moves into each representative's port are the ones that port receives unfolded. Every port
-  then carries the same number of flows of each size at every instant, and the max-min rates, which
-  depend on nothing else where every link is one port, are the same.
+- of each collective's phases over a group it maps onto itself: its rings onto themselves, or, where
+  they are not (a ring that visits nodes in order is not mapped onto itself when the cp positions of
+  a node are rotated, nor the data-parallel ring when the ep groups are: it steps from one into the
+  next), the weaker property that the replay needs: every member's port sends and receives the same
+  flows (bytes, inside a node or not) as its representative's, and the flows the replay moves into
+  each representative's port are the ones that port receives unfolded (`FoldError` otherwise: a
+  chain from a root has neither). Mapping each flow to the one its representative sends is then a
+  bijection at every port; the max-min rates of the simulated ports, each flow's limited by a full
+  link on which no flow runs faster, carried over by it keep that property, and max-min rates are
+  the only rates that have it: they are the unfolded run's.
 So the unfolded run is symmetric at every instant, and only the representatives (dp index below
 `block`, tp index 0, cp index 0) run:
 - their programs run; a call completes when its simulated members have issued it (a folded member's
@@ -193,16 +195,16 @@ class Fold:
             t, c = self.mesh.sizes["tp"], self.mesh.sizes["cp"]
             movers += [t] if self.cp_local > 1 else []  # the cp rotation by one inside a node
             movers += [self.cp_local * t] if c > self.cp_local else []  # and by a node's worth
+        if self.ep:
+            movers.append(self.replica)  # the ep rotation by one
         for of in movers:
             if {self.image(m, of) for m in members} != group:
                 continue  # mapped onto another group: that one's call is not simulated
             for phase in phases:
                 flows = set(phase.flows)
                 if any((self.image(s, of), self.image(d, of), b) not in flows for s, d, b in flows):
-                    raise FoldError(f"{kind} on {where} does not move the same bytes in every folded copy")
-        if self.ep and {self.image(m, self.replica) for m in members} == group:
-            for phase in phases:
-                self._ports_alike(members, phase.flows, where, kind)
+                    # (not its own image: a ring in node order under the cp or ep rotation)
+                    self._ports_alike(members, phase.flows, where, kind)
 
     def even_rows(self, op: Any, where: str) -> None:
         """An uneven all_to_all whose folded members' sends are their representative's: only where it
@@ -213,8 +215,9 @@ class Fold:
 
     def _ports_alike(self, members: tuple[int, ...], flows: Iterable[tuple[int, int, float]], where: str,
                      kind: str) -> None:
-        """The ep rotation's check (the module docstring): every member's ports carry what its
-        representative's do, and each representative's port receives, folded, what it receives."""
+        """The weaker check (the module docstring), for phases that are not their own image: every
+        member's ports carry what its representative's do, and each representative's port receives,
+        folded, what it receives."""
         gpn = self.gpus_per_node
         out: dict[int, list] = {m: [] for m in members}
         into: dict[int, list] = {m: [] for m in members}
@@ -224,6 +227,8 @@ class Fold:
             out[s].append(what)
             into[d].append(what)
             if self.is_rep[s]:
+                if self.rep(d) not in moved:
+                    raise FoldError(f"{kind} on {where} sends from a representative out of its group's folded copies")
                 moved[self.rep(d)].append(what)
         for m in members:
             r = self.rep(m)
