@@ -12,11 +12,12 @@ else the CPU):
   AdamW) over their time, less each kernel's launch; a plain copy's rate beside it;
 - the time of the smallest kernel (a one-element add: launch and dispatch overhead);
 - on a CPU, every other kernel of a training step as the program calls it: a real step of a small GPT
-  and of a small Llama on the kernel set, each call timed (step_profile.py) and its time put on the
-  kernels it records (the median of five such profiles), so each gets the rate it reaches in a step (GELU's backward, the norms, the fused
-  attention: 0.3 to 16 GB/s on this CPU against the mix's 4), not the mix's average; GEMMs and the
-  kernels over weight-sized tensors keep the figures measured for them apart (on a GPU, where a call
-  returns before its kernel runs, those kernels keep the elementwise bandwidth: `stepped`);
+  and of a small Llama of two widths on the kernel set, each call timed (step_profile.py) and its time
+  put on the kernels it records (the median of five such profiles), so each gets the rate it reaches in
+  a step at two sizes (GELU's backward, the norms, the fused attention: 0.3 to 16 GB/s on this CPU
+  against the mix's 4), not the mix's average; GEMMs and the kernels over weight-sized tensors keep
+  the figures measured for them apart, also at two sizes (on a GPU, where a call returns before its
+  kernel runs, those kernels keep the elementwise bandwidth: `stepped`);
 - all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
   over the ring's 2(p-1) steps the latency per step.
@@ -41,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
-from gpu_backend.step_profile import REPEATS, step_rates
+from gpu_backend.step_profile import REPEATS, WIDTHS, step_rates
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.config.options import say_error
 from simcluster.topology import profile as _profile
@@ -59,10 +60,11 @@ class Grid:
     copy_bytes: int
     message_bytes: tuple[int, ...]
     repeats: int  # timings each figure is the median of; on a CPU, also the step profiles taken
+    widths: tuple[int, ...] = WIDTHS  # (a CPU's) the model widths the step profile is taken at
 
 
 GRIDS = {  # (device type, quick)
-    ("cpu", True): Grid((64, 256), ((8, 128, 64),), 16 << 20, tuple(1 << e for e in range(12, 21, 2)), 3),
+    ("cpu", True): Grid((64, 256), ((8, 128, 64),), 16 << 20, tuple(1 << e for e in range(12, 21, 2)), 3, (256, 512)),
     ("cpu", False): Grid((64, 256, 1024), ((16, 128, 64), (16, 512, 64)), 64 << 20,
                          tuple(1 << e for e in range(12, 25, 2)), 5),
     ("cuda", True): Grid((256, 1024, 4096), ((32, 1024, 128),), 256 << 20, tuple(1 << e for e in range(16, 27, 2)), 5),
@@ -164,27 +166,29 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
     time, less a launch), where their rates are far from the mix's: those a step runs on tensors the
     size of the weights -- the fused AdamW (one pass over four fp32 tensors), the new master weights
     cast to the working dtype, the gradients flattened into a bucket -- and the weights' initialisation
-    (the counter-based generator: some twenty integer passes for each element it charges one write)."""
+    (the counter-based generator: some twenty integer passes for each element it charges one write);
+    each at two sizes, a sixteenth of the copy's and the copy's (a run's kernel at the rate between)."""
     charged: list[tuple[str, float]] = []
     ops = TorchFastOps(device, lambda name, work, nbytes: charged.append((name, nbytes)), cost_dtype=dtype)
-    n = grid.copy_bytes // 4  # (weight-sized: far more than a cache holds)
-    p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
-    v = v.abs()
-    half = [t.to(TORCH_DTYPES[dtype]) for t in (m[: n // 2], v[: n // 2])]
-    cases = {"adam": lambda: ops.adam(p, g, m, v, 3, lr=1e-3, weight_decay=0.01, donate=True),
-             "cast": lambda: _casts(ops, g[: n // 2], dtype, half),
-             "flatten": lambda: ops.flat(half),
-             "uniform": lambda: ops.uniform(7, "weights", (n // 2,))}
     out = []
-    for name, fn in cases.items():
-        fn()
-        charged.clear()
-        fn()
-        calls = [b for k, b in charged if k == name]
-        if not calls or len(calls) != len(charged):  # (it must record that kernel alone)
-            continue
-        seconds = timed(fn, grid.repeats)
-        out.append(_profile.Kernel(name, dtype, sum(calls) / max(seconds - len(calls) * overhead_s, seconds / 2) / 1e9))
+    for n in (grid.copy_bytes // 64, grid.copy_bytes // 4):  # (weight-sized: a cache's worth, far more)
+        p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
+        v = v.abs()
+        half = [t.to(TORCH_DTYPES[dtype]) for t in (m[: n // 2], v[: n // 2])]
+        cases = {"adam": lambda: ops.adam(p, g, m, v, 3, lr=1e-3, weight_decay=0.01, donate=True),
+                 "cast": lambda: _casts(ops, g[: n // 2], dtype, half),
+                 "flatten": lambda: ops.flat(half),
+                 "uniform": lambda: ops.uniform(7, "weights", (n // 2,))}
+        for name, fn in cases.items():
+            fn()
+            charged.clear()
+            fn()
+            calls = [b for k, b in charged if k == name]
+            if not calls or len(calls) != len(charged):  # (it must record that kernel alone)
+                continue
+            seconds = timed(fn, grid.repeats)
+            out.append(_profile.Kernel(name, dtype, sum(calls) / max(seconds - len(calls) * overhead_s, seconds / 2) / 1e9,
+                                       sum(calls) / len(calls)))
     return out
 
 
@@ -227,7 +231,7 @@ def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[
     memory = elementwise_rate(device, grid, timed, overhead)
     sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
     measured = [k for dt in ("fp32",) + (("bf16",) if sixteen else ()) for k in kernel_rates(device, grid, timed, overhead, dt)]
-    measured += [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in measured if k.dtype == "bf16"]
+    measured += [replace(k, dtype="fp16") for k in measured if k.dtype == "bf16"]
     gemm: list[Gemm] = []
     shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
     for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
@@ -264,7 +268,7 @@ def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc: int, kind: str, timeout_s: float,
-            say: Callable[[str], None], repeats: int = REPEATS) -> list[_profile.Kernel]:
+            say: Callable[[str], None], repeats: int = REPEATS, widths: Sequence[int] = WIDTHS) -> list[_profile.Kernel]:
     """A training step's kernels at the rates they reach as the program calls them (step_profile.py), on a
     CPU. Not on a GPU: a call returns when its kernel is queued, so timing the calls times the launches,
     and a small step's kernels are all launch. On an H100 (2026-11-27) such rates (flash attention at
@@ -274,11 +278,12 @@ def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc:
         say("  a training step's kernels: at the elementwise bandwidth (a GPU's calls return before their "
             "kernels run: timing them would time the launches)")
         return []
-    say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama)")
+    say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama of width "
+        f"{' and '.join(map(str, widths))})")
     runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
-    per_rank = in_processes(step_rates, (overhead, runs, nproc, repeats), nproc, kind, timeout_s=timeout_s)
+    per_rank = in_processes(step_rates, (overhead, runs, nproc, repeats, tuple(widths)), nproc, kind, timeout_s=timeout_s)
     out = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
-    return out + [_profile.Kernel(k.name, "fp16", k.gbyte_per_s) for k in out if k.dtype == "bf16"]
+    return out + [replace(k, dtype="fp16") for k in out if k.dtype == "bf16"]
 
 
 def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),
@@ -307,7 +312,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     else:
         got = _measure(device, grid, tuple(dtypes))
     overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
-    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say, grid.repeats) + list(measured)
+    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say, grid.repeats, grid.widths) + list(measured)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))

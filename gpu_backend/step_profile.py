@@ -94,22 +94,29 @@ class TimedKernels:
             self.calls[name] = self.calls.get(name, 0) + 1
 
 
-def step_sets(arch: str, dtype: str, ranks: int) -> list[str]:
-    """The step a profile is measured on: a small model of `arch` (one block, hidden 512, 256 tokens a
-    rank) in data parallelism over the calibrated ranks, fast mode, two steps."""
-    sets = ["model.hidden=512", "model.layers=1", "model.heads=8", "model.ffn_hidden=2048", "model.seq=256",
+# The widths a step profile is measured at: head dimensions 32 and 128 (8 heads), a kernel's calls some 16x
+# apart in bytes. One width (512) left the fused attention 2.1x slower than charged at head dimension 32
+# and 0.6x at 128 (prediction_breakdown.py, 2026-11-27): a kernel's rate grows with its size, and a kernel
+# measured at two sizes is charged at the rate interpolated for its own (profile.kernel_rate).
+WIDTHS = (256, 1024)
+
+
+def step_sets(arch: str, dtype: str, ranks: int, hidden: int = 512) -> list[str]:
+    """The step a profile is measured on: a small model of `arch` (one block of `hidden` with 8 heads, 256
+    tokens a rank) in data parallelism over the calibrated ranks, fast mode, two steps."""
+    sets = [f"model.hidden={hidden}", "model.layers=1", "model.heads=8", f"model.ffn_hidden={4 * hidden}", "model.seq=256",
             "model.vocab=2048", f"model.global_batch={ranks}", f"model.dtype={dtype}", "model.tied_head=false",
             "run.numerics=fast", f"parallel.dp={ranks}", f"cluster.gpus_per_node={ranks}", "run.verify=false",
             "run.steps=2"]
     return sets + (["model.arch=llama", "model.kv_heads=4"] if arch == "llama" else [])
 
 
-def timed_steps(device: torch.device, dtype: str, ranks: int) -> TimedKernels:
+def timed_steps(device: torch.device, dtype: str, ranks: int, hidden: int = 512) -> TimedKernels:
     """(In each rank's process.) The calls of a `dtype` training step of a GPT and of a Llama (`step_sets`),
     timed and summed, each kernel's bytes as the emulator charges them in a run of that dtype."""
     timed = TimedKernels()
     for arch in ("gpt", "llama"):
-        job = job_of(load(None, step_sets(arch, dtype, ranks)), fold=False)
+        job = job_of(load(None, step_sets(arch, dtype, ranks, hidden)), fold=False)
         measured(job.program, job.args, job.mesh, mode="fast", device=device, kernels=timed.wrap, cost_dtype=dtype)
     return timed
 
@@ -118,25 +125,30 @@ REPEATS = 5  # step profiles a calibration takes; each kernel's rate is the medi
 
 
 def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int,
-               repeats: int = REPEATS) -> list[Any]:
+               repeats: int = REPEATS, widths: Sequence[int] = WIDTHS) -> list[Any]:
     """(In each rank's process.) The rate of every kernel a training step calls, timed as the program calls
-    it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`): the bytes the cost model charges
-    each over its time less a launch each, by kernel name and run dtype; the median over `repeats` profiles
-    (one profile's rates moved 0.25x to 6x between two calibrations a minute apart on this shared machine:
-    a call preempted once is a kernel's time several times over). GEMMs and the kernels over weight-sized
+    it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`) of each of `widths`: the bytes
+    the cost model charges each over its time less a launch each, by kernel name, run dtype and the bytes
+    a call (its mean over the step); the median over `repeats` profiles (one profile's rates moved 0.25x to
+    6x between two calibrations a minute apart on this shared machine: a call preempted once is a kernel's
+    time several times over), the widths taken in turn in each. GEMMs and the kernels over weight-sized
     tensors are left to the figures measured for them (`APART`)."""
     out = []
     for dtype in dtypes:
-        rates: dict[str, list[float]] = {}
+        rates: dict[tuple[str, int], list[float]] = {}
+        sizes: dict[tuple[str, int], float] = {}
         for _ in range(repeats):
-            timed = timed_steps(device, dtype, ranks)
-            for name in sorted(timed.seconds):
-                t, nbytes = timed.seconds[name], timed.nbytes[name]
-                if name in APART or nbytes <= 0:
-                    continue
-                rates.setdefault(name, []).append(nbytes / max(t - timed.calls[name] * overhead_s, t / 2) / 1e9)
-        out += [_profile.Kernel(name, dtype, statistics.median(rates[name])) for name in sorted(rates)]
+            for width in widths:
+                timed = timed_steps(device, dtype, ranks, width)
+                for name in sorted(timed.seconds):
+                    t, nbytes, calls = timed.seconds[name], timed.nbytes[name], timed.calls[name]
+                    if name in APART or nbytes <= 0:
+                        continue
+                    rates.setdefault((name, width), []).append(nbytes / max(t - calls * overhead_s, t / 2) / 1e9)
+                    sizes[name, width] = nbytes / calls
+        out += [_profile.Kernel(name, dtype, statistics.median(rates[name, w]), sizes[name, w])
+                for name, w in sorted(rates)]
     return out
 
 
-__all__ = ["APART", "TimedKernels", "step_rates", "step_sets", "timed_steps"]
+__all__ = ["APART", "WIDTHS", "TimedKernels", "step_rates", "step_sets", "timed_steps"]

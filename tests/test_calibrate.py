@@ -289,6 +289,21 @@ def test_a_gpu_takes_no_step_profile(monkeypatch):
     assert len(asked) == 1 and "launches" in said[-1]
 
 
+def test_a_kernel_measured_at_two_sizes_runs_at_the_rate_between_for_its_own(tmp_path):
+    """A step profile measures a kernel at two sizes (4 MB at 2 GB/s, 64 MB at 8 GB/s): a call of 16 MB, a
+    geometric halfway, runs at 4 GB/s (log-linear between them); below the smallest and above the largest, at
+    theirs; a kernel measured without a size at its one rate everywhere. The sizes survive the file."""
+    path = write_profile(tmp_path / "p.toml", kernels=[("gelu", "fp32", 8.0, 64e6), ("gelu", "fp32", 2.0, 4e6),
+                                                       ("adam", "fp32", 5.0)])
+    cluster = Cluster(profile.apply(preset("dgx-a100"), profile.load(path)))
+    assert cluster.kernel_ns(1.0, 16e6, "fp32", "L0/gelu") == 4_000_000  # 16 MB at 4 GB/s
+    assert cluster.kernel_ns(1.0, 1e6, "fp32", "gelu") == 500_000  # at the smallest's 2 GB/s
+    assert cluster.kernel_ns(1.0, 128e6, "fp32", "gelu") == 16_000_000  # at the largest's 8 GB/s
+    assert cluster.kernel_ns(1.0, 16e6, "fp32", "adam") == 3_200_000  # its one rate, 5 GB/s
+    assert cluster.kernel_ns(1.0, 16e6, "fp32", "relu") == 32_000  # not measured: the elementwise 500 GB/s
+    assert profile.kernel_rate(((2.0, 1.0), (4.0, 3.0)), 8.0) == pytest.approx(3 ** 0.5)  # log2 8 = 3, halfway
+
+
 def test_gemm_rate_ties_go_to_the_first_entry():
     g = (Gemm("fp32", 1, 64, 64, 64, 1.0), Gemm("fp32", 1, 256, 256, 256, 2.0))
     p = profile.Profile("x", "x", 1.0, 1.0, 1.0, 0, g)

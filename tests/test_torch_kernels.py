@@ -482,14 +482,30 @@ def test_a_step_profile_takes_each_kernels_median_rate(monkeypatch):
 
     times = iter([1.0, 10.0, 2.0])
 
-    def profile(device, dtype, ranks):
+    def profile(device, dtype, ranks, hidden):
         timed = step_profile.TimedKernels()
         timed.seconds, timed.nbytes, timed.calls = {"gelu": next(times), "adam": 1.0}, {"gelu": 4e9, "adam": 1.0}, \
             {"gelu": 1, "adam": 1}
         return timed
     monkeypatch.setattr(step_profile, "timed_steps", profile)
-    rates = step_profile.step_rates(torch.device("cpu"), 0.0, ("bf16",), 1, repeats=3)
+    rates = step_profile.step_rates(torch.device("cpu"), 0.0, ("bf16",), 1, repeats=3, widths=(512,))
     assert [(k.name, k.dtype, k.gbyte_per_s) for k in rates] == [("gelu", "bf16", 2.0)]  # (adam: measured apart)
+
+
+def test_a_step_profile_rates_each_kernel_at_each_width(monkeypatch):
+    """A kernel's rate depends on its size (the fused attention at head dimension 32 ran 2.1x slower than the
+    one width's rate charged it, at 128 0.6x): the profile is taken at two widths, and each kernel's entry
+    says the bytes it was charged a call there (the step's bytes over its calls)."""
+    from gpu_backend import step_profile
+
+    def profile(device, dtype, ranks, hidden):
+        timed = step_profile.TimedKernels()
+        calls = 3 if hidden == 256 else 2
+        timed.seconds, timed.nbytes, timed.calls = {"gelu": 1.0}, {"gelu": hidden * 1e6}, {"gelu": calls}
+        return timed
+    monkeypatch.setattr(step_profile, "timed_steps", profile)
+    rates = step_profile.step_rates(torch.device("cpu"), 0.0, ("fp32",), 1, repeats=1, widths=(256, 1024))
+    assert [(k.name, k.gbyte_per_s, k.nbytes) for k in rates] == [("gelu", 0.256, 256e6 / 3), ("gelu", 1.024, 512e6)]
 
 
 def test_a_gather_along_the_first_axis_is_the_buffer_it_arrived_in():

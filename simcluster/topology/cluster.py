@@ -18,6 +18,7 @@ import math
 
 from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
 from simcluster.topology.presets import ClusterSpec
+from simcluster.topology.profile import kernel_rate
 
 NVLINK_OUT, NVLINK_IN, NIC_OUT, NIC_IN = range(4)
 PORT_NAMES = ("nvlink-out", "nvlink-in", "nic-out", "nic-in")
@@ -62,7 +63,7 @@ class Cluster:
         sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
         self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
-        self._named = {(k.name, k.dtype): k.gbyte_per_s for k in self.profile.kernels} if self.profile else {}
+        self._named = self.profile.kernel_rates() if self.profile else {}
         # (by name too where the profile times a GEMM writing partial sums apart: GEMM_PARTIAL)
         self.named_rates = bool(self.profile) and (bool(self._named) or any(g.partial for g in self.profile.gemm))
         self.collective_rates = dict(self.profile.collective_rates) if self.profile else {}
@@ -169,7 +170,8 @@ class Cluster:
         of its own size (to a multiple of 16, the tensor cores' step), and a GEMM with fewer tiles
         than SMs splits its k among them (split-K), as cuBLAS does for narrow products. With a measured
         profile, a GEMM runs at the rate measured for the shape nearest it instead, and a kernel the profile
-        measured by name (`name`, past its label; in a run of `dtype`) at the bandwidth measured for it."""
+        measured by name (`name`, past its label; in a run of `dtype`) at the bandwidth measured for it at its
+        size (`profile.kernel_rate`)."""
         if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
             batch, m, n, k = work
             partial = name.rpartition("/")[2] in (GEMM_PARTIAL, EINSUM_PARTIAL)
@@ -186,8 +188,10 @@ class Cluster:
             rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
         else:
             flops, rate = work, self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
-        bandwidth = self._named.get((name.rpartition("/")[2], dtype)) if self._named else None
-        if bandwidth is None:
+        sizes = self._named.get((name.rpartition("/")[2], dtype)) if self._named else None
+        if sizes is not None:
+            bandwidth = kernel_rate(sizes, nbytes)
+        else:
             bandwidth = self._bytes_per_ns_by_dtype.get(dtype, self._bytes_per_ns)
         t = max(flops / rate, nbytes / bandwidth)
         return int(math.ceil(t)) + self.spec.kernel_overhead_ns

@@ -15,9 +15,11 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
     gemm = [{dtype = "bf16", batch = 1, m = 256, n = 256, k = 256, tflops = 0.8}, ...]
                                    (`partial = true`: a GEMM writing fp32 partial sums, measured apart
                                    where the device runs it as another kernel: a CPU's)
-    kernels = [{name = "adam", dtype = "bf16", gbyte_per_s = 11.0}, ...]   (optional) kernels measured one
-                                   by one: the bytes the cost model charges each in a run of that dtype
-                                   over its time (the others at the figures above)
+    kernels = [{name = "adam", dtype = "bf16", gbyte_per_s = 11.0, bytes = 4e6}, ...]   (optional) kernels
+                                   measured one by one: the bytes the cost model charges each in a run of
+                                   that dtype over its time (the others at the figures above); `bytes`,
+                                   what it was charged a call where measured: a kernel measured at several
+                                   sizes runs at the rate interpolated for its own (`Profile.kernel_rate`)
     collectives_share_cores = true (optional) a CPU's: collectives run on the cores that compute, so a
                                    run's communication overlaps nothing (on the stream that issues it)
     collective_rates = {all_gather = 0.54, reduce_scatter = 0.40}   (optional) the share of the link's
@@ -69,6 +71,7 @@ class Kernel:
     name: str  # as ops.py records it ("adam", "uniform", ...)
     dtype: str  # the run's cost dtype it was charged in
     gbyte_per_s: float
+    nbytes: float = 0.0  # what it was charged a call where measured (0: not said; its rate at every size)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,33 @@ class Profile:
         x = (math.log2(max(batch * m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1)))
         best = min(table, key=lambda g: sum((a - b) ** 2 for a, b in zip(g.where, x)))
         return best.tflops
+
+
+    def kernel_rates(self) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
+        """The kernels measured by name: (name, dtype) -> (log2 of the bytes a call, GB/s) by size."""
+        return _by_name(self)
+
+
+def kernel_rate(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """GB/s for a call of `nbytes` of a kernel measured at `points` (`Profile.kernel_rates`): a kernel's rate
+    grows with its size (its launch and Python spread over more bytes, until the caches overflow), so
+    between two measured sizes it is interpolated in log2 of the bytes, in log of the rate; outside them it
+    is the nearest one's."""
+    x = math.log2(max(nbytes, 1.0))
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    for (x0, r0), (x1, r1) in zip(points, points[1:]):
+        if x <= x1:
+            return r0 * (r1 / r0) ** ((x - x0) / (x1 - x0))
+    return points[-1][1]
+
+
+@functools.lru_cache(maxsize=None)
+def _by_name(profile: Profile) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
+    out: dict[tuple[str, str], dict[float, float]] = {}
+    for k in profile.kernels:  # (one size given twice: the later entry)
+        out.setdefault((k.name, k.dtype), {})[math.log2(max(k.nbytes, 1.0))] = k.gbyte_per_s
+    return {key: tuple(sorted(sizes.items())) for key, sizes in out.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +204,9 @@ def parse(text: str, source: str) -> Profile:
         where = f"{source}: kernels[{i}]"
         if not isinstance(row, dict) or not isinstance(row.get("name"), str) or row.get("dtype") not in DTYPES:
             raise ProfileError(f"{where}: needs a name and a dtype, one of {', '.join(DTYPES)}")
-        kernels.append(Kernel(row["name"], row["dtype"], float(_number(row, "gbyte_per_s", where))))
+        size = _number(row, "bytes", where, optional=True)
+        kernels.append(Kernel(row["name"], row["dtype"], float(_number(row, "gbyte_per_s", where)),
+                              0.0 if size is None else float(size)))
     link = _number(doc, "link_gbyte_per_s", source, optional=True)
     latency = _number(doc, "link_latency_ns", source, integer=True, optional=True)
     if (link is None) != (latency is None):
@@ -255,8 +287,8 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
     lines.append("]")
     if kernels:
         lines.append("kernels = [  # kernels measured one by one: the bytes charged over the time")
-        lines += [f"  {{name = {_quote(k.name)}, dtype = {_quote(k.dtype)}, gbyte_per_s = {g(k.gbyte_per_s)}}},"
-                  for k in kernels]
+        lines += [f"  {{name = {_quote(k.name)}, dtype = {_quote(k.dtype)}, gbyte_per_s = {g(k.gbyte_per_s)}"
+                  + (f", bytes = {g(k.nbytes)}" if k.nbytes else "") + "}," for k in kernels]
         lines.append("]")
     if allreduce:
         factor = 2 * (ranks - 1) / ranks
