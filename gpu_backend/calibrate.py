@@ -22,13 +22,15 @@ else the CPU):
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
   over the ring's 2(p-1) steps the latency per step.
 Each figure is the median of several timed repetitions after warm-up (wall clock on CPU, CUDA events
-on a GPU): a measurement, so two calibrations differ; a profile, once written, gives the same
-predictions every run.
+on a GPU; the GEMM grid's shapes timed in turns, so that a busy spell of a shared machine slows one
+timing of many shapes, not all of one's): a measurement, so two calibrations differ; a profile, once
+written, gives the same predictions every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -73,26 +75,41 @@ GRIDS = {  # (device type, quick)
 }
 
 
+def _once(device: torch.device, fn: Callable[[], Any]) -> float:
+    """seconds of one call of fn (CUDA events on a GPU, the wall clock on a CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
     """seconds per call of fn: the median of `repeats` timings, after two untimed calls."""
     def timed(fn: Callable[[], Any], repeats: int) -> float:
         fn(), fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(device)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(_once(device, fn) for _ in range(repeats))
     return timed
+
+
+def _spread(device: torch.device, fns: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """seconds per call of each of fns: the median of `repeats` timings taken in turns, one of each fn a
+    turn, after two untimed calls of each. A shared machine's busy spell then slows one timing of many
+    figures, not every timing of one (a GEMM grid timed shape by shape moved 0.75x to 1.97x a shape
+    between two calibrations minutes apart)."""
+    for fn in fns:
+        fn(), fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, mine in zip(fns, times):
+            mine.append(_once(device, fn))
+    return [statistics.median(t) for t in times]
 
 
 def _allreduce_times(device: torch.device, sizes: Sequence[int], repeats: int, kind: str = "all_reduce") -> list[float]:
@@ -164,7 +181,8 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
                  overhead_s: float, dtype: str = "fp32") -> list[Any]:
     """Kernels timed alone, as a `dtype` run charges them (the bytes ops.py records for each over its
     time, less a launch), where their rates are far from the mix's: those a step runs on tensors the
-    size of the weights -- the fused AdamW (one pass over four fp32 tensors), the new master weights
+    size of the weights -- the fused AdamW (one pass over four fp32 tensors, after the gradient's scaling
+    by the clipping coefficient, as a run with run.clip_grad, the default, calls it), the new master weights
     cast to the working dtype, the gradients flattened into a bucket -- and the weights' initialisation
     (the counter-based generator: some twenty integer passes for each element it charges one write);
     each at two sizes, a sixteenth of the copy's and the copy's (a run's kernel at the rate between)."""
@@ -172,14 +190,24 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
     ops = TorchFastOps(device, lambda name, work, nbytes: charged.append((name, nbytes)), cost_dtype=dtype)
     out = []
     for n in (grid.copy_bytes // 64, grid.copy_bytes // 4):  # (weight-sized: a cache's worth, far more)
-        p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
-        v = v.abs()
-        half = [t.to(TORCH_DTYPES[dtype]) for t in (m[: n // 2], v[: n // 2])]
-        cases = {"adam": lambda: ops.adam(p, g, m, v, 3, lr=1e-3, weight_decay=0.01, donate=True),
-                 "cast": lambda: _casts(ops, g[: n // 2], dtype, half),
-                 "flatten": lambda: ops.flat(half),
-                 "uniform": lambda: ops.uniform(7, "weights", (n // 2,))}
-        for name, fn in cases.items():
+        # as a step finds them: the optimizer's tensors long out of the caches (copies taken in turn, four
+        # copies' bytes in all; one set reused stayed in the cache: AdamW at 36 GB/s, 7 in a step), and the
+        # initialisation writing memory not touched before (what it makes is kept, as the weights are)
+        copies = max(1, -(-4 * grid.copy_bytes // (16 * n)))
+        sets = []
+        for _ in range(copies):
+            p, g, m, v = (torch.randn(n, device=device) for _ in range(4))
+            sets.append((p, g, m, v.abs(), [t.to(TORCH_DTYPES[dtype]) for t in (m[: n // 2], v[: n // 2])]))
+        turn = itertools.cycle(sets)
+        kept: list[Any] = []
+        clip = torch.tensor(0.5, device=device)  # (a run clips its gradients by default: the scaled copy is part of it)
+        cases = {"adam": lambda p, g, m, v, half: ops.adam(p, g, m, v, 3, lr=1e-3, weight_decay=0.01, grad_scale=clip,
+                                                           donate=True),
+                 "cast": lambda p, g, m, v, half: _casts(ops, g[: n // 2], dtype, half),
+                 "flatten": lambda p, g, m, v, half: ops.flat(half),
+                 "uniform": lambda *_: kept.append(ops.uniform(7, "weights", (n // 2,)))}
+        for name, case in cases.items():
+            fn = (lambda case=case: case(*next(turn)))
             fn()
             charged.clear()
             fn()
@@ -187,6 +215,7 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
             if not calls or len(calls) != len(charged):  # (it must record that kernel alone)
                 continue
             seconds = timed(fn, grid.repeats)
+            kept.clear()
             out.append(_profile.Kernel(name, dtype, sum(calls) / max(seconds - len(calls) * overhead_s, seconds / 2) / 1e9,
                                        sum(calls) / len(calls)))
     return out
@@ -232,21 +261,24 @@ def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[
     sixteen = elementwise_rate(device, grid, timed, overhead, "bf16") if {"bf16", "fp16"} & set(dtypes) else None
     measured = [k for dt in ("fp32",) + (("bf16",) if sixteen else ()) for k in kernel_rates(device, grid, timed, overhead, dt)]
     measured += [replace(k, dtype="fp16") for k in measured if k.dtype == "bf16"]
-    gemm: list[Gemm] = []
     shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
     for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
         shapes += [(bh, s, s, d), (bh, s, d, s)]
+    products: list[tuple[Gemm, Callable[[], Any]]] = []  # (each shape's GEMM, rate to come; its call)
     for dt in dtypes:
         for batch, m, n, k in shapes:
             a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
             b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
-            product = (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
-            gemm.append(Gemm(dt, batch, m, n, k, _tflops(timed(product, grid.repeats), batch * m * n * k, overhead)))
+            product = ((lambda a=a, b=b: ops.matmul(a[0], b[0])) if batch == 1 else
+                       (lambda a=a, b=b: ops.einsum("bmk,bkn->bmn", a, b)))
+            products.append((Gemm(dt, batch, m, n, k, 0.0), product))
     for dt in (d for d in dtypes if d in ("bf16", "fp16")):  # a GEMM writing fp32 sums of 16-bit inputs
         for _, m, n, k in (s for s in shapes if s[0] == 1):  # (weight gradients): on a CPU another kernel
             a, b = (torch.randn(*shape, device=device).to(TORCH_DTYPES[dt]) for shape in ((m, k), (k, n)))
-            t = timed(lambda: ops.matmul(a, b, partial=True), grid.repeats)
-            gemm.append(Gemm(dt, 1, m, n, k, _tflops(t, m * n * k, overhead), partial=True))
+            products.append((Gemm(dt, 1, m, n, k, 0.0, partial=True), lambda a=a, b=b: ops.matmul(a, b, partial=True)))
+    seconds = _spread(device, [fn for _, fn in products], grid.repeats)
+    gemm: list[Gemm] = [replace(g, tflops=_tflops(t, g.batch * g.m * g.n * g.k, overhead))
+                        for (g, _), t in zip(products, seconds)]
     return {"overhead": overhead, "copy": copy_rate, "memory": memory, "sixteen": sixteen, "kernels": measured,
             "gemm": gemm}
 
@@ -376,7 +408,8 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
         t.add_row("memory bandwidth, 16-bit run", f"{got['memory_gbyte_per_s_16bit']:.3g} GB/s")
     for k in got["kernels"]:
         if k.dtype != "fp16":
-            t.add_row(f"{k.name}, {k.dtype} run", f"{k.gbyte_per_s:.3g} GB/s")
+            size = f", {_size(k.nbytes)} a call" if k.nbytes else ""
+            t.add_row(f"{k.name}, {k.dtype} run{size}", f"{k.gbyte_per_s:.3g} GB/s")
     for dt, partial in dict.fromkeys((g.dtype, g.partial) for g in got["gemm"]):
         rates = sorted(g.tflops for g in got["gemm"] if (g.dtype, g.partial) == (dt, partial))
         t.add_row(f"{dt} GEMM" + (", fp32 partial sums out" if partial else ""),
@@ -387,6 +420,14 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
     out.print(t)
     out.print(f"wrote {got['path']}; use it with --set cluster.profile={got['path']}", markup=False, highlight=False)
     return 0
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as a reader reads them: 4.2 MB, 470 MB, 786 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 __all__ = ["GRIDS", "LaunchError", "calibrate", "command", "fit_link"]

@@ -309,3 +309,31 @@ def test_gemm_rate_ties_go_to_the_first_entry():
     p = profile.Profile("x", "x", 1.0, 1.0, 1.0, 0, g)
     assert p.gemm_rate(1, 128, 128, 128, "fp32") == 1.0  # halfway in log space
     assert replace(p, gemm=g[::-1]).gemm_rate(1, 128, 128, 128, "fp32") == 2.0
+
+
+def test_a_grid_is_timed_in_turns():
+    """Each shape timed once a turn: a busy spell of a shared machine then lands on one timing of many
+    shapes, and each figure is the median of its own timings."""
+    import torch
+
+    from gpu_backend.calibrate import _spread
+
+    order = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    seconds = _spread(torch.device("cpu"), fns, 3)
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3 and len(seconds) == 2 and all(t >= 0 for t in seconds)
+
+
+def test_weight_sized_kernels_are_measured_at_two_sizes_as_a_step_calls_them():
+    """AdamW with the clipping coefficient's pass (2 of its bytes' tensors, then 7: a run clips by default),
+    each of the four at a sixteenth of the copy's size and at the copy's."""
+    import torch
+
+    from gpu_backend.calibrate import GRIDS, _timer, kernel_rates
+
+    grid = replace(GRIDS[("cpu", True)], copy_bytes=1 << 20)
+    rates = kernel_rates(torch.device("cpu"), grid, _timer(torch.device("cpu")), 0.0, "fp32")
+    assert [k.name for k in rates] == ["adam", "cast", "flatten", "uniform"] * 2
+    n = (1 << 20) // 64  # elements at the smaller size
+    assert rates[0].nbytes == (2 + 7) / 2 * 4 * n and rates[4].nbytes == 16 * rates[0].nbytes
+    assert all(k.gbyte_per_s > 0 for k in rates)
