@@ -15,9 +15,9 @@ else the CPU):
   and of a small Llama of two widths on the kernel set, each call timed (step_profile.py) and its time
   put on the kernels it records (the median of five such profiles), so each gets the rate it reaches in
   a step at two sizes (GELU's backward, the norms, the fused attention: 0.3 to 16 GB/s on this CPU
-  against the mix's 4), not the mix's average; GEMMs and the kernels over weight-sized tensors keep
-  the figures measured for them apart, also at two sizes (on a GPU, where a call returns before its
-  kernel runs, those kernels keep the elementwise bandwidth: `stepped`);
+  against the mix's 4), not the mix's average; GEMMs keep the grid's figures, and the kernels over
+  weight-sized tensors are measured apart at two larger sizes too (on a GPU, where a call returns
+  before its kernel runs, the step's kernels keep the elementwise bandwidth: `stepped`);
 - all-reduce times by message size over `nproc` ranks of one process group (gloo on CPU, NCCL on
   GPUs), fitted to t = alpha + bytes_on_the_ring / beta: beta is the link's bus bandwidth, alpha
   over the ring's 2(p-1) steps the latency per step.

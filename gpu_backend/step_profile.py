@@ -25,10 +25,11 @@ from simcluster.run.job import job_of
 from simcluster.topology import profile as _profile
 
 
-# Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid)
-# and the kernels over weight-sized tensors (their rates change past the caches and glibc's 32 MiB threshold,
-# beyond which every new buffer is page-faulted in: `kernel_rates` measures them at that size).
-APART = frozenset({"matmul", "einsum", GEMM_PARTIAL, EINSUM_PARTIAL, "adam", "cast", "flatten", "uniform"})
+# Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid).
+# The kernels over weight-sized tensors are measured here at the step's sizes and apart at larger ones (their
+# rates change past the caches and glibc's 32 MiB threshold, beyond which every new buffer is page-faulted in:
+# `kernel_rates`); a run's call is charged at the rate between the sizes nearest its own.
+APART = frozenset({"matmul", "einsum", GEMM_PARTIAL, EINSUM_PARTIAL})
 
 
 class TimedKernels:
@@ -131,8 +132,8 @@ def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], r
     the cost model charges each over its time less a launch each, by kernel name, run dtype and the bytes
     a call (its mean over the step); the median over `repeats` profiles (one profile's rates moved 0.25x to
     6x between two calibrations a minute apart on this shared machine: a call preempted once is a kernel's
-    time several times over), the widths taken in turn in each. GEMMs and the kernels over weight-sized
-    tensors are left to the figures measured for them (`APART`)."""
+    time several times over), the widths taken in turn in each. GEMMs are left to the grid's figures
+    (`APART`)."""
     out = []
     for dtype in dtypes:
         rates: dict[tuple[str, int], list[float]] = {}
