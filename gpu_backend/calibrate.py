@@ -300,22 +300,27 @@ def _slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stepped(device: torch.device, overhead: float, dtypes: Sequence[str], nproc: int, kind: str, timeout_s: float,
-            say: Callable[[str], None], repeats: int = REPEATS, widths: Sequence[int] = WIDTHS) -> list[_profile.Kernel]:
+            say: Callable[[str], None], repeats: int = REPEATS,
+            widths: Sequence[int] = WIDTHS) -> tuple[list[_profile.Kernel], list[tuple[str, float]]]:
     """A training step's kernels at the rates they reach as the program calls them (step_profile.py), on a
-    CPU. Not on a GPU: a call returns when its kernel is queued, so timing the calls times the launches,
+    CPU, and by dtype the share of the step's time its calls that record no kernel take (the slowest
+    rank's). Not on a GPU: a call returns when its kernel is queued, so timing the calls times the launches,
     and a small step's kernels are all launch. On an H100 (2026-11-27) such rates (flash attention at
     0.0075 GB/s) predicted 745 s a step for a 1.2B GPT measured at 0.22 s; without them, at the
     elementwise bandwidth measured apart, 0.23 s. There those kernels keep that bandwidth."""
     if device.type != "cpu":
         say("  a training step's kernels: at the elementwise bandwidth (a GPU's calls return before their "
             "kernels run: timing them would time the launches)")
-        return []
+        return [], []
     say(f"  a training step's kernels, as the program calls them ({', '.join(dtypes)}; GPT and Llama of width "
         f"{' and '.join(map(str, widths))})")
     runs = tuple(d for d in ("fp32", "bf16") if d in dtypes) or ("fp32",)  # (fp16 runs take bf16's rates)
     per_rank = in_processes(step_rates, (overhead, runs, nproc, repeats, tuple(widths)), nproc, kind, timeout_s=timeout_s)
-    out = [replace(k, gbyte_per_s=min(r[i].gbyte_per_s for r in per_rank)) for i, k in enumerate(per_rank[0])]
-    return out + [replace(k, dtype="fp16") for k in out if k.dtype == "bf16"]
+    first = per_rank[0][0]
+    out = [replace(k, gbyte_per_s=min(r[0][i].gbyte_per_s for r in per_rank)) for i, k in enumerate(first)]
+    shares = {d: max(r[1][d] for r in per_rank) for d in per_rank[0][1]}
+    shares |= {"fp16": shares["bf16"]} if "bf16" in shares else {}
+    return out + [replace(k, dtype="fp16") for k in out if k.dtype == "bf16"], sorted(shares.items())
 
 
 def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Sequence[str] = ("bf16", "fp32"),
@@ -344,8 +349,12 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     else:
         got = _measure(device, grid, tuple(dtypes))
     overhead, memory, sixteen, measured, gemm = (got[k] for k in ("overhead", "memory", "sixteen", "kernels", "gemm"))
-    measured = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say, grid.repeats, grid.widths) + list(measured)
+    stepped_kernels, host_share = stepped(device, overhead, dtypes, nproc, kind, timeout_s, say, grid.repeats, grid.widths)
+    measured = stepped_kernels + list(measured)
     say(f"  smallest kernel: {overhead * 1e6:.1f} us")
+    if host_share:
+        say("  calls that record no kernel: " + ", ".join(f"{100 * v:.1f} % of the kernels' time ({d})"
+                                                          for d, v in host_share if d != "fp16"))
     say(f"  memory: {memory:.2f} GB/s through the kernel set's elementwise kernels ({got['copy']:.1f} GB/s a copy)"
         + ("" if sixteen is None else f"; {sixteen:.2f} GB/s in a 16-bit run"))
     for dt in dtypes:
@@ -383,10 +392,10 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
                    kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
                    allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes,
                    memory_gbyte_per_s_16bit=sixteen, kernels=measured, shares_cores=device.type == "cpu" and nproc > 1,
-                   collective_rates=rates)
+                   collective_rates=rates, host_share=host_share)
     _profile.load(path)  # what was written reads back
     return {"device": name, "backend": kind, "ranks": nproc, "overhead_s": overhead, "memory_gbyte_per_s": memory,
-            "memory_gbyte_per_s_16bit": sixteen, "kernels": measured,
+            "memory_gbyte_per_s_16bit": sixteen, "kernels": measured, "host_share": host_share,
             "gemm": gemm, "link": link, "allreduce": allreduce, "peak_tflops": peak16, "path": path}
 
 

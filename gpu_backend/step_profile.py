@@ -44,6 +44,7 @@ class TimedKernels:
         self.nbytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.depth = 0
+        self.charged = self.uncharged = 0.0  # seconds of the calls that recorded kernels, and of the others
 
     def wrap(self, ops: Any) -> Any:
         for name in dir(type(ops)):
@@ -86,6 +87,10 @@ class TimedKernels:
     def _charge(self, recorded: list[tuple[str, float]], seconds: float, call: str) -> None:
         """A call's time on its kernels; one that records none (the cost model charges it nothing) on
         `<call>`, for a reader to see (prediction_breakdown.py)."""
+        if recorded:
+            self.charged += seconds
+        else:
+            self.uncharged += seconds
         recorded = recorded or [(f"<{call}>", 0.0)]
         total = sum(b for _, b in recorded)
         for name, nbytes in recorded:
@@ -126,21 +131,25 @@ REPEATS = 5  # step profiles a calibration takes; each kernel's rate is the medi
 
 
 def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], ranks: int,
-               repeats: int = REPEATS, widths: Sequence[int] = WIDTHS) -> list[Any]:
+               repeats: int = REPEATS, widths: Sequence[int] = WIDTHS) -> tuple[list[Any], dict[str, float]]:
     """(In each rank's process.) The rate of every kernel a training step calls, timed as the program calls
     it (`TimedKernels`) in a real step of a GPT and of a Llama (`step_sets`) of each of `widths`: the bytes
     the cost model charges each over its time less a launch each, by kernel name, run dtype and the bytes
     a call (its mean over the step); the median over `repeats` profiles (one profile's rates moved 0.25x to
     6x between two calibrations a minute apart on this shared machine: a call preempted once is a kernel's
     time several times over), the widths taken in turn in each. GEMMs are left to the grid's figures
-    (`APART`)."""
-    out = []
+    (`APART`). Beside them, by run dtype, the time of the calls that record no kernel (views, a gradient's
+    rounding into its 16-bit buffer, the optimizer's zeroed state: the kernel set's own work, which the
+    cost model does not charge) over the time of those that do: the median of the profiles'."""
+    out, shares = [], {}
     for dtype in dtypes:
         rates: dict[tuple[str, int], list[float]] = {}
         sizes: dict[tuple[str, int], float] = {}
+        host: list[float] = []
         for _ in range(repeats):
             for width in widths:
                 timed = timed_steps(device, dtype, ranks, width)
+                host.append(timed.uncharged / timed.charged if timed.charged > 0 else 0.0)
                 for name in sorted(timed.seconds):
                     t, nbytes, calls = timed.seconds[name], timed.nbytes[name], timed.calls[name]
                     if name in APART or nbytes <= 0:
@@ -149,7 +158,8 @@ def step_rates(device: torch.device, overhead_s: float, dtypes: Sequence[str], r
                     sizes[name, width] = nbytes / calls
         out += [_profile.Kernel(name, dtype, statistics.median(rates[name, w]), sizes[name, w])
                 for name, w in sorted(rates)]
-    return out
+        shares[dtype] = statistics.median(host) if host else 0.0
+    return out, shares
 
 
 __all__ = ["APART", "WIDTHS", "TimedKernels", "step_rates", "step_sets", "timed_steps"]

@@ -17,7 +17,7 @@ from simcluster.topology.profile import Gemm
 
 
 def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, kernels=(), shares_cores=False,
-                  rates=()):
+                  rates=(), host_share=()):
     """A made-up profile; `scale` multiplies every rate in it; `sixteen`: its 16-bit run's bandwidth;
     `kernels`: (name, dtype, GB/s) measured one by one; `shares_cores`: a CPU's collectives."""
     gemm = [Gemm(d, 1, s, s, s, scale * r) for d, r0 in (("bf16", 40.0), ("fp32", 10.0))
@@ -26,7 +26,7 @@ def write_profile(path, scale=1.0, overhead_ns=0, latency_ns=0, sixteen=None, ke
                   memory_gbyte_per_s=scale * 500.0, kernel_overhead_ns=overhead_ns, gemm=gemm,
                   link=(scale * 50.0, latency_ns), allreduce=[], ranks=2, backend="gloo", memory_gbyte=None, notes=[],
                   memory_gbyte_per_s_16bit=sixteen, kernels=[profile.Kernel(*k) for k in kernels],
-                  shares_cores=shares_cores, collective_rates=rates)
+                  shares_cores=shares_cores, collective_rates=rates, host_share=host_share)
     return path
 
 
@@ -280,12 +280,14 @@ def test_a_gpu_takes_no_step_profile(monkeypatch):
 
     asked = []
     monkeypatch.setattr(calibrate, "in_processes", lambda *args, **kw: asked.append(args) or [
-        [profile.Kernel("gelu_backward", "bf16", 3.0)], [profile.Kernel("gelu_backward", "bf16", 2.0)]])
+        ([profile.Kernel("gelu_backward", "bf16", 3.0)], {"bf16": 0.1}),
+        ([profile.Kernel("gelu_backward", "bf16", 2.0)], {"bf16": 0.2})])
     said = []
-    on_cpu = calibrate.stepped(torch.device("cpu"), 1e-5, ("bf16",), 2, "gloo", 60, said.append)
+    on_cpu, shares = calibrate.stepped(torch.device("cpu"), 1e-5, ("bf16",), 2, "gloo", 60, said.append)
     assert len(asked) == 1 and [(k.name, k.dtype, k.gbyte_per_s) for k in on_cpu] == [
         ("gelu_backward", "bf16", 2.0), ("gelu_backward", "fp16", 2.0)]  # the slower rank's, and fp16 takes bf16's
-    assert calibrate.stepped(torch.device("meta"), 1e-5, ("bf16",), 1, "nccl", 60, said.append) == []
+    assert shares == [("bf16", 0.2), ("fp16", 0.2)]
+    assert calibrate.stepped(torch.device("meta"), 1e-5, ("bf16",), 1, "nccl", 60, said.append) == ([], [])
     assert len(asked) == 1 and "launches" in said[-1]
 
 
@@ -309,6 +311,19 @@ def test_gemm_rate_ties_go_to_the_first_entry():
     p = profile.Profile("x", "x", 1.0, 1.0, 1.0, 0, g)
     assert p.gemm_rate(1, 128, 128, 128, "fp32") == 1.0  # halfway in log space
     assert replace(p, gemm=g[::-1]).gemm_rate(1, 128, 128, 128, "fp32") == 2.0
+
+
+def test_a_cpu_profiles_uncharged_calls_lengthen_every_kernel_of_that_dtype(tmp_path):
+    """A CPU kernel set spends time in calls the cost model charges nothing for (3-6 % of a step's on this
+    CPU): with host_share = {fp32 = 0.5} every fp32 kernel, its launch included, takes 1.5x; a bf16 one as
+    it was. Out-of-range shares are refused in one line."""
+    plain = Cluster(profile.apply(preset("dgx-a100"), profile.load(write_profile(tmp_path / "a.toml", overhead_ns=1000))))
+    path = write_profile(tmp_path / "b.toml", overhead_ns=1000, host_share=[("fp32", 0.5)])
+    shared = Cluster(profile.apply(preset("dgx-a100"), profile.load(path)))
+    assert plain.kernel_ns(1.0, 1e6, "fp32") == 3000 and shared.kernel_ns(1.0, 1e6, "fp32") == 4500  # 1 MB at 500 GB/s
+    assert shared.kernel_ns(1.0, 1e6, "bf16") == plain.kernel_ns(1.0, 1e6, "bf16")
+    with pytest.raises(profile.ProfileError, match="host_share.fp32 must be a number"):
+        profile.parse(path.read_text().replace("fp32 = 0.5", "fp32 = -1"), "p.toml")
 
 
 def test_a_grid_is_timed_in_turns():

@@ -488,7 +488,7 @@ def test_a_step_profile_takes_each_kernels_median_rate(monkeypatch):
             {"gelu": 1, "matmul": 1}
         return timed
     monkeypatch.setattr(step_profile, "timed_steps", profile)
-    rates = step_profile.step_rates(torch.device("cpu"), 0.0, ("bf16",), 1, repeats=3, widths=(512,))
+    rates, _ = step_profile.step_rates(torch.device("cpu"), 0.0, ("bf16",), 1, repeats=3, widths=(512,))
     assert [(k.name, k.dtype, k.gbyte_per_s) for k in rates] == [("gelu", "bf16", 2.0)]  # (GEMMs: the grid's)
 
 
@@ -504,8 +504,38 @@ def test_a_step_profile_rates_each_kernel_at_each_width(monkeypatch):
         timed.seconds, timed.nbytes, timed.calls = {"gelu": 1.0}, {"gelu": hidden * 1e6}, {"gelu": calls}
         return timed
     monkeypatch.setattr(step_profile, "timed_steps", profile)
-    rates = step_profile.step_rates(torch.device("cpu"), 0.0, ("fp32",), 1, repeats=1, widths=(256, 1024))
+    rates, _ = step_profile.step_rates(torch.device("cpu"), 0.0, ("fp32",), 1, repeats=1, widths=(256, 1024))
     assert [(k.name, k.gbyte_per_s, k.nbytes) for k in rates] == [("gelu", 0.256, 256e6 / 3), ("gelu", 1.024, 512e6)]
+
+
+def test_a_step_profile_measures_the_calls_that_record_no_kernel(monkeypatch):
+    """The kernel set's calls that record no kernel (views, a gradient's rounding into its 16-bit buffer) take
+    time on a CPU that the cost model charges nothing for: the profile measures it as a share of the kernels'
+    time (the median over its profiles: 0.25, 0.5, 1.0 -> 0.5)."""
+    from gpu_backend import step_profile
+
+    shares = iter([0.25, 0.5, 1.0])
+
+    def profile(device, dtype, ranks, hidden):
+        timed = step_profile.TimedKernels()
+        timed.charged, timed.uncharged = 2.0, 2.0 * next(shares)
+        return timed
+    monkeypatch.setattr(step_profile, "timed_steps", profile)
+    assert step_profile.step_rates(torch.device("cpu"), 0.0, ("fp32",), 1, repeats=3, widths=(512,)) == ([], {"fp32": 0.5})
+
+    class Kernels:  # a kernel set of two calls: one records a kernel, one does not
+        def __init__(self):
+            self._record = lambda name, work, nbytes: None
+
+        def gelu(self):
+            self._record("gelu", 1, 8.0)
+
+        def view(self):
+            pass
+    timed = step_profile.TimedKernels()
+    ops = timed.wrap(Kernels())
+    ops.gelu(), ops.view(), ops.view()
+    assert timed.calls == {"gelu": 1, "<view>": 2} and timed.charged > 0 and timed.uncharged > 0
 
 
 def test_a_gather_along_the_first_axis_is_the_buffer_it_arrived_in():

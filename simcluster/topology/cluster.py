@@ -64,6 +64,8 @@ class Cluster:
         self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
         self._named = self.profile.kernel_rates() if self.profile else {}
+        # (a CPU profile's: the kernel set's uncharged calls, a share of every kernel's time in a run of a dtype)
+        self._host_share = {d: 1.0 + v for d, v in self.profile.host_share} if self.profile else {}
         # (by name too where the profile times a GEMM writing partial sums apart: GEMM_PARTIAL)
         self.named_rates = bool(self.profile) and (bool(self._named) or any(g.partial for g in self.profile.gemm))
         self.collective_rates = dict(self.profile.collective_rates) if self.profile else {}
@@ -171,7 +173,8 @@ class Cluster:
         than SMs splits its k among them (split-K), as cuBLAS does for narrow products. With a measured
         profile, a GEMM runs at the rate measured for the shape nearest it instead, and a kernel the profile
         measured by name (`name`, past its label; in a run of `dtype`) at the bandwidth measured for it at its
-        size (`profile.kernel_rate`)."""
+        size (`profile.kernel_rate`); and where the profile measured a CPU kernel set's uncharged calls
+        (`host_share`), every kernel takes that share longer."""
         if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
             batch, m, n, k = work
             partial = name.rpartition("/")[2] in (GEMM_PARTIAL, EINSUM_PARTIAL)
@@ -194,4 +197,6 @@ class Cluster:
         else:
             bandwidth = self._bytes_per_ns_by_dtype.get(dtype, self._bytes_per_ns)
         t = max(flops / rate, nbytes / bandwidth)
+        if self._host_share:
+            return int(math.ceil((t + self.spec.kernel_overhead_ns) * self._host_share.get(dtype, 1.0)))
         return int(math.ceil(t)) + self.spec.kernel_overhead_ns

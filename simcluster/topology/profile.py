@@ -22,6 +22,10 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
                                    sizes runs at the rate interpolated for its own (`Profile.kernel_rate`)
     collectives_share_cores = true (optional) a CPU's: collectives run on the cores that compute, so a
                                    run's communication overlaps nothing (on the stream that issues it)
+    host_share = {bf16 = 0.06, fp32 = 0.05}   (optional; a CPU's) the time a step's calls that record no
+                                   kernel take (the kernel set's views, roundings and zeroed buffers: work of
+                                   its own that the cost model does not charge), as a share of the kernels'
+                                   time in a run of that dtype: every kernel takes that much longer
     collective_rates = {all_gather = 0.54, reduce_scatter = 0.40}   (optional) the share of the link's
                                    fitted rate these reach (a backend's algorithms for them may be slower)
     allreduce = [{bytes = 1024, seconds = 2e-05, busbw_gbyte_per_s = 0.05}, ...]   (shown, not used)
@@ -92,6 +96,7 @@ class Profile:
     # the share of the fitted link's rate other collectives reach, by kind ("all_gather": 0.4): a
     # backend's own algorithms for them may be slower than its all-reduce's (gloo's on a CPU are)
     collective_rates: tuple[tuple[str, float], ...] = ()
+    host_share: tuple[tuple[str, float], ...] = ()  # by run dtype: the uncharged calls' time over the kernels'
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -179,6 +184,19 @@ def _rates(doc: dict[str, Any], source: str) -> tuple[tuple[str, float], ...]:
     return tuple((k, float(_number(table, k, f"{source}: collective_rates"))) for k in sorted(table))
 
 
+def _shares(doc: dict[str, Any], source: str) -> tuple[tuple[str, float], ...]:
+    table = doc.get("host_share", {})
+    if not isinstance(table, dict) or any(k not in DTYPES for k in table):
+        raise ProfileError(f"{source}: host_share must be a table of dtypes ({', '.join(DTYPES)})")
+    out = []
+    for k in sorted(table):
+        v = table[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 10:
+            raise ProfileError(f"{source}: host_share.{k} must be a number from 0 to 10, got {v!r}")
+        out.append((k, float(v)))
+    return tuple(out)
+
+
 def parse(text: str, source: str) -> Profile:
     try:
         doc = tomllib.loads(text)
@@ -221,7 +239,8 @@ def parse(text: str, source: str) -> Profile:
                    link_gbyte_per_s=None if link is None else float(link), link_latency_ns=latency,
                    memory_gbyte=None if memory is None else float(memory),
                    memory_gbyte_per_s_16bit=None if sixteen is None else float(sixteen), kernels=tuple(kernels),
-                   shares_cores=_flag(doc, "collectives_share_cores", source), collective_rates=_rates(doc, source))
+                   shares_cores=_flag(doc, "collectives_share_cores", source), collective_rates=_rates(doc, source),
+                   host_share=_shares(doc, source))
 
 
 def load(path: str | Path) -> Profile:
@@ -254,7 +273,8 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
           kernel_overhead_ns: int, gemm: list[Gemm], link: tuple[float, int] | None,
           allreduce: list[tuple[int, float]], ranks: int, backend: str, memory_gbyte: float | None,
           notes: list[str], memory_gbyte_per_s_16bit: float | None = None, kernels: Sequence[Kernel] = (),
-          shares_cores: bool = False, collective_rates: Sequence[tuple[str, float]] = ()) -> None:
+          shares_cores: bool = False, collective_rates: Sequence[tuple[str, float]] = (),
+          host_share: Sequence[tuple[str, float]] = ()) -> None:
     """Write a profile file (readable by `load`), with comments saying what each figure is."""
     def g(x: float) -> str:
         return repr(float(f"{x:.4g}"))
@@ -274,6 +294,9 @@ def write(path: str | Path, *, device: str, peak_tflops: float, peak_tflops_fp32
                      + " }  # the share of the link's rate each reaches (measured apart)")
     if shares_cores:
         lines.append("collectives_share_cores = true  # a CPU's: communication and compute take turns")
+    if host_share:
+        lines.append("host_share = { " + ", ".join(f"{k} = {g(v)}" for k, v in host_share)
+                     + " }  # the calls that record no kernel: their time over the kernels'")
     if memory_gbyte_per_s_16bit is not None:
         lines.append(f"memory_gbyte_per_s_16bit = {g(memory_gbyte_per_s_16bit)}  # the same in a 16-bit run")
     if memory_gbyte is not None:
