@@ -120,3 +120,28 @@ def test_at_a_long_sequence_causal_attention_costs_half_and_no_rate_exceeds_the_
     achievable = spec["peak_tflops"] * spec["matmul_efficiency"]
     assert r["tflops_per_gpu"] <= achievable and r["hfu"] < r["mfu"]
     assert r["model_flops_causal_per_step"] < r["hardware_flops_per_step"] < r["model_flops_per_step"]
+
+
+@pytest.mark.parametrize("sets", [["parallel.recompute=full"], ["parallel.schedule=zb-v"]], ids=["full", "zb-v"])
+def test_one_layers_passes_are_its_kernels_in_the_trace(sets):
+    """The report's `layer`: rank 0's first layer (block0), its first micro-batch's forward, backward and
+    recomputation, from the recorded streams before the replay. Each equals the time of the trace's kernel
+    events of that pass in the first step (a sum over every step, or every micro-batch, would not); a full
+    recomputation is the forward's kernels again; under ZB-V the weight gradients are a pass of their own."""
+    from simcluster.config.scenario import load
+    from simcluster.run.runner import run_scenario
+
+    out = run_scenario(load("llama3_4d", ["run.numerics=meta"] + sets))
+    layer, events = out.report["layer"], [e for e in out.result.trace.events if e.rank == 0 and not e.group]
+    forward = next(e.name.split("/")[0] for e in events if e.kind == "forward" and ":block0/" in e.name)  # F0[.0]:block0
+    first = [e for e in events if e.name.startswith(forward + "/")]
+    step_end = min(e.start for e in events if e.kind == "optimizer")  # (the first step's passes end before it)
+    for what, label in (("forward", forward + "/"), ("backward", "B" + forward[1:] + "/")):
+        mine = [e for e in events if e.name.startswith(label) and e.end <= step_end]
+        assert layer[f"{what}_ns"] == sum(e.end - e.start for e in mine) > 0
+        assert layer["kernels"][what] == len(mine)
+    assert layer["layer"] == "block0" and len(first) == 2 * layer["kernels"]["forward"]  # (two steps)
+    if sets == ["parallel.recompute=full"]:
+        assert layer["recompute_ns"] == layer["forward_ns"] and layer["kernels"]["recompute"] == layer["kernels"]["forward"]
+    else:
+        assert layer["recompute_ns"] == 0 and any(e.kind == "weight_grad" for e in events)

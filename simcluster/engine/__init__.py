@@ -12,6 +12,7 @@ from simcluster.engine.faults import Faults, Hang
 from simcluster.engine.fold import Fold, fold_for
 from simcluster.engine.gcpause import gc_paused
 from simcluster.engine.interpreter import Interpreter
+from simcluster.engine.layer import layer_cost
 from simcluster.engine.timing import Replay
 from simcluster.engine.trace import Trace, TraceEvent
 from simcluster.numerics.ops import Mode
@@ -34,6 +35,7 @@ class RunResult:
     repeated: tuple[int, int] | None = None  # (steps after the trace's, repeating its last; their period ns)
     # (micro-batches the trace's step has, those the report counts, a round's period ns: pipeline_steady.py)
     micro: tuple[int, int, int] | None = None
+    layer: dict[str, Any] | None = None  # rank 0's first transformer layer's passes (engine/layer.py)
 
     def full_trace(self, ranks: Sequence[int] | None = None) -> Trace:
         """Every rank's trace, or `ranks`' (rebuilt from the simulated ranks' when folded)."""
@@ -113,10 +115,11 @@ def _simulate(program: Program | Sequence[Program], args: tuple, mesh: DeviceMes
         interp = Interpreter(mesh, mode, cost_dtype=cost_dtype, fold=fold,
                              serial_comm=topo.profile is not None and topo.profile.shares_cores)
         results = interp.run(program, *args)
+        layer = layer_cost(interp.state[0].streams, topo, cost_dtype) if 0 in interp.state else None
         replay = Replay(interp.ranks, interp.calls, topo, cost_dtype, fold, faults, events)
         trace = replay.run()
         interp.release()
-    return RunResult(results, trace, mesh, topo, fold, hang=replay.hang)
+    return RunResult(results, trace, mesh, topo, fold, hang=replay.hang, layer=layer)
 
 
 __all__ = ["CollectiveMismatchError", "DeadlockError", "ProgramError", "RunResult", "SimulationError",

@@ -217,7 +217,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "memory": memory,
         "trace_events": totals.events * (fold.copies if fold else 1),
         "verification": verdict,
-    }
+    } | ({"layer": result.layer} if result.layer else {})
 
 
 def ordered(value: Any) -> Any:

@@ -76,7 +76,12 @@ def report_schema() -> dict[str, Any]:
     experts = _object({"routing": STRING, "step": INT, "experts": INT, "top_k": INT,
                        "layers": {"type": "array", "items": layer}},
                       "a mixture of experts' routing in the last step (report/experts.py)")
+    passes = {"forward": INT, "backward": INT, "recompute": INT}
+    one_layer = _object({"layer": STRING, "forward_ns": NS, "backward_ns": NS, "recompute_ns": NS,
+                         "kernels": _object(passes, "kernels launched by each pass")},
+                        "rank 0's first transformer layer: each pass's kernels back to back at the cluster's rates, "
+                        "no waits (engine/layer.py), to hold beside a profiler's trace of one layer")
     return {"$schema": DIALECT, "title": "simcluster report", "type": "object",
             "description": f"What `simcluster run --json` prints (report_version {REPORT_VERSION}); optional "
-                           "sections: faults, goodput, target, checkpoint, experts, torch.",
-            "required": sorted(properties), "properties": properties | {"experts": experts}}
+                           "sections: faults, goodput, target, checkpoint, experts, layer, torch.",
+            "required": sorted(properties), "properties": properties | {"experts": experts, "layer": one_layer}}

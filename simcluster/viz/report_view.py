@@ -78,6 +78,12 @@ class ReportView:
                                    f"kernels' FLOPs)" + (f"; MFU {100 * r['mfu_causal']:.2f} % with causal attention's "
                                                          f"half-square" if causal else ""))
         t.add_row("compute idle", f"{100 * r['compute_idle_fraction']:.0f} % of the run (bubbles and waits, mean over ranks)")
+        if "layer" in r:
+            one, k = r["layer"], r["layer"]["kernels"]
+            again = f", recompute {format_ns(one['recompute_ns'])} ({k['recompute']})" if k["recompute"] else ""
+            t.add_row("one layer", f"{one['layer']} on rank 0, its kernels back to back: forward "
+                                   f"{format_ns(one['forward_ns'])} ({k['forward']} kernels), backward "
+                                   f"{format_ns(one['backward_ns'])} ({k['backward']}){again}")
         o = r["communication_overlap"]
         if o["per_rank"] and any(v["communication_ns"] for v in o["per_rank"].values()):
             exposed = max(v["communication_ns"] - v["hidden_ns"] for v in o["per_rank"].values())
