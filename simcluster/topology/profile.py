@@ -19,7 +19,7 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
                                    measured one by one: the bytes the cost model charges each in a run of
                                    that dtype over its time (the others at the figures above); `bytes`,
                                    what it was charged a call where measured: a kernel measured at several
-                                   sizes runs at the rate interpolated for its own (`Profile.kernel_rate`)
+                                   sizes runs at the rate interpolated for its own (`kernel_rate`)
     collectives_share_cores = true (optional) a CPU's: collectives run on the cores that compute, so a
                                    run's communication overlaps nothing (on the stream that issues it)
     host_share = {bf16 = 0.06, fp32 = 0.05}   (optional; a CPU's) the time a step's calls that record no
@@ -117,7 +117,6 @@ class Profile:
         x = (math.log2(max(batch * m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1)))
         best = min(table, key=lambda g: sum((a - b) ** 2 for a, b in zip(g.where, x)))
         return best.tflops
-
 
     def kernel_rates(self) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
         """The kernels measured by name: (name, dtype) -> (log2 of the bytes a call, GB/s) by size."""
