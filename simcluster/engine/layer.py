@@ -3,10 +3,11 @@
 Read off rank 0's recorded streams before the replay (so a run with its events kept and one without,
 folded or not, give the same figures): the first layer its first forward pass runs (a pass labelled
 `F<micro-batch>[.<chunk>]:block<i>`), and of that micro-batch and layer the backward pass
-(`B...:block<i>`) and the recomputation (`R<i>`), each pass's first run of kernels, each as the time its kernels take
-back to back at the cluster's rates (launches included; no waits, no communication: those belong
-to the step, not to the layer's kernels) and how many kernels it launches. A zero-bubble schedule's
-weight-gradient pass (`W...`) covers a stage's layers together: it is not split by layer.
+(`B...:block<i>`) and the recomputation (`R<i>`). Each pass's first run of kernels (a later one is
+another step's or micro-batch's), as the time its kernels take back to back at the cluster's rates
+(launches included; no waits, no communication: those belong to the step, not to the layer's
+kernels), and how many kernels it launches. A zero-bubble schedule's weight-gradient pass (`W...`)
+covers a stage's layers together: it is not split by layer.
 """
 
 from __future__ import annotations
@@ -24,19 +25,19 @@ def layer_cost(streams: Any, cluster: Cluster, dtype: str) -> dict[str, Any] | N
     """{"layer", "forward_ns", "backward_ns", "recompute_ns", "kernels": {pass: count}} of rank 0's first
     layer (`streams`: its streams by name), or None where it runs no transformer layer."""
     passes = [(label, kind, run) for stream in streams.values() for label, kind, run in _runs(stream.items)]
-    first = next((FORWARD.match(label) for label, kind, _ in passes if kind == "forward" and FORWARD.match(label)),
-                 None)
+    first = next((m for label, kind, _ in passes if kind == "forward" and (m := FORWARD.match(label))), None)
     if first is None:
         return None
     micro, block = first.groups()
     wanted = {f"F{micro}:block{block}": "forward", f"B{micro}:block{block}": "backward", f"R{block}": "recompute"}
     ns = {"forward": 0, "backward": 0, "recompute": 0}
     kernels = dict.fromkeys(ns, 0)
-    started, done = set(), set()  # (each pass's first run of kernels: a later one is another step's or micro-batch's)
+    started: set[str] = set()
+    done: set[str] = set()  # (passes whose first run of kernels has ended)
     for label, kind, run in passes:
         what = wanted.get(label)
         done |= started - {what}
-        if what is None or what in done or (kind != what):
+        if what is None or what in done or kind != what:
             continue
         started.add(what)
         for name, flops, nbytes in run:
