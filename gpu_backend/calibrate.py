@@ -264,23 +264,33 @@ def _measure(device: torch.device, grid: Grid, dtypes: tuple[str, ...]) -> dict[
     shapes = [(1, m, n, k) for m in grid.sizes for n in grid.sizes for k in grid.sizes]
     for bh, s, d in grid.attention:  # attention's batched products: scores (s x d by d x s), output (s x s by s x d)
         shapes += [(bh, s, s, d), (bh, s, d, s)]
-    products: list[tuple[Gemm, Callable[[], Any]]] = []  # (each shape's GEMM, rate to come; its call)
+    products: list[tuple[Gemm, Any]] = []  # (each GEMM, its rate to come; its call's maker)
     for dt in dtypes:
         for batch, m, n, k in shapes:
-            a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
-            b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
-            product = ((lambda a=a, b=b: ops.matmul(a[0], b[0])) if batch == 1 else
-                       (lambda a=a, b=b: ops.einsum("bmk,bkn->bmn", a, b)))
-            products.append((Gemm(dt, batch, m, n, k, 0.0), product))
+            products.append((Gemm(dt, batch, m, n, k, 0.0), _product(ops, device, dt, batch, m, n, k)))
     for dt in (d for d in dtypes if d in ("bf16", "fp16")):  # a GEMM writing fp32 sums of 16-bit inputs
         for _, m, n, k in (s for s in shapes if s[0] == 1):  # (weight gradients): on a CPU another kernel
-            a, b = (torch.randn(*shape, device=device).to(TORCH_DTYPES[dt]) for shape in ((m, k), (k, n)))
-            products.append((Gemm(dt, 1, m, n, k, 0.0, partial=True), lambda a=a, b=b: ops.matmul(a, b, partial=True)))
-    seconds = _spread(device, [fn for _, fn in products], grid.repeats)
+            products.append((Gemm(dt, 1, m, n, k, 0.0, partial=True), _product(ops, device, dt, 1, m, n, k, partial=True)))
+    if device.type == "cpu":  # (a shared machine: the shapes in turns, every operand held meanwhile)
+        seconds = _spread(device, [make() for _, make in products], grid.repeats)
+    else:  # (a device of its own: shape by shape, one shape's operands held at a time)
+        seconds = [timed(make(), grid.repeats) for _, make in products]
     gemm: list[Gemm] = [replace(g, tflops=_tflops(t, g.batch * g.m * g.n * g.k, overhead))
                         for (g, _), t in zip(products, seconds)]
     return {"overhead": overhead, "copy": copy_rate, "memory": memory, "sixteen": sixteen, "kernels": measured,
             "gemm": gemm}
+
+
+def _product(ops: Any, device: torch.device, dt: str, batch: int, m: int, n: int, k: int,
+             partial: bool = False) -> Callable[[], Callable[[], Any]]:
+    """A maker of one GEMM's call through the kernel set, its operands made when it is."""
+    def make() -> Callable[[], Any]:
+        a = torch.randn(batch, m, k, device=device).to(TORCH_DTYPES[dt])
+        b = torch.randn(batch, k, n, device=device).to(TORCH_DTYPES[dt])
+        if partial:
+            return lambda: ops.matmul(a[0], b[0], partial=True)
+        return (lambda: ops.matmul(a[0], b[0])) if batch == 1 else (lambda: ops.einsum("bmk,bkn->bmn", a, b))
+    return make
 
 
 def _tflops(seconds: float, mnk: int, overhead_s: float) -> float:
@@ -433,10 +443,8 @@ def command(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def _size(nbytes: float) -> str:
     """Bytes as a reader reads them: 4.2 MB, 470 MB, 786 kB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+    unit, scale = next(((u, x) for u, x in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if nbytes >= x), ("B", 1.0))
+    return f"{nbytes / scale:.3g} {unit}"
 
 
 __all__ = ["GRIDS", "LaunchError", "calibrate", "command", "fit_link"]
