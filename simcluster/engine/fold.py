@@ -197,14 +197,13 @@ class Fold:
             movers += [self.cp_local * t] if c > self.cp_local else []  # and by a node's worth
         if self.ep:
             movers.append(self.replica)  # the ep rotation by one
-        for of in movers:
-            if {self.image(m, of) for m in members} != group:
-                continue  # mapped onto another group: that one's call is not simulated
-            for phase in phases:
-                flows = set(phase.flows)
-                if any((self.image(s, of), self.image(d, of), b) not in flows for s, d, b in flows):
-                    # (not its own image: a ring in node order under the cp or ep rotation)
-                    self._ports_alike(members, phase.flows, where, kind)
+        # (a mover that maps the group onto another group: that one's call is not simulated)
+        movers = [of for of in movers if {self.image(m, of) for m in members} == group]
+        for phase in phases:
+            flows = set(phase.flows)
+            if any((self.image(s, of), self.image(d, of), b) not in flows for of in movers for s, d, b in flows):
+                # (not its own image: a ring in node order under the cp or ep rotation)
+                self._ports_alike(members, phase.flows, where, kind)
 
     def even_rows(self, op: Any, where: str) -> None:
         """An uneven all_to_all whose folded members' sends are their representative's: only where it
