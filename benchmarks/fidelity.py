@@ -10,6 +10,9 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
                       1T on 512, sequence parallelism and selective recomputation; MFU.
   megatron-core-2024  the Megatron-LM README's Megatron-Core r0.8 weak scaling: GPT 1.7B on 48 H100s to
                       462B on 6,144; model TFLOP/s per GPU.
+  torchtitan-2024     torchtitan's December 2024 benchmarks: Llama 3.1 8B, FSDP on 8 and 128 H100s (at
+                      a 500 W power limit), eager and torch.compile'd; tokens a second per GPU, and the
+                      compiled/eager ratio.
 
 Every row runs in meta mode, folded, for the report only, and prints the predicted figure beside the
 published one, with the simulation's own wall time and peak memory (this process's resident set,
@@ -43,6 +46,7 @@ class Table:
     metric: str  # the report's figure compared: "tflops_per_gpu", "mfu" (%), or "model_tflops"
     published: tuple[float, ...]
     modern: bool  # held to the goal (a stack of today), or an older stack's, labelled so
+    ratios: tuple[tuple[int, int], ...] = ()  # (row a, row b): b's figure over a's, predicted and published
 
 
 TABLES = {
@@ -55,6 +59,9 @@ TABLES = {
     # The Megatron-LM README of 2024-07-15 (f2e5db402c), images/model_table.png: Megatron-Core r0.8.0.
     "megatron-core-2024": Table("megatron_core_2024.toml", "model_tflops",
                                 (408.8, 465.9, 489.1, 459.6, 419.7, 420.5, 432.8, 474.4, 459.9), modern=True),
+    # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16 rows).
+    "torchtitan-2024": Table("torchtitan_2024.toml", "tokens_per_gpu", (5762, 6667, 5605, 6514), modern=True,
+                             ratios=((1, 2), (3, 4))),
 }
 
 
@@ -64,6 +71,8 @@ def figure(report: dict, metric: str) -> float:
         return 100 * report["mfu"]
     if metric == "model_tflops":  # model FLOPs (the full square) a second a GPU
         return report["mfu"] * report["cluster"]["peak_tflops"]
+    if metric == "tokens_per_gpu":
+        return report["tokens_per_s"] / report["world_size"]
     return report[metric]
 
 
@@ -75,11 +84,12 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
     if len(sc.variants) != len(table.published):
         raise SystemExit(f"fidelity.py: {table.file} has {len(sc.variants)} rows, the table {len(table.published)}")
     chosen = pick_rows(rows, len(sc.variants), "fidelity.py") if rows else range(1, len(sc.variants) + 1)
-    unit = {"mfu": "MFU %", "model_tflops": "TFLOP/s", "tflops_per_gpu": "TFLOP/s"}[table.metric]
+    unit = {"mfu": "MFU %", "model_tflops": "TFLOP/s", "tflops_per_gpu": "TFLOP/s",
+            "tokens_per_gpu": "tokens/s"}[table.metric]
     print(f"\n{name} ({table.file}; {unit} per GPU{'' if table.modern else '; an older stack'}): {sc.description}")
     print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'published':>9} {'error':>7} {'MFU':>6} "
           f"{'memory/GPU':>10} {'sim s':>6} {'sim GB':>7}")
-    errors = []
+    errors, got_by_row = [], {}
     for i in chosen:
         _, v = sc.variants[i - 1]
         t = time.perf_counter()
@@ -89,6 +99,7 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
         layout = f"{r['world_size']} ({m['tp']}x{m['pp']}x{m['dp']})"
         got, want = figure(r, table.metric), table.published[i - 1]
         errors.append(got / want - 1)
+        got_by_row[i] = got
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         fits = "" if r["memory"]["fits"] else " OOM"
         print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * errors[-1]:>+6.1f}% {100 * r['mfu']:>5.1f}% "
@@ -98,6 +109,10 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
     verdict = ("" if not table.modern else
                "  (goal met)" if mean <= 0.05 and worst <= 0.10 else "  (goal: mean 5 %, max 10 %: not met)")
     print(f"mean |error| {100 * mean:.1f} %, max |error| {100 * worst:.1f} %{verdict}")
+    for a, b in table.ratios:
+        if a in got_by_row and b in got_by_row:
+            mine, theirs = got_by_row[b] / got_by_row[a], table.published[b - 1] / table.published[a - 1]
+            print(f"row {b} / row {a}: predicted {mine:.3f}, published {theirs:.3f} ({100 * (mine / theirs - 1):+.1f} %)")
     return errors
 
 

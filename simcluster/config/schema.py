@@ -83,7 +83,9 @@ class ModelSection(Section):
         "its own kernel with the s x s scores in memory")
     fused_kernels: bool = key(
         True, "cost a block's elementwise work as the fused kernels of Megatron-LM (bias in the GEMM; bias+GELU; "
-        "bias+dropout+residual; scale+mask+softmax), not one kernel an op as eager PyTorch")
+        "bias+dropout+residual; scale+mask+softmax) and torch.compile (RMSNorm in one kernel); false: as eager "
+        "PyTorch launches it, one kernel an op (the Llama's RMSNorm and rotary embedding with torchtitan's fp32 "
+        "upcasts, model/eager.py)")
     tied_head: bool | None = key(None, "LM head tied to the token embedding (default: gpt yes, llama no)")
     arch: Literal["gpt", "llama"] = key(
         "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary positions, SwiGLU "

@@ -23,6 +23,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model import eager
 from simcluster.model.gpt import Slice
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -55,12 +56,14 @@ class LlamaShard(TransformerShard):
 
     # -- pieces -------------------------------------------------------------------------------------
     def norm(self, x: Any, p: dict[str, Any], name: str) -> tuple[Any, tuple]:
-        y, rstd = self.ops.rms_norm(x, p[name + ".g"], self.m.eps)
+        with eager.norm(self.ops, self.m, x):
+            y, rstd = self.ops.rms_norm(x, p[name + ".g"], self.m.eps)
         return y, (rstd,)
 
     def norm_backward(self, dy: Any, x: Any, p: dict[str, Any], name: str, stats: tuple,
                       grads: dict[str, Any]) -> Any:
-        dx, grads[name + ".g"] = self.ops.rms_norm_backward(dy, x, p[name + ".g"], *stats)
+        with eager.norm(self.ops, self.m, x, backward=True):
+            dx, grads[name + ".g"] = self.ops.rms_norm_backward(dy, x, p[name + ".g"], *stats)
         return dx
 
     def _table(self, t: np.ndarray, like: Any) -> Any:
@@ -85,16 +88,20 @@ class LlamaShard(TransformerShard):
     def rope(self, x: Any) -> Any:
         """x (b, n, s/cp, d) rotated at its positions: x cos + rot(x) sin."""
         ops = self.ops
-        return ops.add(ops.mul(x, self._table(self.cos, x)), ops.mul(self._rot(x, 1.0), self._table(self.sin, x)))
+        with eager.rotary(ops, self.m, x):
+            return ops.add(ops.mul(x, self._table(self.cos, x)), ops.mul(self._rot(x, 1.0), self._table(self.sin, x)))
 
     def rope_backward(self, dy: Any) -> Any:
         ops = self.ops
-        return ops.add(ops.mul(dy, self._table(self.cos, dy)), self._rot(ops.mul(dy, self._table(self.sin, dy)), -1.0))
+        with eager.rotary(ops, self.m, dy, backward=True):
+            return ops.add(ops.mul(dy, self._table(self.cos, dy)),
+                           self._rot(ops.mul(dy, self._table(self.sin, dy)), -1.0))
 
     def repeat(self, x: Any) -> Any:
         """(b, kv, s, d) -> (b, kv * group, s, d): each kv head for each of its query heads."""
         if self.group == 1:
             return x
+        eager.repeat_kv(self.ops, self.m, x, self.group)
         return self.ops.repeat(x, self.group, 1)
 
     def unrepeat(self, dx: Any) -> Generator[Any, Any, Any]:
