@@ -56,7 +56,7 @@ def test_a_torchtitan_job_file_is_imported_and_runs(tmp_path, capsys):
     m, p = doc["model"], doc["parallel"]
     assert (m["layers"], m["hidden"], m["ffn_hidden"], m["heads"], m["kv_heads"]) == LLAMA3["8B"]
     assert (m["seq"], m["global_batch"], m["arch"], p["dp"], p["zero"], p["recompute"]) == \
-        (8192, 16, "llama", 16, 3, "selective")
+        (8192, 16, "llama", 16, 3, "op")
     named = " ".join(notes)
     assert all(f"[{t}]" in named for t in ("job", "profiling", "metrics", "lr_scheduler", "checkpoint"))
     assert "training.steps" in named and "optimizer.name" in named
@@ -94,3 +94,14 @@ def test_write_scenario_writes_the_scenario_as_run(tmp_path, capsys):
     assert main(["run", "--summary", "--write-scenario", str(out), *sets]) == 0
     again = load(str(out))
     assert again.as_dict() == load(None, [s for s in sets if s != "--set"]).as_dict()
+
+
+@pytest.mark.parametrize("option, want", [("op", "op"), ("1", "full"), ("2", "full")])
+def test_torchtitans_selective_checkpointing_is_mapped(option, want):
+    """torchtitan's selective_ac_option: "op" is the per-op policy (parallel.recompute = "op"); a number N
+    checkpoints every N-th block whole, which only N = 1 (every block) is here without a note."""
+    job = {"model": {"name": "llama3", "flavor": "8B"}, "training": {"seq_len": 1024, "local_batch_size": 1},
+           "activation_checkpoint": {"mode": "selective", "selective_ac_option": option}}
+    doc, notes = torchtitan(job, nodes=1, gpus_per_node=8)
+    assert doc["parallel"]["recompute"] == want
+    assert any("every 2-th block" in n for n in notes) == (option == "2")

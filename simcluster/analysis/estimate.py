@@ -28,7 +28,7 @@ from typing import Any
 from simcluster.config.scenario import Scenario, ScenarioError
 from simcluster.model.activations import layer_activations, moe_activations
 from simcluster.model.config import Recompute
-from simcluster.model.flops import forward_per_token, step_flops
+from simcluster.model.flops import forward_per_token, op_recomputed, step_flops
 from simcluster.model.precision import model_state_bytes
 from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.parallel.pipeline import partition
@@ -118,7 +118,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
                                                                 sharded(expert_psi, edp))
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                              sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
-                             attention_kernel=model.attention_kernel)
+                             attention_kernel=model.attention_kernel, kv=model.kv_heads, f=model.ffn_hidden)
     if model.moe_experts and layout.recompute != "full":
         kept = moe_activations(kept, model, b=layout.micro_batch, parts=spread)
     act = sum(kept.values())
@@ -200,7 +200,8 @@ def _busiest(model: Any, schedule: Any, shape: Any) -> float:
     split evenly): its chunks' layers (the first chunks take one more: pipeline.py's partition) and,
     on the last chunk's stage, the LM head. A pipeline runs at its busiest stage's pace."""
     layers, core, head = forward_per_token(model)
-    again = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: layers + core}[model.recompute]
+    again = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: layers + core,
+             Recompute.OP: op_recomputed(model)}[model.recompute]
     per_layer = (3 * (layers + core) + again) / model.layers
     place = placement(schedule, shape)
     sizes = [len(r) for r in partition(model.layers, place.pieces)]

@@ -52,7 +52,8 @@ TORCHTITAN = {
     "training.seq_len": "model.seq", "training.batch_size": "model.global_batch",
     "training.local_batch_size": "model.global_batch", "training.global_batch_size": "model.global_batch",
     "training.max_norm": "run.clip_grad", "training.mixed_precision_param": "model.dtype",
-    "activation_checkpoint.mode": "parallel.recompute", "optimizer.lr": "run.lr",
+    "activation_checkpoint.mode": "parallel.recompute",
+    "activation_checkpoint.selective_ac_option": "parallel.recompute", "optimizer.lr": "run.lr",
     "optimizer.weight_decay": "run.weight_decay", "model.flavor": "model.layers", "model.name": "model.arch",
 }
 SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved", "InterleavedZeroBubble": "zb-h1",
@@ -182,6 +183,21 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
             "cluster": _cluster(nodes, gpus_per_node, preset), **doc}, notes
 
 
+def _checkpointing(given: dict[str, Any], notes: list[str]) -> str:
+    """torchtitan's activation_checkpoint (its defaults in 2024-12: mode "selective", selective_ac_option "2")
+    as parallel.recompute: "op" is the per-op policy; a number N checkpoints every N-th block whole."""
+    mode = str(given.get("activation_checkpoint.mode", "selective"))
+    if mode != "selective":
+        return mode
+    option = str(given.get("activation_checkpoint.selective_ac_option", "2"))
+    if option == "op":
+        return "op"
+    if option != "1":
+        notes.append(f"activation_checkpoint.selective_ac_option = {option!r} (every {option}-th block checkpointed "
+                     f"whole): not modelled; every block is recomputed whole (parallel.recompute = full)")
+    return "full"
+
+
 def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, preset: str = "dgx-h100"
                ) -> tuple[dict[str, Any], list[str]]:
     """The scenario of a torchtitan job file (parsed TOML), and what was not mapped."""
@@ -215,7 +231,7 @@ def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, p
     if "parallelism.pipeline_parallel_microbatch_size" in given:
         m["micro_batch"] = int(given["parallelism.pipeline_parallel_microbatch_size"])
     p: dict[str, Any] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1, "zero": 3,
-                         "recompute": str(given.get("activation_checkpoint.mode", "selective"))}
+                         "recompute": _checkpointing(given, notes)}
     if pp > 1:
         schedule = str(given.get("parallelism.pipeline_parallel_schedule", "1F1B"))
         if schedule not in SCHEDULES:

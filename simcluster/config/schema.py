@@ -202,7 +202,10 @@ class ParallelSection(Section):
         False, "ZeRO-Offload's one-step delayed parameter update: each step computes with the weights from before "
         "the last step's update, so the host's optimizer step runs under the next forward and backward "
         "(compared with its own single-device definition)")
-    recompute: Literal["none", "selective", "full"] = key("none", "activation recomputation")
+    recompute: Literal["none", "selective", "full", "op"] = key(
+        "none", "activation recomputation: selective (Megatron's: the attention core), full (each block from its "
+        "input), op (torchtitan's per-op policy, Llama: every second matmul of a block and the attention kernel's "
+        "outputs kept, the rest recomputed)")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"] = key(
         "1f1b", "pipeline schedule (pp > 1)")
     virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)

@@ -19,15 +19,20 @@ from simcluster.numerics.tensor import ITEMSIZE
 
 
 def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
-                      dtype: str = "bf16", attention_kernel: str = "unfused") -> dict[str, int]:
-    """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full")
+                      dtype: str = "bf16", attention_kernel: str = "unfused", kv: int | None = None,
+                      f: int | None = None) -> dict[str, int]:
+    """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch; kv, f:
+    a Llama's key/value heads and MLP width (per-op checkpointing only; default a and 4h)."""
+    if recompute not in ("none", "selective", "full", "op"):
+        raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full, op")
     item = ITEMSIZE[dtype]
     sbh = s * b * h
     outside = t if sp else 1  # tensors outside the tensor-parallel region: split only with SP
     if recompute == "full":
         return {"layer input": item * sbh // outside}
+    if recompute == "op":
+        return op_activations(s=s, b=b, h=h, a=a, kv=a if kv is None else kv, f=4 * h if f is None else f, t=t,
+                              sp=sp, item=item)
     kept = {
         # attention block: 11sbh + 5as^2b
         "qkv input (layer norm output)": item * sbh // outside,
@@ -48,6 +53,22 @@ def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = 
     elif recompute == "none":  # the attention core: recomputed under selective recomputation
         kept |= {"softmax output": item * a * s * s * b // t, "softmax dropout mask": a * s * s * b // t,
                  "softmax dropout output": item * a * s * s * b // t}
+    return kept
+
+
+def op_activations(*, s: int, b: int, h: int, a: int, kv: int, f: int, t: int, sp: bool, item: int) -> dict[str, int]:
+    """What torchtitan's per-op checkpointing keeps of a Llama block (parallelize_llama.py's _save_list, at
+    commit 6b03ffa): the block's input, the outputs of its 1st, 3rd, 5th and 7th matmuls (wq, wv, w1, w2;
+    w2's before its reduce-scatter, every token's partial sum), the attention kernel's output and its
+    fp32 log-sum-exp per query row and head, and with sequence parallelism the two reduce-scatters'
+    outputs. The rest (the norms, wk, wo, w3, the rotations, SiLU and its product) is made again."""
+    sb, outside = s * b, t if sp else 1
+    kept = {"layer input": item * sb * h // outside, "wq output": item * sb * h // t,
+            "wv output": item * sb * kv * (h // a) // t, "attention output": item * sb * h // t,
+            "softmax statistics (flash)": 4 * a * sb // t, "w1 output": item * sb * f // t,
+            "w2 output (before its reduce)": item * sb * h}
+    if sp and t > 1:
+        kept["reduce-scatter outputs"] = 2 * item * sb * h // t
     return kept
 
 

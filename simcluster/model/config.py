@@ -28,6 +28,7 @@ class Recompute(Enum):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OP = "op"  # torchtitan's per-op selective checkpointing (parallel/llama_shard.py, LlamaShard.block)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ class ModelConfig:
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
         if self.moe_experts:
             self.moe  # (checks the router's fields)
+        if self.recompute is Recompute.OP and (self.arch != "llama" or self.moe_experts
+                                               or self.attention_kernel != "flash"):
+            raise ValueError("parallel.recompute = \"op\" (torchtitan's per-op checkpointing) is written for its "
+                             "Llama: set model.arch = \"llama\", model.attention_kernel = \"flash\" and no "
+                             "model.moe_experts, or use none, selective or full")
 
     @property
     def moe(self) -> Any:

@@ -125,16 +125,24 @@ class LlamaShard(TransformerShard):
         return self.tr % self.copies == 0
 
     # -- forward ------------------------------------------------------------------------------------
-    def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
+    def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice,
+              saved: dict[str, Any] | None = None) -> Generator[Any, Any, Any]:
+        """The block's output and what its backward keeps. `saved`: recomputing under the per-op policy
+        (parallel.recompute = "op"), with what the forward kept; returns the cache once the last tensor
+        the backward needs is made again."""
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
+        sv = saved if saved is not None else {}
         a_mine, n1 = self.norm(x, p, pre + "attn_norm")
         a = yield from self.gather(a_mine)  # (b, s/cp, h)
-        q = self.rope(gpt.split_heads(ops.matmul(a, p[pre + "attn.wq"])))  # (b, a/tp, s/cp, d)
+        xq = sv["xq"] if saved else ops.matmul(a, p[pre + "attn.wq"])
+        q = self.rope(gpt.split_heads(xq))  # (b, a/tp, s/cp, d)
         k = self.repeat(self.rope(gpt.split_heads(ops.matmul(a, p[pre + "attn.wk"]))))  # (b, kv/tp, ...) repeated
-        v = self.repeat(gpt.split_heads(ops.matmul(a, p[pre + "attn.wv"])))
-        out, core = yield from self.attend(q, k, v, i, step, where)
+        xv = sv["xv"] if saved else ops.matmul(a, p[pre + "attn.wv"])
+        v = self.repeat(gpt.split_heads(xv))
+        out, core = (sv["out"], sv["core"]) if saved else (yield from self.attend(q, k, v, i, step, where))
         ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
-        y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.wo"], partial=True))  # (b, tokens, h)
+        y_mm = ops.matmul(ctx_, p[pre + "attn.wo"], partial=True)
+        y = sv["y"] if "y" in sv else (yield from self.reduce(y_mm))  # (b, tokens, h)
         keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, self.drop(y, keep_a))
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
@@ -143,11 +151,15 @@ class LlamaShard(TransformerShard):
             z, mlp = yield from self.moe_forward(p, c, i, step, where.total, self._keep_all)
         else:
             c = yield from self.gather(c_mine)
-            f1 = ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
+            f1 = sv["f1"] if saved else ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
             f3 = ops.matmul(c, p[pre + "mlp.w3"])
             g = ops.mul(ops.silu(f1), f3)
-            z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w2"], partial=True))
             mlp = {"f1": f1, "f3": f3, "g": g}
+            if saved:  # (w2's product and what follows it the backward needs no more of: torch stops here)
+                return None, {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
+                              "keep_a": keep_a, "x1": x1, "c": c, "n2": n2, "keep_m": sv["keep_m"], **mlp}
+            z_mm = ops.matmul(g, p[pre + "mlp.w2"], partial=True)
+            z = yield from self.reduce(z_mm)
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
         cache = {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_, "keep_a": keep_a,
@@ -157,6 +169,10 @@ class LlamaShard(TransformerShard):
             return x2, {"x": x}
         if policy == "selective" and not self._keep_all:
             return x2, {k_: v_ for k_, v_ in cache.items() if k_ != "core"}
+        if policy == "op":  # torchtitan's _save_list: every second mm's output (wq, wv, w1, w2: the 1st, 3rd,
+            # 5th, 7th), the attention kernel's, and the reduce-scatters' (sequence parallelism)
+            kept = {"x": x, "xq": xq, "xv": xv, "out": out, "core": core, "f1": f1, "z_mm": z_mm, "keep_m": keep_m}
+            return x2, kept | ({"y": y, "z": z} if self.sp and self.t > 1 else {})
         return x2, cache
 
     # -- backward -----------------------------------------------------------------------------------

@@ -231,7 +231,8 @@ class TransformerShard(Experts):
         keeps its rows of the scores whatever the model's attention kernel)."""
         kernel = "unfused" if self.keeps_scores else self.m.attention_kernel
         kept = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
-                                 recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel)
+                                 recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel,
+                                 kv=self.m.kv_heads, f=self.m.ffn_hidden)
         if self.m.is_moe(layer) and self.m.recompute.value != "full":
             kept = moe_activations(kept, self.m, b=x.shape[0], parts=self.t if self.sp else 1)
         return sum(kept.values()) // self.P
@@ -334,12 +335,14 @@ class TransformerShard(Experts):
 
     def recompute(self, p: dict[str, Any], c: dict[str, Any], i: int, step: int,
                   where: Slice) -> Generator[Any, Any, dict[str, Any]]:
-        """What the recomputation policy dropped, again: the whole block (its collectives included), or
-        its attention core."""
+        """What the recomputation policy dropped, again: the whole block (its collectives included), its
+        attention core, or (per op) what the block's ops make but the forward did not keep."""
         policy = self.m.recompute.value
         if policy == "none":
             return c
         with self.ctx.annotate("recompute", f"R{i}"):
+            if policy == "op":
+                return (yield from self.block(p, c["x"], i, step, where, saved=c))[1]
             if policy == "full":
                 self._keep_all = True
                 try:
