@@ -105,3 +105,21 @@ def test_the_policy_is_refused_where_it_is_not_torchtitans(sets):
     with pytest.raises(ScenarioError, match="torchtitan's per-op checkpointing"):
         run_scenario(load(None, [s for s in SETS if not s.startswith("model.kv_heads")] + sets
                           + ["parallel.recompute=op"]), trace=False)
+
+
+def test_the_plan_weighs_the_per_op_policy_for_a_llama():
+    """`simcluster plan` searches the policy where the model can take it, and estimates it between none
+    and full: less memory than none, more than full; more time than none, less than full."""
+    from dataclasses import replace
+
+    from simcluster.analysis.estimate import estimate
+    from simcluster.analysis.planner import layouts
+
+    llama = load("llama3_4d", at_scale=True)  # (Llama 3 405B: activations that matter)
+    assert "op" in {lay.recompute for lay in layouts(llama)}
+    assert "op" not in {lay.recompute for lay in layouts(load(None))}  # (the default scenario's GPT)
+    base = next(lay for lay in layouts(llama) if lay.recompute == "none" and lay.tp == 8 and lay.zero == 3
+                and estimate(llama, lay))
+    est = {rc: estimate(llama, replace(base, recompute=rc)) for rc in ("none", "op", "full")}
+    assert est["none"].memory_bytes > est["op"].memory_bytes > est["full"].memory_bytes
+    assert est["none"].seconds < est["op"].seconds < est["full"].seconds

@@ -144,7 +144,9 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     nvlink = spec.nvlink_bytes_per_ns * 1e9
     if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (phases.py)
         nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
-    passes = 3 if layout.recompute == "full" else 2  # forward, backward, and the forward again
+    # forward, backward, and the forward again (the per-op policy: half of it, the norms' all-gathers with
+    # sp, wo's all-reduce without)
+    passes = {"full": 3.0, "op": 2.5}.get(layout.recompute, 2.0)
     message = layout.micro_batch * model.seq / c * model.hidden * 2  # a layer's activations, 16-bit
     calls = passes * 2 * math.ceil(model.layers / p) * m  # two all-reduces a layer a pass, on the busiest stage
     tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],

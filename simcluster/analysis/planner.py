@@ -31,7 +31,7 @@ from simcluster.topology.presets import PRESETS
 
 MARGIN = 1.1  # an estimate may be this far over the device and still be simulated (the simulator decides)
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")  # and, for a Llama that can take it, torchtitan's per-op "op"
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,16 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
     yield from _every(sc, (1,), (2,))
 
 
+def recomputes(model: Any) -> tuple[str, ...]:
+    """The recomputation policies a model can take: torchtitan's per-op one is its Llama's (flash
+    attention, no experts; model/config.py)."""
+    per_op = model.arch == "llama" and model.attention_kernel == "flash" and not model.moe_experts
+    return RECOMPUTE + (("op",) if per_op else ())
+
+
 def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:
     gpn = sc.cluster.gpus_per_node
+    policies = recomputes(sc.model)
     world = sc.cluster.nodes * gpn
     for tp in _divisors(gpn):
         for pp in _divisors(world // tp):
@@ -105,16 +113,16 @@ def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Itera
                 dp = world // (tp * pp * cp)
                 for ep in _divisors(math.gcd(dp, sc.model.moe_experts)) if sc.model.moe_experts else (1,):
                     for dispatcher in DISPATCHERS if ep > 1 else DISPATCHERS[:1]:
-                        yield from _variants(tp, pp, cp, dp, ep, dispatcher, sps, chunks)
+                        yield from _variants(tp, pp, cp, dp, ep, dispatcher, sps, chunks, policies)
 
 
 def _variants(tp: int, pp: int, cp: int, dp: int, ep: int, dispatcher: str, sps: tuple[int, ...],
-              chunks: tuple[int, ...]) -> Iterator[Layout]:
+              chunks: tuple[int, ...], policies: tuple[str, ...] = RECOMPUTE) -> Iterator[Layout]:
     """A layout's degrees with each ZeRO stage, micro-batch, recomputation, schedule and sp."""
     schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s in BUBBLE for v in (chunks if s == "interleaved" else (1,))]
     for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):  # (pipelines pair with ZeRO-1, as Megatron)
         for mb in MICRO_BATCHES:
-            for recompute in RECOMPUTE:
+            for recompute in policies:
                 for schedule, virtual in schedules:
                     for sp in (sps if tp > 1 else sps[:1]):  # (tp 1: no sp either way)
                         yield Layout(tp, pp, cp, dp, zero, mb, recompute, schedule, virtual, sp, ep, dispatcher)

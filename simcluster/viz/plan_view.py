@@ -18,7 +18,7 @@ def plan_table(search: Search, title: str) -> Table:
                     f"initialisation)", title_justify="left")
     t.box = box.SIMPLE_HEAD  # (no side borders: the layout keeps its line at 80 columns)
     t.caption = ("each layout with its best-estimated ZeRO stage (Z), micro-batch (mb) and recomputation (+sel, "
-                 "+full); --fix its degrees to see its other variants; step: the first (one simulated)")
+                 "+full, +op); --fix its degrees to see its other variants; step: the first (one simulated)")
     t.caption_justify = "left"
     t.pad_edge, t.padding = False, (0, 1)
     for col in ("#", "layout", "step", "MFU", "peak", "bound by"):
