@@ -136,7 +136,7 @@ def attention_weights(num: Num, s: np.ndarray, row_max: np.ndarray) -> np.ndarra
 def attention_output(num: Num, o_sum: Any, l_sum: Any, dtype: Any, drop_scale: float) -> np.ndarray:
     """out = round(sum_k e*keep*v) / round(sum_k e) * 1/(1-p): the one rounding point of the core."""
     out = num.round(o_sum, dtype) / num.round(l_sum, dtype)[..., None]
-    return out * _c(num, out, drop_scale)
+    return num.times(out, drop_scale)  # (the dropout's scale as the mode multiplies a scalar: ops.scale)
 
 
 def attention_probs(num: Num, e: np.ndarray, l_sum: Any) -> np.ndarray:

@@ -138,10 +138,10 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return self._binary(self.xp.multiply, a, b)
 
     def scale(self, a: Any, s: Any) -> Any:
-        """a * s, with s (a number, or a 0-d value of the kernel set's) rounded to a's dtype first."""
+        """a * s (a number, or a 0-d value of the kernel set's): exact mode's product with s rounded to a's
+        dtype, fast mode's as a GPU kernel computes it, in fp32 for 16-bit a (numerics/modes.py)."""
         self._elementwise_cost("scale", tuple(a.shape), 1)
-        xp = self.xp
-        return self._unary(lambda x: x * xp.const(x, s), a)
+        return self._unary(lambda x: self._num.times(x, s), a)
 
     def relu(self, a: Any) -> Any:
         self._elementwise_cost("relu", tuple(a.shape), 1)
