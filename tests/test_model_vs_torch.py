@@ -120,7 +120,7 @@ def test_fast_bf16_loss_is_within_a_bf16_rounding_of_torch_float64(cfg):
     """Fast mode as a GPU computes (bf16 storage, fp32 accumulation, fp32 statistics in norms, softmax
     and the loss): the loss of bf16 weights within 2**-8 (bf16's unit roundoff: the activations, the
     attention scores and the logits are bf16, as the GEMMs write them) of float64 torch on the same
-    weights. Measured: 1.4e-4 to 2.2e-3 over these models; accumulating in bf16, as numpy does on bf16
+    weights. Measured: 1.6e-4 to 2.2e-3 over these models; accumulating in bf16, as numpy does on bf16
     arrays, put it 5-7 % off."""
     from simcluster.numerics.limbs import BF16
 
@@ -134,7 +134,7 @@ def test_fast_bf16_loss_is_within_a_bf16_rounding_of_torch_float64(cfg):
                          ids=["L4h128", "L2h64p0.1"])
 def test_fast_bf16_loss_is_within_2e_4_of_float64(size, seed):
     """Issue 40's bound on models past the toy sizes above (whose few elements make the error a draw:
-    1e-4 to 2.6e-3 over seeds of the h = 8 one): measured 1.5e-5 to 1.8e-4. With the dropout scale
+    1e-4 to 2.6e-3 over seeds of the h = 8 one): measured 1.5e-5 to 6.1e-5. With the dropout scale
     rounded to bf16 before it multiplied (1/(1 - 0.1) as 1.109375), seed 2's h = 64 model was 3.2e-4."""
     from simcluster.numerics.limbs import BF16
 
