@@ -123,3 +123,12 @@ def test_the_plan_weighs_the_per_op_policy_for_a_llama():
     est = {rc: estimate(llama, replace(base, recompute=rc)) for rc in ("none", "op", "full")}
     assert est["none"].memory_bytes > est["op"].memory_bytes > est["full"].memory_bytes
     assert est["none"].seconds < est["op"].seconds < est["full"].seconds
+
+
+@pytest.mark.parametrize("fix, message", [("recompute=op", "this model takes none, selective, full"),
+                                          ("recompute=bogus", "recompute is one of none, selective, full, op")])
+def test_the_plan_says_which_policies_a_model_takes(fix, message):
+    from simcluster.analysis.planner import layouts, parse_fixed
+
+    with pytest.raises(ScenarioError, match=message):
+        next(layouts(load(None), parse_fixed([fix])))

@@ -77,6 +77,8 @@ def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
             raise ScenarioError(f"--fix {item!r}: {name} takes {FIELDS[name].__name__} values") from None
         if name == "sp" and not set(fixed[name]) <= {0, 1}:
             raise ScenarioError(f"--fix {item!r}: sp is 1 (sequence parallelism with tp) or 0 (without)")
+        if name == "recompute" and not set(fixed[name]) <= set(RECOMPUTE + ("op",)):
+            raise ScenarioError(f"--fix {item!r}: recompute is one of {', '.join(RECOMPUTE + ('op',))}")
     return fixed
 
 
@@ -86,6 +88,10 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
     replicated elementwise work at no cost in communication) unless `fixed` names sp; the interleaved
     schedule runs two chunks a stage unless `fixed` names other virtual counts."""
     if fixed:
+        if "recompute" in fixed and not set(fixed["recompute"]) & set(recomputes(sc.model)):
+            raise ScenarioError(f"--fix recompute={','.join(fixed['recompute'])}: this model takes "
+                                f"{', '.join(recomputes(sc.model))} (op, torchtitan's per-op policy, is a Llama's "
+                                f"with flash attention and no experts)")
         sps = tuple(sorted(set(fixed.get("sp", (1,))), reverse=True))
         virtual = tuple(sorted({v for v in fixed.get("virtual", (2,)) if v > 1})) or (2,)
         yield from (lay for lay in _every(sc, sps, virtual)
