@@ -132,3 +132,19 @@ def test_the_plan_says_which_policies_a_model_takes(fix, message):
 
     with pytest.raises(ScenarioError, match=message):
         next(layouts(load(None), parse_fixed([fix])))
+
+
+def test_rsa_keeps_its_score_rows_under_the_per_op_policy():
+    """The policy keeps the attention kernel's outputs: ColossalAI's RSA's are its rows of the scores, which
+    Megatron's selective policy recomputes; ring attention's are an output and its log-sum-exp."""
+    sets = ["model.arch=llama", "model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
+            "model.ffn_hidden=96", "model.seq=64", "model.vocab=64", "model.global_batch=4", "run.steps=1",
+            "cluster.gpus_per_node=4", "run.numerics=meta", "parallel.dp=1", "parallel.tp=2", "parallel.sp=true",
+            "parallel.cp=2", "model.dtype=bf16"]
+
+    def peak(attention, recompute):
+        return run_scenario(load(None, sets + [f"parallel.attention={attention}", f"parallel.recompute={recompute}"]),
+                            trace=False).report["memory"]["peak_bytes"]
+
+    assert peak("rsa", "selective") < peak("rsa", "op") < peak("rsa", "none")
+    assert peak("ring", "op") < peak("ring", "selective")
