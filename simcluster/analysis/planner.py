@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 from simcluster.analysis.estimate import BUBBLE, Estimate, Layout, estimate
 from simcluster.analysis.workers import in_order
 from simcluster.config.scenario import Scenario, ScenarioError
+from simcluster.model.config import Recompute, takes_per_op
 from simcluster.numerics.divisors import divisors
 from simcluster.parallel.parallelism import DISPATCHERS
 from simcluster.run import budget
@@ -77,8 +78,9 @@ def parse_fixed(items: list[str]) -> dict[str, tuple[Any, ...]]:
             raise ScenarioError(f"--fix {item!r}: {name} takes {FIELDS[name].__name__} values") from None
         if name == "sp" and not set(fixed[name]) <= {0, 1}:
             raise ScenarioError(f"--fix {item!r}: sp is 1 (sequence parallelism with tp) or 0 (without)")
-        if name == "recompute" and not set(fixed[name]) <= set(RECOMPUTE + ("op",)):
-            raise ScenarioError(f"--fix {item!r}: recompute is one of {', '.join(RECOMPUTE + ('op',))}")
+        policies = [r.value for r in Recompute]
+        if name == "recompute" and not set(fixed[name]) <= set(policies):
+            raise ScenarioError(f"--fix {item!r}: recompute is one of {', '.join(policies)}")
     return fixed
 
 
@@ -103,8 +105,7 @@ def layouts(sc: Scenario, fixed: dict[str, tuple[Any, ...]] | None = None) -> It
 def recomputes(model: Any) -> tuple[str, ...]:
     """The recomputation policies a model can take: torchtitan's per-op one is its Llama's (flash
     attention, no experts; model/config.py)."""
-    per_op = model.arch == "llama" and model.attention_kernel == "flash" and not model.moe_experts
-    return RECOMPUTE + (("op",) if per_op else ())
+    return RECOMPUTE + (("op",) if takes_per_op(model.arch, model.attention_kernel, model.moe_experts) else ())
 
 
 def _every(sc: Scenario, sps: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[Layout]:

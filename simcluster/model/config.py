@@ -31,6 +31,12 @@ class Recompute(Enum):
     OP = "op"  # torchtitan's per-op selective checkpointing (parallel/llama_shard.py, LlamaShard.block)
 
 
+def takes_per_op(arch: str, attention_kernel: str, moe_experts: int) -> bool:
+    """Whether a model can take torchtitan's per-op policy: it is written for its Llama (flash attention,
+    no experts)."""
+    return arch == "llama" and attention_kernel == "flash" and not moe_experts
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     layers: int = 2
@@ -96,8 +102,7 @@ class ModelConfig:
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
         if self.moe_experts:
             self.moe  # (checks the router's fields)
-        if self.recompute is Recompute.OP and (self.arch != "llama" or self.moe_experts
-                                               or self.attention_kernel != "flash"):
+        if self.recompute is Recompute.OP and not takes_per_op(self.arch, self.attention_kernel, self.moe_experts):
             raise ValueError("parallel.recompute = \"op\" (torchtitan's per-op checkpointing) is written for its "
                              "Llama: set model.arch = \"llama\", model.attention_kernel = \"flash\" and no "
                              "model.moe_experts, or use none, selective or full")
