@@ -103,11 +103,14 @@ def _as_torchrun_rank(sc: Scenario, job: Job, kind: str, watchdog_s: float, err:
 
     from gpu_backend import scenario_run
     from gpu_backend.backend import measured
+    from gpu_backend.processes import keep_freed_memory
 
     device = torch.device("cpu")
     if kind == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     dist.init_process_group(kind, timeout=timedelta(seconds=watchdog_s))
     try:
         first = dist.get_rank() == 0
