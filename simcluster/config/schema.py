@@ -209,6 +209,10 @@ class ParallelSection(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"] = key(
         "1f1b", "pipeline schedule (pp > 1)")
     virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)
+    dualpipe_overlap: bool = key(
+        True, "DualPipe: each paired forward and backward pass (its main step's) run together, each computing while "
+        "the other's communication (expert all-to-all, tensor-parallel and pipeline transfers) is in flight, as "
+        "DeepSeek-V3 overlaps them; false: one after the other. The same numbers either way")
     scatter_gather: bool = key(
         False, "pp > 1 with tp > 1 and no sp: each tp rank sends only its 1/tp of a pipeline message and the "
         "receiving stage all-gathers the parts over tp, so a message crosses the network once, not tp times "

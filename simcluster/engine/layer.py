@@ -3,8 +3,10 @@
 Read off rank 0's recorded streams before the replay (so a run with its events kept and one without,
 folded or not, give the same figures): the first layer its first forward pass runs (a pass labelled
 `F<micro-batch>[.<chunk>]:block<i>`), and of that micro-batch and layer the backward pass
-(`B...:block<i>`) and the recomputation (`R<i>`). Each pass's first run of kernels (a later one is
-another step's or micro-batch's), as the time its kernels take back to back at the cluster's rates
+(`B...:block<i>`) and the recomputation (`R<i>`). Each pass's kernels until one of its kind under
+another label (a later run is another layer's, step's or micro-batch's; a pass run beside it, DualPipe's
+pipeline.together, puts kernels of the other kind between its own), as the time its kernels take back
+to back at the cluster's rates
 (launches included; no waits, no communication: those belong to the step, not to the layer's
 kernels), and how many kernels it launches. A zero-bubble schedule's weight-gradient pass (`W...`)
 covers a stage's layers together: it is not split by layer.
@@ -36,7 +38,8 @@ def layer_cost(streams: Any, cluster: Cluster, dtype: str) -> dict[str, Any] | N
     done: set[str] = set()  # (passes whose first run of kernels has ended)
     for label, kind, run in passes:
         what = wanted.get(label)
-        done |= started - {what}
+        if kind in started and what != kind:
+            done.add(kind)
         if what is None or what in done or kind != what:
             continue
         started.add(what)

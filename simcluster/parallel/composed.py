@@ -36,7 +36,7 @@ from simcluster.parallel.dp_wrap import DPWrap
 from simcluster.parallel.llama_shard import LlamaShard
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.pipeline import execute, partition
-from simcluster.parallel.pipeline_schedules import Pass, deferred, label, passes as stage_passes, placement
+from simcluster.parallel.pipeline_schedules import Pass, deferred, label, pairs, passes as stage_passes, placement
 from simcluster.parallel.tape import Tapes, shape_key
 from simcluster.parallel.tensor_parallel import replicas, shard, shard_kind, shard_shape, unshard
 from simcluster.parallel.transformer_shard import TransformerShard
@@ -50,8 +50,7 @@ def _units_by_chunk(pieces: tuple[tuple[str, ...], ...], place: Any) -> tuple[tu
 
 @functools.lru_cache(maxsize=64)
 def chunk_units(layers: int, pieces: int) -> tuple[tuple[str, ...], ...]:
-    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head).
-    (Made once for every stage of a pipeline.)"""
+    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head)."""
     out = [[f"block{i}" for i in r] for r in partition(layers, pieces)]
     out[0].insert(0, "embed")
     out[-1].append("head")
@@ -240,6 +239,7 @@ class _Placed:
     copies: set[str]  # DualPipe: the units of the reverse chain's copies this stage holds; a tied head's embedding
     tie: Any = None  # a tied head across stages: the first and the last stage (Megatron's embedding group); else None
     feeds: bool = False  # a tied head here runs micro-batches its embedding does not: wte's gradient handed apart
+    pairs: frozenset[int] = frozenset()  # DualPipe: passes run together with the next (pipeline_schedules.pairs)
 
 
 def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
@@ -261,7 +261,7 @@ def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
             mine, copies = ["embed", *mine], {"embed"}
     feeds = m.tied_head and "head" in mine and (tie is not None or dual)
     return _Placed(place, stage_passes(parallelism.schedule, shape, s), neighbours, units, mine, twin, copies, tie,
-                   feeds)
+                   feeds, pairs(parallelism.schedule, shape, s) if parallelism.dualpipe_overlap else frozenset())
 
 
 @dataclass(frozen=True)
@@ -337,7 +337,7 @@ def _train(ctx: Context, parallelism: Parallelism, stage: _Placed, shards: _Shar
             written = _save(ctx, ck, m, stage, shards, dp, step, model.biases)
         dp.begin_step()
         work = Stage(ctx, parallelism, model, dp, stage.units, step, stage.passes, tapes, feeds=stage.feeds)
-        yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours)
+        yield from execute(ctx, stage.passes, work, stage.place, ctx.mesh.pp, stage.neighbours, stage.pairs)
         reduced = yield from dp.step(step)
         if m.moe_bias_rate:  # (the experts' selection bias, DeepSeek-V3's, moves with the step's loads)
             yield from model.balance(step, dp.sum_group, stage.twin)

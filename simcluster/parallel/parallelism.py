@@ -47,6 +47,7 @@ class Parallelism:
     checkpoint: Any = None  # checkpoint.Checkpointing: save after a step, or resume (exact and fast modes)
     ep: int = 1  # expert parallelism: experts shared out over runs of ep data-parallel ranks (mesh.expert_groups)
     dispatcher: str = "alltoall"  # how ep sends tokens to their experts: alltoall or allgather (expert_parallel.py)
+    dualpipe_overlap: bool = True  # DualPipe's paired forward and backward passes run together (pipeline.together)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))

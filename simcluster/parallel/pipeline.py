@@ -12,7 +12,9 @@ placement says (stage g mod p, but for ZB-V and DualPipe). Each stage runs its p
   W(j, g): the chunk's weight gradients, deferred from B(j, g) (zero-bubble schedules, DualPipe).
 
 Sends are asynchronous and the receive that the next pass needs is posted one pass ahead, so
-transfers run on the point-to-point streams while the stage computes. Every message has its own tag
+transfers run on the point-to-point streams while the stage computes. DualPipe's paired passes (a
+forward beside a backward) run `together`: each computes while the other's communication is in
+flight. Every message has its own tag
 (micro-batch, chunk, direction). What a pass computes is the stage's work (`StageWork`): the GPT's
 chunks under any layout (composed.py), or identical timed kernels (`UniformPipeline`, for the
 schedules' closed forms); the work also says what of a message goes on the wire (`pack`; with
@@ -71,10 +73,11 @@ class StageWork(Protocol):
 
 
 def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement, stages: Any,
-            passes_of: Callable[[int], list[Pass]]) -> Generator[Any, Any, None]:
+            passes_of: Callable[[int], list[Pass]], pairs: frozenset[int] = frozenset()) -> Generator[Any, Any, None]:
     """Run one stage's passes: the pipeline's communication around the stage's work. `passes_of(q)`
     gives stage q's passes: receives from q are posted in the order q sends (NCCL matches a pair's
-    messages in order, not by tag), each at the latest one pass before it is needed."""
+    messages in order, not by tag), each at the latest one pass before it is needed. Pass i runs
+    `together` with pass i + 1 where `pairs` holds i (DualPipe's, pipeline_schedules.pairs)."""
     chunks, here = place.chunks, stages.rank_of(ctx.rank)
     rank_of = lambda g: stages.ranks[place.stage[g]]  # noqa: E731
     act_tag = lambda j, g: 2 * (j * chunks + g)  # noqa: E731  activation of chunk g, micro-batch j
@@ -119,29 +122,78 @@ def execute(ctx: Context, passes: list[Pass], work: StageWork, place: Placement,
             sends.append(ctx.comm.send(work.pack(value), dst=dst, tag=tag, async_op=True))
 
     several = len({g for _, _, g in passes}) > 1  # chunks on this stage: name each pass's (F3.5)
-    if passes:
-        post(passes[0])
-    for i, (kind, j, g) in enumerate(passes):
-        if i + 1 < len(passes):
-            post(passes[i + 1])  # the next pass's input arrives while this one computes
+
+    def run(kind: str, j: int, g: int) -> Generator[Any, Any, tuple | None]:
+        """One pass; the message it sends on (deliver's arguments), if any."""
         before, then = prev(g), after(g)
         if kind == "F":
             x = (yield from receive(("F", j, g))) if before is not None else None
             with ctx.annotate("forward", label("F", j, g, several)):
                 y = yield from work.forward(j, g, x)
-            if then is not None:
-                deliver(y, ("F", j, then), rank_of(then), act_tag(j, g))
-        elif kind == "B":
+            return (y, ("F", j, then), rank_of(then), act_tag(j, g)) if then is not None else None
+        if kind == "B":
             dy = (yield from receive(("B", j, g))) if then is not None else None
             with ctx.annotate("backward", label("B", j, g, several)):
                 dx = yield from work.backward(j, g, dy)
-            if before is not None:
-                deliver(dx, ("B", j, before), rank_of(before), grad_tag(j, before))
+            return (dx, ("B", j, before), rank_of(before), grad_tag(j, before)) if before is not None else None
+        with ctx.annotate("weight_grad", label("W", j, g, several)):
+            yield from work.weight(j, g)
+        return None
+
+    if passes:
+        post(passes[0])
+    i = 0
+    while i < len(passes):
+        n = 2 if i in pairs else 1
+        for ahead in passes[i + 1:i + n + 1]:
+            post(ahead)  # the next pass's input arrives while this one computes (a pair's both, first)
+        if n == 2:
+            messages = yield from together(ctx, run(*passes[i]), run(*passes[i + 1]))
         else:
-            with ctx.annotate("weight_grad", label("W", j, g, several)):
-                yield from work.weight(j, g)
+            messages = [(yield from run(*passes[i]))]
+        for message in messages:  # (a pair's after both, in pass order: the order its receivers post them in)
+            if message is not None:
+                deliver(*message)
+        i += n
     if sends:
         yield sends
+
+
+def together(ctx: Context, first: Generator[Any, Any, Any], second: Generator[Any, Any, Any]) -> Generator[Any, Any, list]:
+    """Two passes run as one, as DualPipe runs a forward beside a backward: each computes until it waits for
+    communication (the request already issued), then the other computes while that is in flight; the wait
+    comes when the other next waits. The turns fall at the programs' own waits, so every rank of a group
+    issues its collectives in the same order (a replayed block yields every wait it recorded: comm.every_wait).
+    Each pass keeps its own stream and label. Kernels go on one compute stream as they come: what is
+    overlapped is one pass's communication with the other's compute, not two passes' kernels. Returns
+    what each returned."""
+    passes, live = [first, second], [True, True]
+    sent: list[Any] = [None, None]
+    results: list[Any] = [None, None]
+    waits: list[Any] = [None, None]  # what a pass waits for, issued and not yet yielded
+    outer = ctx.issuing
+    where = [outer, outer]
+    every_wait, ctx.comm.every_wait = ctx.comm.every_wait, True
+    try:
+        turn = 0
+        while live[0] or live[1]:
+            if not live[turn]:
+                turn ^= 1
+                continue
+            if waits[turn] is not None:
+                sent[turn], waits[turn] = (yield waits[turn]), None
+            ctx.issuing = where[turn]
+            try:
+                waits[turn] = passes[turn].send(sent[turn])
+            except StopIteration as stop:
+                live[turn], results[turn] = False, stop.value
+            finally:
+                where[turn], ctx.issuing = ctx.issuing, outer
+            ctx.comm.pending_sync = None  # (a synchronous request waited for at the pass's next turn)
+            turn ^= 1
+    finally:
+        ctx.comm.every_wait = every_wait
+    return results
 
 
 @dataclass(frozen=True)

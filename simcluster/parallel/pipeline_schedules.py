@@ -243,12 +243,18 @@ def dualpipe(shape: PipelineShape, stage: int) -> list[Pass]:
     (DualPipe overlaps each F with the B beside it; here they run one after the other); 5. p/2-h-1
     rounds B1 F1 B0; 6. h+1 pairs B1 B0, deferring W from the middle one on; 7. p/2-h-1 rounds W B0
     (W deferred); 8. the h+1 deferred W passes left. Deferred W passes run oldest first."""
+    return _dualpipe(shape, stage)[0]
+
+
+def _dualpipe(shape: PipelineShape, stage: int) -> tuple[list[Pass], frozenset[int]]:
+    """DualPipe's passes, and where a pass runs together with the next (`pairs`)."""
     p, m = shape.stages, shape.micro_batches
     h, half, second = min(stage, p - 1 - stage), m // 2, int(stage >= p // 2)
     chunk = (stage, 2 * p - 1 - stage)  # by direction: the forward chain's chunk here, the reverse one's
     done = {"F": [0, 0], "B": [0, 0]}
     waiting: deque[tuple[int, int]] = deque()
     ops: list[Pass] = []
+    together: set[int] = set()  # a forward and a backward run as one (dualpipe.py's _forward_backward_chunk)
 
     def put(kind: str, phase: int, defer: bool = False) -> None:
         d = phase ^ second
@@ -270,13 +276,17 @@ def dualpipe(shape: PipelineShape, stage: int) -> list[Pass]:
         put("B", 1, defer=True)
         weight()
         put("F", 1)
-    for _ in range(half - p + h + 1):
+    for i in range(half - p + h + 1):
+        if i or h < p // 2 - 1:  # (the middle stages' first two run apart: "to further reduce bubble size")
+            together.add(len(ops))
         put("F", 0)
         put("B", 1)
+        together.add(len(ops))
         put("F", 1)
         put("B", 0)
     for _ in range(p // 2 - h - 1):
         put("B", 1)
+        together.add(len(ops))
         put("F", 1)
         put("B", 0)
     defer = False
@@ -290,7 +300,7 @@ def dualpipe(shape: PipelineShape, stage: int) -> list[Pass]:
         put("B", 0, defer=True)
     while waiting:
         weight()
-    return ops
+    return ops, frozenset(together)
 
 
 BUILDERS = {Schedule.GPIPE: gpipe, Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.INTERLEAVED: interleaved,
@@ -305,6 +315,14 @@ def build(schedule: Schedule | str, shape: PipelineShape) -> list[list[Pass]]:
 def passes(schedule: Schedule | str, shape: PipelineShape, stage: int) -> list[Pass]:
     """One stage's passes, in order (what each rank needs: not every stage's)."""
     return BUILDERS[Schedule(schedule)](shape, stage)
+
+
+def pairs(schedule: Schedule | str, shape: PipelineShape, stage: int) -> frozenset[int]:
+    """Where one stage's pass i runs together with pass i + 1, each computing while the other's communication
+    is in flight: DualPipe's forward-backward chunks (its main step's F0 B1 and F1 B0, step 5's F1 B0; the
+    expert all-to-all of one micro-batch under the other's compute, DeepSeek-V3 report section 3.2.1,
+    Figure 4). No other schedule pairs passes."""
+    return _dualpipe(shape, stage)[1] if Schedule(schedule) is Schedule.DUALPIPE else frozenset()
 
 
 def label(kind: str, j: int, g: int, several: bool) -> str:

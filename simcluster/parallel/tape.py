@@ -222,10 +222,8 @@ class Tapes:
                     st.label = own
                     at, many = event[1], event[2]
                     chosen = [works[k] for k in at] if many else [works[at]]
-                    for w in chosen:
-                        if not w.done:
-                            yield chosen if many else chosen[0]
-                            break
+                    if comm.every_wait or not all(w.done for w in chosen):
+                        yield chosen if many else chosen[0]
                     else:  # all complete: what yielding them would do, without the round trip
                         st.waited(chosen)
         finally:

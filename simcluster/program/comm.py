@@ -166,6 +166,9 @@ class Comm:
         # the emulator's, when folded: issue(op, sync) for a call whose data nobody reads, complete at
         # once where this rank is its group's only simulated member (None otherwise; tape.py's replay)
         self.issue_alone: Issue | None = None
+        # two passes run together (parallel/pipeline.py's `together`) take turns at each wait, so every rank must
+        # wait where its program does: a replayed block (tape.py) then yields a wait whose work is complete too
+        self.every_wait = False
 
     def _unyielded(self) -> ProgramError:
         return ProgramError(

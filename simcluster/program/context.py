@@ -72,6 +72,16 @@ class Context:
         """The current stream waits for all work issued so far on stream `name`."""
         self._streams.wait_stream(name)
 
+    @property
+    def issuing(self) -> tuple[str, tuple[str | None, str | None]]:
+        """Where work issued now goes: the current stream's name and the kernels' label (two passes run
+        together, pipeline.together, each keep their own)."""
+        return self._streams.current, self._streams.label
+
+    @issuing.setter
+    def issuing(self, where: tuple[str, tuple[str | None, str | None]]) -> None:
+        self._streams.current, self._streams.label = where
+
     @contextmanager
     def annotate(self, kind: str, name: str | None = None) -> Iterator[None]:
         """Label the kernels issued inside: `kind` (forward, backward, ...) and a short `name` (F3)."""
