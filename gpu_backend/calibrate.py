@@ -224,7 +224,7 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
 def _casts(ops: Any, master: torch.Tensor, dtype: str, half: list[torch.Tensor]) -> None:
     """The casts of a `dtype` step: the new master weights rounded into the working copy's buffer, and (16-bit)
     the gradients widened to fp32 for the optimizer, each into a new tensor (precision.unscale), as a step
-    makes them: the second, page-faulted in as it is written, took three quarters of the time (measured)."""
+    makes them."""
     ops.cast(master, dtype, out=None if dtype == "fp32" else half[0])
     if dtype != "fp32":
         ops.cast(half[1], "fp32")

@@ -27,8 +27,8 @@ from simcluster.topology import profile as _profile
 
 # Kernels a step profile leaves to the figures measured for them apart: GEMMs (timed by shape, from the grid).
 # The kernels over weight-sized tensors are measured here at the step's sizes and apart at larger ones (their
-# rates change past the caches and glibc's 32 MiB threshold, beyond which every new buffer is page-faulted in:
-# `kernel_rates`); a run's call is charged at the rate between the sizes nearest its own.
+# rates change past the caches: `kernel_rates`); a run's call is charged at the rate between the sizes nearest
+# its own.
 APART = frozenset({"matmul", "einsum", GEMM_PARTIAL, EINSUM_PARTIAL})
 
 
