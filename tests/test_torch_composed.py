@@ -270,3 +270,12 @@ def test_expert_parallelism_beside_tensor_parallelism_on_gloo():
     byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
                                        "parallel.sp=true", "cluster.gpus_per_node=4", "model.moe_scores=sigmoid",
                                        "model.moe_bias_rate=0.01", "parallel.zero=1"))
+
+
+def test_dualpipes_overlap_with_expert_parallelism_on_gloo():
+    """DualPipe's paired forward and backward passes run together (pipeline.together) on real process
+    groups: one micro-batch's all-to-all in flight on gloo while the other's kernels run, each pair's
+    messages sent after both; byte-identical to the emulator and to one device."""
+    byte_identical_everywhere(on_torch(*SMALL, *MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                                       "parallel.schedule=dualpipe", "cluster.gpus_per_node=4",
+                                       "model.global_batch=8"))
