@@ -4,9 +4,9 @@ Read off rank 0's recorded streams before the replay (so a run with its events k
 folded or not, give the same figures): the first layer its first forward pass runs (a pass labelled
 `F<micro-batch>[.<chunk>]:block<i>`), and of that micro-batch and layer the backward pass
 (`B...:block<i>`) and the recomputation (`R<i>`). Each pass's kernels until one of its kind under
-another label (a later run is another layer's, step's or micro-batch's; a pass run beside it, DualPipe's
-pipeline.together, puts kernels of the other kind between its own), as the time its kernels take back
-to back at the cluster's rates
+another label (`ENDS`: a later run is another layer's, step's or micro-batch's; a pass run beside it,
+DualPipe's pipeline.together, puts kernels of the other kind between its own), as the time its kernels
+take back to back at the cluster's rates
 (launches included; no waits, no communication: those belong to the step, not to the layer's
 kernels), and how many kernels it launches. A zero-bubble schedule's weight-gradient pass (`W...`)
 covers a stage's layers together: it is not split by layer.
@@ -21,6 +21,9 @@ from simcluster.engine.streams import KERNEL, KERNELS
 from simcluster.topology.cluster import Cluster
 
 FORWARD = re.compile(r"F([0-9.]+):block([0-9]+)$")
+# a pass's run of kernels ends at a kernel of these kinds under another label (a recomputation, labelled by
+# its layer alone, runs inside a backward pass: another backward's kernel ends it too)
+ENDS = {"forward": ("forward",), "backward": ("backward",), "recompute": ("recompute", "backward")}
 
 
 def layer_cost(streams: Any, cluster: Cluster, dtype: str) -> dict[str, Any] | None:
@@ -38,8 +41,8 @@ def layer_cost(streams: Any, cluster: Cluster, dtype: str) -> dict[str, Any] | N
     done: set[str] = set()  # (passes whose first run of kernels has ended)
     for label, kind, run in passes:
         what = wanted.get(label)
-        if kind in started and what != kind:
-            done.add(kind)
+        if what != kind:
+            done |= {w for w in started if kind in ENDS[w]}
         if what is None or what in done or kind != what:
             continue
         started.add(what)
