@@ -56,6 +56,39 @@ def test_an_all_to_all_across_two_nodes_slows_by_what_max_min_gives():
     assert tight == pytest.approx(lat + per_flow / (nic / 28), rel=1e-6)
 
 
+def pipeline_beside_reduction(ctx, send, reduce):
+    """Each node pair's data-parallel all-reduce (ranks i and i + 8, rail i) and, beside rank 0's, a
+    pipeline send from rank 0 to rank 8 over the same NIC."""
+    x = MetaTensor((ELEMENTS,), "bf16")
+    works = [ctx.comm.all_reduce(x, group=ctx.mesh.dp, async_op=True)] if reduce else []
+    if send and ctx.rank in (0, 8):
+        works.append(ctx.comm.send(x, dst=8, async_op=True) if ctx.rank == 0 else
+                     ctx.comm.recv(src=0, like=x, async_op=True))
+    if works:
+        yield works
+
+
+def test_a_pipeline_send_and_the_data_parallel_reduction_share_their_nic():
+    """Issue 40: the pipeline's sends and the data-parallel reduction on the same NICs. Alone, the send of
+    S bytes and the two-rank ring all-reduce of S (S/2 each way in its reduce-scatter, S/2 in its
+    all-gather) each move S through rank 0's NIC: S / NIC. Together the NIC is shared (max-min: half
+    each while both run): both end at 2S / NIC, neither at its own time."""
+    spec = preset("dgx-a100", nodes=2, collectives="alpha-beta")
+
+    def ends(send, reduce):
+        run = simulate(pipeline_beside_reduction, send, reduce, mesh=DeviceMesh(dp=2, tp=8), cluster=spec,
+                       mode="meta")
+        return {e.kind: e.end for e in run.trace if e.rank == 0 and e.kind in ("send", "all_reduce")}
+
+    nbytes, nic = 2 * ELEMENTS, spec.nic_bytes_per_ns
+    alone = {**ends(True, False), **ends(False, True)}
+    assert alone["send"] == pytest.approx(nbytes / nic, rel=0.01) and alone["all_reduce"] == pytest.approx(
+        nbytes / nic, rel=0.01)
+    both = ends(True, True)
+    for kind in ("send", "all_reduce"):
+        assert both[kind] == pytest.approx(2 * nbytes / nic, rel=0.01) and both[kind] > 1.9 * alone[kind]
+
+
 def test_layouts_that_stay_on_their_rails_do_not_notice_the_spine():
     """DP over 2 nodes of TP 4: its all-reduces cross nodes rail by rail (one ring per local index), so
     an oversubscribed spine changes nothing; the scenario's other layouts slow down (rails.toml, at a
