@@ -274,13 +274,19 @@ def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across:
     and as much again to all-gather (DDP's all-reduce, ZeRO-1/2's new weights; ZeRO-3 gathers weights
     where they are used). Overlapped (dp_wrap.py), a reduction hides under the backward pass of its
     micro-batch (a share of the compute, passes counted as flops.py does: the backward is twice a
-    forward); without `overlap_grad_reduce` (Megatron-LM's 2021 local DDP), all of it comes after."""
+    forward); without `overlap_grad_reduce` (Megatron-LM's 2021 local DDP), all of it comes after. With
+    `overlap_param_gather`, ZeRO-1/2's all-gather of the new weights hides under the next step's first
+    forward pass."""
     if n == 1:
         return 0.0
     ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's gradients
-    backward = compute / m * (2 / 4 if layout.recompute == "full" else 2 / 3)  # one micro-batch's
+    share = (2 / 4, 1 / 4) if layout.recompute == "full" else (2 / 3, 1 / 3)
+    backward, forward = (compute / m * x for x in share)  # one micro-batch's
+    gather = max(0.0, ring - forward) if sc.parallel.overlap_param_gather and layout.zero in (1, 2) else ring
     if layout.zero >= 2:
-        return m * max(0.0, ring - backward) + (ring if layout.zero == 2 else 0.0)
+        return m * max(0.0, ring - backward) + (gather if layout.zero == 2 else 0.0)
     if not sc.parallel.overlap_grad_reduce:
-        return 2 * ring
+        return ring + gather
+    if gather < ring:
+        return max(0.0, ring - backward) + gather
     return max(0.0, 2 * ring - backward)

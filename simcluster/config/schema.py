@@ -191,6 +191,10 @@ class ParallelSection(Section):
         True, "DDP and ZeRO-1: reduce each unit's gradients as soon as its last micro-batch is done, under the rest"
         " of the backward pass (Megatron's --overlap-grad-reduce); false: all of them after the backward, as "
         "Megatron-LM did in 2021")
+    overlap_param_gather: bool = key(
+        False, "ZeRO-1 and 2: each unit's new weights all-gathered under the next step's forward pass, each waited "
+        "for where its unit is first used (Megatron's --overlap-param-gather); false: all of them at the end of "
+        "the optimizer step. The same numbers either way")
     offload_optimizer: Literal["none", "cpu", "nvme"] = key(
         "none", "ZeRO-Offload (zero >= 1): keep the fp32 master weights and Adam's moments in the host's memory (cpu)"
         " or on its NVMe (nvme, ZeRO-Infinity); each rank's reduced gradients go down over PCIe and AdamW "

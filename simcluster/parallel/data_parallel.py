@@ -40,6 +40,7 @@ class TrainingConfig:
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
     overlap_grad_reduce: bool = True  # DDP, ZeRO-1: reduce a unit's gradients under the rest of the backward
+    overlap_param_gather: bool = False  # ZeRO-1, 2: the new weights gathered under the next forward, unit by unit
     # ZeRO-Offload (Ren et al. 2021) and ZeRO-Infinity (Rajbhandari et al. 2021), as DeepSpeed's
     # offload_optimizer / offload_param: "cpu" or "nvme" keeps the fp32 master and Adam's moments there,
     # each rank's reduced gradients go down to its host and AdamW runs on the host's cores; ZeRO-3's

@@ -22,7 +22,8 @@ Over a step:
      gradient once; with clipping, the global norm from
      one exact sum of squares over the world (each gradient element counted by one rank: the owner of
      its chunk, tp rank 0 for what tp replicates); AdamW on the owned chunk; stages 1 and 2 all-gather
-     the new weights (stage 3 gathers them when they are next used). In mixed precision the step
+     the new weights (with `overlap_param_gather`, Megatron's, each unit's gather waited for at its first
+     use in the next step; stage 3 gathers them when they are next used). In mixed precision the step
      works on fp32 copies of the owned gradients, held while it runs (a temporary: 4 bytes an owned
      parameter beside ZeRO's 16 of model states), as the real optimizers do: Megatron-LM's fp16
      optimizer (`main_param.grad = model_param.grad.float()`, its 16-bit gradient buffer kept) and
@@ -110,6 +111,8 @@ class DPWrap:
         self.state_writes: list[Any] = []  # the optimizer state on its way to NVMe, not yet waited for
         self.incoming: Any = None  # delayed update: the last step's new chunks, installed after the next step
         self.inflight: dict[str, dict[str, Any]] = {}  # stage 3: gathers issued, by unit
+        self.stale: dict[str, Any] = {}  # stages 1, 2: units whose new weights are to be gathered, their chunks
+        self.gathering: dict[str, Any] = {}  # stages 1, 2: those gathers issued, not yet waited for
         self.acc: dict[str, Any] = {}  # stages 0, 1: gradients summed over micro-batches
         self.seen: dict[str, int] = {}  # micro-batches whose gradients a unit has had this step
         self.pending: list[tuple[str, Any]] = []  # reductions in flight
@@ -164,8 +167,12 @@ class DPWrap:
         self.inflight[unit] = {x: comm.all_gather(c, group=self.groups[x], async_op=True) for x, c in chunks.items()}
 
     def take(self, unit: str, ahead: str | None = None) -> Generator[Any, Any, dict[str, Any]]:
-        """The unit's working weights by name; with ZeRO-3 and prefetch, `ahead`'s gather is issued too."""
+        """The unit's working weights by name; with ZeRO-3 and prefetch, `ahead`'s gather is issued too;
+        with ZeRO-1/2 and `overlap_param_gather`, the unit's gather of the last step's new weights waited for."""
         if self.stage < 3:
+            waits = [x for x in self.needs[unit] if x in self.gathering or x in self.stale]
+            if waits:  # (the unit's, and what it needs: a block's experts, a tied head's embedding)
+                yield from self._gathered(waits)
             return self.working
         yield from self.prefetch(unit)
         if ahead is not None and self.data.prefetch:
@@ -180,9 +187,20 @@ class DPWrap:
             self.ctx.memory.release("communication", f"gathered {unit}")
 
     # -- gradients ----------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """ZeRO-1/2: the stale units' gathers of their new weights issued, in unit order."""
+        for u, chunk in self.stale.items():
+            self.gathering[u] = self.ctx.comm.all_gather(chunk, group=self.groups[u], async_op=True)
+        self.stale = {}
+
     def begin_step(self) -> None:
         """Hold the step's gradients: on the device, and offloaded each rank's reduced chunk on the host
-        (stage 1 still sums every micro-batch's whole gradient on the device first)."""
+        (stage 1 still sums every micro-batch's whole gradient on the device first). With
+        `overlap_param_gather`, the last step's new weights' gathers start now, on every pipeline stage at
+        once (after the last step's loss reduction on the same group), each waited for at its unit's first
+        `take`: Megatron-Core's forward pre-hooks, with its pipeline schedules' aligned dispatch
+        (align_param_gather) where pp > 1."""
+        self._dispatch()
         if self.host is None or self.stage == 1:
             self.ctx.memory.hold("gradients", "grads", self.per["gradients"] * self.grad_count)
         if self.host is not None:
@@ -221,6 +239,8 @@ class DPWrap:
     def step(self, step: int) -> Generator[Any, Any, dict[str, Any]]:
         """The optimizer step on the owned chunks; returns their rounded gradients by unit."""
         ops, data, comm = self.ops, self.data, self.ctx.comm
+        if self.gathering or self.stale:  # (a unit no pass used this step: the step rewrites its chunks)
+            yield from self._gathered([*self.gathering, *self.stale])
         for unit, flat in self.deferred:
             yield from self._reduce(unit, flat)
         self.deferred = []
@@ -306,9 +326,17 @@ class DPWrap:
         elif moves:
             chunks = chunks | dict(zip(moves, (yield list(moves.values()))))
         if self.stage in (1, 2):
-            flats = yield [self.ctx.comm.all_gather(chunks[u], group=self.groups[u], async_op=True) for u in self.units]
-            self.working = self._unflat(dict(zip(self.units, flats)))
+            self.stale = {u: chunks[u] for u in self.units}
+            if not self.data.overlap_param_gather:  # (else gathered under the next forward: `take`)
+                yield from self._gathered(self.units)
         self._new_weights(chunks)
+
+    def _gathered(self, units: list[str]) -> Generator[Any, Any, None]:
+        """ZeRO-1/2: the units' new weights all-gathered and waited for, the working weights theirs (every
+        stale unit's gather issued first, in unit order on the dp stream)."""
+        self._dispatch()
+        flats = yield [self.gathering.pop(u) for u in units]
+        self.working = self.working | self._unflat(dict(zip(units, flats)))
 
     def _swap_in(self) -> Generator[Any, Any, None]:
         """ZeRO-Infinity: the owned master weights and moments from NVMe to the host (after the last
@@ -331,9 +359,12 @@ class DPWrap:
         self.ctx.memory.release("optimizer", "swapped in", "cpu")
 
     def finish(self) -> Generator[Any, Any, None]:
-        """After the last step: a delayed update's weights installed, NVMe writes waited for."""
+        """After the last step: a delayed update's weights installed, the weights' gathers and NVMe writes
+        waited for."""
         if self.incoming is not None:
             yield from self._install(self.incoming)
+        if self.gathering or self.stale:
+            yield from self._gathered([*self.gathering, *self.stale])
         if self.writes or self.state_writes:
             yield self.writes + self.state_writes
             self.writes, self.state_writes = [], []
