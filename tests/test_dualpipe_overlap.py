@@ -1,7 +1,7 @@
 """DualPipe's overlap (DeepSeek-V3 report, section 3.2.1): a forward and a backward pass of two micro-batches
 run together, each computing while the other's communication -- the expert all-to-all above all -- is in
-flight. The same numbers as one device; a shorter step, by no more than the communication newly hidden;
-the same kernels for one layer."""
+flight. The same numbers as one device; a shorter step, more communication hidden, no less compute; the
+same kernels for one layer."""
 
 import json
 
@@ -32,7 +32,7 @@ def test_the_pairs_are_deepseeks_forward_backward_chunks():
 
 
 # scenarios/deepseek_v3.toml's model with its expert-parallel group across nodes (2 GPUs a node, tp inside)
-ACROSS = ["cluster.gpus_per_node=2", "cluster.nodes=4"]
+ACROSS = ["cluster.gpus_per_node=2", "cluster.nodes=4", "run.steps=1"]
 
 
 def one_after_the_other(ctx, first, second):
@@ -45,12 +45,13 @@ def test_the_overlap_hides_the_all_to_all_under_the_other_pass_with_the_same_num
     apart = run_scenario(load("deepseek_v3", ACROSS + ["parallel.dualpipe_overlap=false"])).report
     assert together["verification"]["bit_exact"] and apart["verification"]["bit_exact"]
     assert together["layer"] == apart["layer"]  # (one layer's kernels, though the other pass's come between)
-    saved = apart["steady_step_ns"] - together["steady_step_ns"]
-    hidden = [r["communication_overlap"]["per_rank"]["0"]["hidden_ns"] for r in (apart, together)]
-    assert 0 < saved <= hidden[1] - hidden[0]
+    hidden = [sum(v["hidden_ns"] for v in r["communication_overlap"]["per_rank"].values()) for r in (apart, together)]
+    assert apart["step_time_ns"] > together["step_time_ns"] and hidden[1] > hidden[0]
+    # (no shorter than its busiest rank's kernels: what is hidden is communication, not compute)
+    assert together["step_time_ns"] >= max(b["compute"] for b in together["busy_ns"].values())
     monkeypatch.setattr(pipeline, "together", one_after_the_other)
     broken = run_scenario(load("deepseek_v3", ACROSS)).report
-    assert broken["steady_step_ns"] == apart["steady_step_ns"]
+    assert broken["step_time_ns"] == apart["step_time_ns"]
 
 
 AT_SCALE = ["model.layers=8", "model.moe_first_dense=1", "parallel.dp=16", "parallel.ep=8", "parallel.pp=4",
@@ -61,14 +62,13 @@ AT_SCALE = ["model.layers=8", "model.moe_first_dense=1", "parallel.dp=16", "para
 def test_a_replayed_block_takes_its_turns_where_the_python_does(monkeypatch):
     """Meta mode replays a block's recorded work (tape.py); under DualPipe's overlap each recorded wait is a
     turn, so a replay yields it even when its work is already complete. Taped and untaped runs give the same
-    report, folded or not; a replay that skips the complete waits takes its turns elsewhere than its peers
+    report; a replay that skips the complete waits takes its turns elsewhere than its peers
     do, and issues its collectives in another order."""
-    def report(fold: bool = True) -> str:
-        r = run_scenario(load("deepseek_v3", AT_SCALE), fold=fold).report
+    def report() -> str:
+        r = run_scenario(load("deepseek_v3", AT_SCALE)).report
         return json.dumps({k: v for k, v in r.items() if k != "simulation"}, sort_keys=True)
 
     taped = report()
-    assert taped == report(fold=False)
     with monkeypatch.context() as m:
         m.setattr(tape.Tapes, "of", classmethod(lambda cls, ctx: None))
         assert report() == taped
