@@ -187,12 +187,6 @@ class DPWrap:
             self.ctx.memory.release("communication", f"gathered {unit}")
 
     # -- gradients ----------------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        """ZeRO-1/2: the stale units' gathers of their new weights issued, in unit order."""
-        for u, chunk in self.stale.items():
-            self.gathering[u] = self.ctx.comm.all_gather(chunk, group=self.groups[u], async_op=True)
-        self.stale = {}
-
     def begin_step(self) -> None:
         """Hold the step's gradients: on the device, and offloaded each rank's reduced chunk on the host
         (stage 1 still sums every micro-batch's whole gradient on the device first). With
@@ -330,6 +324,12 @@ class DPWrap:
             if not self.data.overlap_param_gather:  # (else gathered under the next forward: `take`)
                 yield from self._gathered(self.units)
         self._new_weights(chunks)
+
+    def _dispatch(self) -> None:
+        """ZeRO-1/2: the stale units' gathers of their new weights issued, in unit order."""
+        for u, chunk in self.stale.items():
+            self.gathering[u] = self.ctx.comm.all_gather(chunk, group=self.groups[u], async_op=True)
+        self.stale = {}
 
     def _gathered(self, units: list[str]) -> Generator[Any, Any, None]:
         """ZeRO-1/2: the units' new weights all-gathered and waited for, the working weights theirs (every
