@@ -110,9 +110,10 @@ def test_zb_v_against_1f1b_and_zb_h1(p, m, t_f, t_b, t_w):
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 24)])
 def test_dualpipe_against_the_deepseek_v3_table(p, m, t_f, t_b, t_w):
     """DeepSeek-V3 report, Table 2: DualPipe's bubble (p/2-1)(F&B + B - 3W), with B the whole backward
-    (t_b + t_w) and F&B a forward and a backward of two micro-batches, which DualPipe overlaps and we
-    run back to back (F + B): an upper bound here, and at T_F = T_B = T_W exactly (p/2-1) T_F; its activations p+1 micro-batches on every stage (1F1B: p on the first), its
-    parameters twice (two copies: tests/test_composed.py runs it bit-exact)."""
+    (t_b + t_w) and F&B a forward and a backward of two micro-batches, which DualPipe overlaps and which
+    run back to back (F + B) in this uniform pipeline, with no communication to overlap: an upper bound
+    here, and at T_F = T_B = T_W exactly (p/2-1) T_F; its activations p+1 micro-batches on every stage
+    (1F1B: p on the first), its parameters twice (two copies: tests/test_composed.py runs it bit-exact)."""
     run = uniform(Schedule.DUALPIPE, p, m, t_f=t_f, t_b=t_b, t_w=t_w)
     b = t_b + t_w
     bound = (p // 2 - 1) * ((t_f + b) + b - 3 * t_w)

@@ -240,7 +240,7 @@ def dualpipe(shape: PipelineShape, stage: int) -> list[Pass]:
     both ends, half at each. Phase 0 is the direction that starts on this stage's half of the
     pipeline, phase 1 the other; h = min(s, p-1-s). 1. 2(p/2-h-1) forwards of phase 0; 2. h+1 pairs
     F0 F1; 3. p/2-h-1 rounds B1 (W deferred), W, F1; 4. the main step, m/2-p+h+1 times: F0 B1 F1 B0
-    (DualPipe overlaps each F with the B beside it; here they run one after the other); 5. p/2-h-1
+    (each F and the B after it run together, `pairs`, but the middle stages' first); 5. p/2-h-1
     rounds B1 F1 B0; 6. h+1 pairs B1 B0, deferring W from the middle one on; 7. p/2-h-1 rounds W B0
     (W deferred); 8. the h+1 deferred W passes left. Deferred W passes run oldest first."""
     return _dualpipe(shape, stage)[0]
