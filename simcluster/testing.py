@@ -224,6 +224,7 @@ class Layout:
         degrees = ", ".join(f"{a}={n}" for a, n in (self.mesh.sizes | {"ep": self.mesh.ep}).items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
                 f"sp={p.sp}, scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
+                f"overlap_param_gather={d.overlap_param_gather}, dualpipe_overlap={p.dualpipe_overlap}, "
                 f"micro_batches={d.micro_batches}, "
                 f"global_batch={d.global_batch})")
 
@@ -266,8 +267,8 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
 
 def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
-    stages), context-parallel attention, sequence parallelism, ZeRO stage and what it shards over,
-    expert parallelism for a mixture of experts (beside tp only with sequence parallelism), and
+    stages, DualPipe's overlap on or off), context-parallel attention, sequence parallelism, ZeRO stage
+    and what it shards over (with the weights' gather under the next forward or not), expert parallelism for a mixture of experts (beside tp only with sequence parallelism), and
     micro-batch count that `Parallelism.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
     other TrainingConfig fields (steps=2 unless given; a `zero` given is kept, not drawn)."""
@@ -311,10 +312,11 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         micro = d(st.sampled_from(_micro_batch_counts(schedule, pp, None if global_batch is None else global_batch // dp)))
         batch = global_batch or dp * micro * d(st.integers(1, 2))
         data = TrainingConfig(model=m, global_batch=batch, micro_batches=micro,
-                        zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero, **training)
+                        zero=d(st.sampled_from([0, 1, 2, 3])) if zero is None else zero,
+                        **({"overlap_param_gather": d(st.booleans())} | training))
         parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
                     zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep,
-                    dispatcher=dispatcher)
+                    dispatcher=dispatcher, dualpipe_overlap=d(st.booleans()))
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
         try:
             parallelism.check(dp, pp, cp, tp)
