@@ -43,7 +43,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes
+from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes, keep_freed_memory
 from gpu_backend.step_profile import REPEATS, WIDTHS, step_rates
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.config.options import say_error
@@ -222,9 +222,8 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
 
 
 def _casts(ops: Any, master: torch.Tensor, dtype: str, half: list[torch.Tensor]) -> None:
-    """The casts of a `dtype` step: the new master weights rounded into the working copy's buffer, and (16-bit)
-    the gradients widened to fp32 for the optimizer, each into a new tensor (precision.unscale), as a step
-    makes them."""
+    """The casts of a `dtype` step, as it makes them: the new master weights rounded into the working copy's
+    buffer, and (16-bit) the gradients widened to fp32 for the optimizer into a new tensor (precision.unscale)."""
     ops.cast(master, dtype, out=None if dtype == "fp32" else half[0])
     if dtype != "fp32":
         ops.cast(half[1], "fp32")
@@ -349,6 +348,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
         name = torch.cuda.get_device_name(device)
     else:  # a CPU rank is one process of nproc on this CPU, with its share of the cores (as a launch runs it)
         torch.set_num_threads(cpu_share(nproc))
+        keep_freed_memory()  # (measured here, not in a rank, when nproc is 1)
         name = f"cpu ({platform.machine()}, {torch.get_num_threads()} of {os.cpu_count()} cores: one rank of {nproc})"
     grid = GRIDS[(device.type, quick)]
     say(f"calibrating {name}")
