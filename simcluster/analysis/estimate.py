@@ -282,11 +282,12 @@ def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across:
     ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's gradients
     share = (2 / 4, 1 / 4) if layout.recompute == "full" else (2 / 3, 1 / 3)
     backward, forward = (compute / m * x for x in share)  # one micro-batch's
-    gather = max(0.0, ring - forward) if sc.parallel.overlap_param_gather and layout.zero in (1, 2) else ring
+    under_forward = sc.parallel.overlap_param_gather and layout.zero in (1, 2)
+    gather = max(0.0, ring - forward) if under_forward else ring  # ZeRO-1/2's all-gather of the new weights
     if layout.zero >= 2:
         return m * max(0.0, ring - backward) + (gather if layout.zero == 2 else 0.0)
     if not sc.parallel.overlap_grad_reduce:
         return ring + gather
-    if gather < ring:
+    if under_forward:  # (the reduce-scatter under the backward, the gather under the next forward)
         return max(0.0, ring - backward) + gather
     return max(0.0, 2 * ring - backward)
