@@ -78,7 +78,7 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
 
     b, s, h = 2, 2048, 256
     spec = preset("dgx-a100", gpus_per_node=1)
-    rate = spec.peak_tflops * 1e3 * spec.compute_efficiency  # FLOPs per ns
+    rate = spec.peak_tflops * 1e3 * spec.attention_efficiency  # FLOPs per ns
     names = {}
     for kernel in ("flash", "unfused"):
         model = ModelConfig(layers=1, hidden=h, heads=4, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,

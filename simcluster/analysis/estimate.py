@@ -138,7 +138,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
 
     tokens = data.global_batch * model.seq
     hardware = step_flops(replace(model, recompute=layout.recompute), tokens)[1]
-    rate = spec.peak_tflops * 1e12 * spec.matmul_efficiency  # the FLOPs are GEMMs', nearly all
+    rate = spec.gemm_tflops * 1e12  # the FLOPs are GEMMs', nearly all
     compute = hardware * p * _busiest(model, parallelism.schedule, parallelism.shape(p)) / (spec.world_size * rate) \
         * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
@@ -251,7 +251,7 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
         return passes * 2 * _call(spec, CommKind.ALL_GATHER, steps, gather(kv), k, c / k)
     # a block: this rank's queries against one rank's keys, two products (half of them when causal)
     block = 2 * 2 * b * model.heads // t * s * s * d * (0.5 if model.causal else 1.0)
-    rate, hop = spec.peak_tflops * 1e12 * spec.matmul_efficiency, nic if k > 1 else nvlink
+    rate, hop = spec.gemm_tflops * 1e12, nic if k > 1 else nvlink
     forward = (c - 1) * max(0.0, 2 * kv / hop - block / rate)
     if attention == "ring":
         return (passes - 1) * forward + (c - 1) * max(0.0, 4 * kv / hop - 2.5 * block / rate)

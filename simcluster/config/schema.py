@@ -326,7 +326,11 @@ _FIGURE_NAMES = ("preset", "device", "nodes", "gpus_per_node", "profile", "torus
 CLUSTER_FIGURES = tuple(f.name for f in fields(ClusterSpec) if f.name not in _FIGURE_NAMES)
 
 
-UNITS = (("memory_gbyte", "GiB, 2^30 bytes: an '80GB' card is 80 GiB, which the report also shows as 85.9 GB"),
+UNITS = (("tdp_w", "W: the board's rated power, datasheet; 0 where none is published"),
+         ("power_limit_w", "W: a power limit under the TDP, as nvidia-smi -pl sets; the clock falls as "
+          "(limit / tdp_w)^0.30 (NVIDIA's H100 SXM and NVL ratings) and every compute-bound kernel with it, HBM and "
+          "links unchanged; 0: none"),
+         ("memory_gbyte", "GiB, 2^30 bytes: an '80GB' card is 80 GiB, which the report also shows as 85.9 GB"),
          ("_gbyte_per_s", "GB/s"), ("_gbit_per_s", "Gbit/s"), ("_ns", "ns"), ("tflops", "TFLOP/s"),
          ("_efficiency", "a fraction of the peak, 0 to 1"), ("_tbyte", "TB"), ("gparam_per_s", "10^9 parameters a second"))
 

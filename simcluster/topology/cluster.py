@@ -29,6 +29,8 @@ ADAM_FLOPS = 12
 # A GEMM's output tile per SM: 128 x 128, the middle of cuBLAS's tensor-core tiles on Ampere and
 # Hopper (64 x 64 to 256 x 128); one size for every GEMM is the model's simplification.
 TILE = 128
+# FlashAttention's kernels (model/flash.py), which run at the preset's attention_efficiency
+ATTENTION_KERNELS = ("flash_attention", "flash_attention_backward")
 
 
 class Cluster:
@@ -56,8 +58,11 @@ class Cluster:
         self._host_flops_per_ns = ADAM_FLOPS * spec.cpu_adam_gparam_per_s / self.gpus_per_node
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
-        self._flops_per_ns = {d: r * spec.compute_efficiency for d, r in peak.items()}
-        self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency for d, r in peak.items()}
+        # compute-bound rates, at the clock a power limit leaves (presets.POWER_CLOCK_EXPONENT)
+        clock = spec.clock_scale
+        self._flops_per_ns = {d: r * spec.compute_efficiency * clock for d, r in peak.items()}
+        self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency * clock for d, r in peak.items()}
+        self._attention_flops_per_ns = {d: r * spec.attention_efficiency * clock for d, r in peak.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
         self.profile = spec.profile
         sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
@@ -190,7 +195,8 @@ class Cluster:
             flops = 2.0 * -(-k // split) * tm * tn * sms * -(-tiles * split // sms)
             rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
         else:
-            flops, rate = work, self._flops_per_ns.get(dtype, self._flops_per_ns["fp32"])
+            rates = self._attention_flops_per_ns if name.endswith(ATTENTION_KERNELS) else self._flops_per_ns
+            flops, rate = work, rates.get(dtype, rates["fp32"])
         sizes = self._named.get((name.rpartition("/")[2], dtype)) if self._named else None
         if sizes is not None:
             bandwidth = kernel_rate(sizes, nbytes)

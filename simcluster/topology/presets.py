@@ -15,6 +15,18 @@ if TYPE_CHECKING:
 
 
 COLLECTIVES = ("nccl", "alpha-beta")
+# The SM clock under a power limit (`power_limit_w`, what `nvidia-smi -pl` sets): the firmware lowers the
+# clock until the board's draw fits. NVIDIA sells one die at two limits: GH100 with 132 SMs as the H100 SXM5
+# (up to 700 W: 989 TFLOP/s dense bf16) and as the H100 NVL (350-400 W: 835 TFLOP/s) (NVIDIA H100 datasheet,
+# nvidia.com/en-us/data-center/h100; the figures torchtitan's get_peak_flops uses). Between them the
+# tensor-core rate, so the clock, goes as power^0.3025 = ln(989 / 835) / ln(700 / 400): the textbook DVFS
+# law (dynamic power ~ f V^2 with V ~ f, so f ~ P^(1/3)) within 10 %. Checked on a third board: the H100
+# PCIe's 114 SMs at 350 W (3.07 W an SM, as 132 SMs at 405 W) come out at 724 TFLOP/s by this law, the
+# datasheet's 756 (-4 %). HBM keeps its one clock (these boards list a single supported memory clock), so
+# memory-bound kernels and the links keep their rates. The A100 datasheet rates its 300 W PCIe board at the
+# 400 W SXM4's 312 TFLOP/s (both at the boost clock, whatever the power), so it says nothing either way: on
+# other GPUs than Hopper the law is an assumption.
+POWER_CLOCK_EXPONENT = math.log(989 / 835) / math.log(700 / 400)
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,10 @@ class ClusterSpec:
     nic_latency_ns: int = 3000  # per ring step, "alpha-beta" only; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
     compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s for kernels other than GEMMs; assumption
+    # FlashAttention's fused kernels (model/flash.py), forward and backward: the share of the peak they reach.
+    # A100: FlashAttention-2 reaches 50-73 % of it (Dao 2023, abstract; 73 % its forward), and 0.7 is what
+    # the A100 tables were predicted with (benchmarks/fidelity.py, megatron-2022: mean error 1.1 %).
+    attention_efficiency: float = 0.7
     # GEMMs (matmul, einsum, attention's batched products): the maximum achievable matmul FLOP/s of
     # the best-shaped bf16 GEMM over the datasheet peak, measured: A100 SXM 267.9 of 312 TFLOP/s
     # (S. Bekman, "Machine Learning Engineering", MAMF table, CUDA 12.1); a GEMM's own shape then
@@ -80,6 +96,11 @@ class ClusterSpec:
     # DDR4-3200 each: 409.6 GB/s), moving 28 bytes a parameter (fp32 master, m and v read and written,
     # the fp32 gradient read): 204.8 / 28 = 7.3.
     cpu_adam_gparam_per_s: float = 7.3
+    # The board's rated power: A100 SXM4 400 W (datasheet "Max TDP Power"); 0 where none is published. A
+    # `power_limit_w` under it (0: none, the GPU at its TDP) slows every compute-bound kernel as the clock
+    # falls, POWER_CLOCK_EXPONENT above; the datasheet peak (MFU's denominator) stays.
+    tdp_w: float = 400.0
+    power_limit_w: float = 0.0
     # a measured hardware profile (topology/profile.py, from `simcluster calibrate`): with one, the
     # figures above are its measurements, and each GEMM is timed by the shape measured nearest to it
     profile: "Profile | None" = None
@@ -107,6 +128,8 @@ class ClusterSpec:
                 raise ValueError(f"cluster.{f.name} must be a finite number, got {v!r}")
             if f.name in ("nodes", "gpus_per_node", "sms") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"cluster.{f.name} must be a positive integer, got {v!r}")
+            if f.name in ("tdp_w", "power_limit_w") and v >= 0:
+                continue
             if f.name.endswith("_ns") and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"cluster.{f.name} must be a non-negative integer (ns), got {v!r}")
             if f.name.endswith("efficiency") and not 0 < v <= 1:
@@ -115,6 +138,38 @@ class ClusterSpec:
                 raise ValueError(f"cluster.oversubscription must be at least 1 (1: a non-blocking fabric), got {v!r}")
             if not f.name.endswith("_ns") and v <= 0:
                 raise ValueError(f"cluster.{f.name} must be positive, got {v!r}")
+        self._check_power_limit()
+
+    def _check_power_limit(self) -> None:
+        limit, tdp = self.power_limit_w, self.tdp_w
+        if not limit:
+            return
+        if not tdp:
+            raise ValueError(f"cluster.power_limit_w = {limit:g} needs the board's rated power, and {self.device} has "
+                             f"none published: set cluster.tdp_w too")
+        if limit > tdp:
+            raise ValueError(f"cluster.power_limit_w = {limit:g} W is above the {self.device}'s rated power "
+                             f"(cluster.tdp_w = {tdp:g} W), the most it may be set to")
+        if limit < tdp / 2:
+            raise ValueError(f"cluster.power_limit_w = {limit:g} W is under half the {self.device}'s rated power "
+                             f"({tdp:g} W): the clock-under-power law is sourced from 350 to 700 W on a 700 W "
+                             f"H100 (topology/presets.py), and below that leakage and the clock's floor dominate")
+        if self.profile is not None:
+            raise ValueError("cluster.power_limit_w scales the preset's datasheet rates; a measured profile ran at "
+                             "its GPU's own power limit: measure it under the limit (nvidia-smi -pl) and drop "
+                             "cluster.power_limit_w")
+
+    @property
+    def clock_scale(self) -> float:
+        """The share of its TDP clock the GPU keeps under `power_limit_w`: every compute-bound rate's factor."""
+        if not self.power_limit_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** POWER_CLOCK_EXPONENT
+
+    @property
+    def gemm_tflops(self) -> float:
+        """What the best-shaped 16-bit GEMM runs at: the datasheet peak x matmul_efficiency x clock_scale."""
+        return self.peak_tflops * self.matmul_efficiency * self.clock_scale
 
     @property
     def nvlink_bytes_per_ns(self) -> float:
@@ -178,6 +233,8 @@ class ClusterSpec:
         out = asdict(replace(self, profile=None))
         if self.torus:
             out["torus_wraps"] = self.torus_wraps
+        if self.power_limit_w:
+            out["clock_scale"] = round(self.clock_scale, 4)
         if self.profile is None:
             del out["profile"]
         else:
@@ -186,15 +243,21 @@ class ClusterSpec:
 
 
 PRESETS: dict[str, ClusterSpec] = {
-    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2,039 GB/s HBM2e,
+    # NVIDIA A100 SXM4 80GB datasheet: 400 W, 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2,039 GB/s HBM2e,
     # NVLink 3 600 GB/s total (300 each way); DGX A100: 8 GPUs, one 200 Gb/s HDR InfiniBand NIC each.
     "dgx-a100": ClusterSpec(preset="dgx-a100", device="A100-SXM4-80GB"),
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 3.35 TB/s HBM3,
+    # NVIDIA H100 SXM5 datasheet: up to 700 W, 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 3.35 TB/s HBM3,
     # NVLink 4 900 GB/s total (450 each way); DGX H100: 8 GPUs, one 400 Gb/s NDR NIC each.
     "dgx-h100": ClusterSpec(preset="dgx-h100", device="H100-SXM5-80GB", peak_tflops=989.0, peak_tflops_fp32=67.0,
                             hbm_gbyte_per_s=3350.0, memory_gbyte=80.0, nvlink_gbyte_per_s=450.0, nic_gbit_per_s=400.0,
+                            tdp_w=700.0,
                             # 132 SMs (datasheet); MAMF 792.1 of 989 TFLOP/s (Bekman, as above)
                             sms=132, matmul_efficiency=0.801,
+                            # attention: cuDNN's fused kernel, which Transformer Engine (Megatron-Core) prefers
+                            # on Hopper (NVIDIA NeMo docs, PR #9188), 631.3 TFLOP/s (FlashAttention-3: 631.8)
+                            # on batch 1, 24 heads, 4,608 tokens, head dim 128 (tritonbench, forward, in
+                            # pytorch/pytorch#142132, 2024-12); the backward pass is charged at it too
+                            attention_efficiency=631.3 / 989,
                             # PCIe Gen5 x16: 128 GB/s both ways (datasheet); DGX H100: 2 TB, 8 x 3.84 TB
                             # NVMe (datasheet); two Xeon 8480C, 8 channels of DDR5-4800 each: 614.4 GB/s, so
                             # CPU Adam at 307.2 / 28 = 11.0 G parameters/s (the A100 preset's assumption)
@@ -204,11 +267,13 @@ PRESETS: dict[str, ClusterSpec] = {
     # 4 chips a host, slices from 2x2x1 to 16x16x24. Two TensorCores of four 128 x 128 MXUs each: eight
     # units working on one output tile each, as `sms` (the tile/wave model of cluster.py). Assumptions:
     # fp32 matmuls as six bf16 passes (XLA's highest precision); the share of the MXUs' peak that a
-    # best-shaped matmul reaches (no measured figure found); the host's figures are the DGX A100's (none
+    # best-shaped matmul reaches (no measured figure found), attention's the A100's (none found either);
+    # no rated power published (tdp_w 0: a power
+    # limit is refused); the host's figures are the DGX A100's (none
     # found for a v5p host); the NVLink/NIC figures are unused.
     "tpu-v5p": ClusterSpec(preset="tpu-v5p", device="TPU-v5p", gpus_per_node=4, torus="2x2x1", peak_tflops=459.0,
                            peak_tflops_fp32=459.0 / 6, hbm_gbyte_per_s=2765.0, memory_gbyte=95.0,
-                           ici_gbyte_per_s=100.0, sms=8, matmul_efficiency=0.8),
+                           ici_gbyte_per_s=100.0, sms=8, matmul_efficiency=0.8, tdp_w=0.0),
 }
 
 

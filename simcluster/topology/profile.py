@@ -34,7 +34,8 @@ A profile is a TOML file (written by gpu_backend/calibrate.py, read here without
 preset's (with efficiency 1: they are achieved rates), links inside a node are the measured links
 (the NIC, between nodes, stays the preset's: a calibration on one host sees no NIC), and every GEMM
 is then timed at the rate measured for the nearest measured shape (`gemm_rate`). What the profile
-does not measure (non-GEMM compute-bound kernels: compute_efficiency of the peak) stays as it was.
+does not measure (non-GEMM compute-bound kernels: compute_efficiency of the peak, FlashAttention's
+attention_efficiency) stays as it was; a power limit is refused with a profile (it ran under its own).
 """
 
 from __future__ import annotations
