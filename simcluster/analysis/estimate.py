@@ -152,7 +152,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],
                                                2 * (t - 1) / t * message / nvlink, 1, t, message)
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
-    across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
+    across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else \
+        _rings_rate(spec, nvlink, _per_node(spec.gpus_per_node, t, c, p))
     gathers = 0.0
     if layout.zero == 3:  # every micro-batch's forward and backward gather the stage's weights
         gathers = 2 * m * 2 * psi * (n - 1) / n / across
@@ -233,6 +234,8 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     nic = spec.nic_bytes_per_ns * 1e9
 
     def gather(v: float) -> float:  # an all-gather (or reduce-scatter) of c blocks of v bytes
+        if k > 1 and c > k and spec.collectives == "nccl":  # NCCL's rings (phases.nccl_ring)
+            return (c - 1) * v / _rings_rate(spec, nvlink, c // k)
         # hierarchical over k nodes (topology/phases.py): a ring per local index across the nodes,
         # then one inside each node on the k blocks each member has
         return (k - 1) * v / nic + (c // k - 1) * k * v / nvlink
@@ -266,6 +269,26 @@ def _call(spec: Any, kind: CommKind, steps: list[tuple[int, str]], seconds: floa
     if spec.collectives != "nccl" or spec.torus:
         return seconds
     return nccl.choose(kind, steps, seconds * 1e9, nodes, per_node, nbytes)[2] / 1e9
+
+
+def _per_node(gpus: int, t: int, c: int, p: int) -> int:
+    """How many of a data-parallel group (dp x cp: a rank of each, the same tp and pp index) one node
+    holds where the group spans nodes evenly, else 1 (the mesh's order: dp, pp, cp, tp, tp fastest)."""
+    if p * c * t <= gpus and gpus % (p * c * t) == 0:
+        return gpus // (p * t)
+    if c * t >= gpus and (c * t) % gpus == 0:
+        return gpus // t
+    return 1
+
+
+def _rings_rate(spec: Any, nvlink: float, g: int) -> float:
+    """Bytes a second at which a ring collective over nodes, g members on each, moves what a member sends:
+    with NCCL's model its rings carry 1/g of it over each member's NIC and the rest over NVLink, all at
+    once (topology/phases.nccl_ring); the textbook model, and one member a node, over the NIC."""
+    nic = spec.nic_bytes_per_ns * 1e9
+    if g == 1 or spec.collectives != "nccl":
+        return nic
+    return 1 / max((g - 1) / g / nvlink, 1 / (g * nic))
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:

@@ -14,7 +14,7 @@ from simcluster.numerics.tensor import ITEMSIZE
 from simcluster.program.comm import CommKind
 from simcluster.topology import nccl
 from simcluster.topology.cluster import Cluster
-from simcluster.topology.phases import Phase, phases as phases_of, semantic_bytes
+from simcluster.topology.phases import Phase, nccl_ring, phases as phases_of, semantic_bytes
 
 # (latency, flows) per phase; bytes sent per member; ns on links of its own (None: its flows share
 # one); every link it crosses
@@ -112,33 +112,47 @@ def _uneven(call: Call, cluster: Cluster, network: Network, fold: Fold | None) -
 
 def _routed(call: Call, phases: list[Phase], nbytes: float, cluster: Cluster, network: Network,
             fold: Fold | None) -> Route:
-    """`phases` as flows over the links, with the protocol's latencies and rate (or the textbook's)."""
+    """`phases` as flows over the links, with the protocol's latencies and rate (or the textbook's).
+    With NCCL's model, a call across nodes moves its bytes as NCCL's rings do, every step's at once
+    (phases.nccl_ring), after all its steps' latencies."""
     if fold is not None and call.live < len(call.members):
         fold.check_phases(call.members, phases, call.where, call.kind.value)
     raw: list[list[tuple[Any, float]]] = []  # each phase's flows (links, bytes)
     alpha: list[int] = []  # each phase's latency in the textbook model
     sent: dict[int, float] = {}
     for phase in phases:
-        flows = []
-        latency = 0
-        for src, dst, b in phase.flows:
-            links, lat = cluster.route(src, dst)
-            latency = max(latency, lat)
-            sent[src] = sent.get(src, 0.0) + b
-            if fold is None:
-                flows.append((links, b))
-            elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
-                rep = fold.rep(dst)  # into the port of its destination's representative
-                flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
+        flows, latency = _flows(phase, cluster, fold, sent)
         raw.append(flows)
         alpha.append(phase.steps * latency)
-    prepared = [network.prepare(flows) for flows in raw]
     latencies = alpha
     rate = 1.0
     if phases and cluster.spec.collectives == "nccl" and not cluster.torus:
+        ring = nccl_ring(call.kind, call.members, int(nbytes), cluster) if len(phases) > 1 else None
+        if ring is not None:
+            if fold is not None and call.live < len(call.members):
+                fold.check_phases(call.members, [ring], call.where, call.kind.value)
+            raw = [_flows(ring, cluster, fold, {})[0]]
         latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
+        if ring is not None:
+            latencies = [sum(latencies)]
     elif phases:  # the textbook model: the share of the link a profile measured for this kind, if any
         rate = cluster.collective_rates.get(call.kind.value, 1.0)
-    if rate != 1.0:  # the protocol's (or the measured) share of the links' rate: its bytes take that much longer
-        prepared = [network.prepare([(links, b / rate) for links, b in flows]) for flows in raw]
+    prepared = [network.prepare([(links, b / rate) for links, b in flows] if rate != 1.0 else flows) for flows in raw]
     return _timed(list(zip(latencies, prepared)), [int(round(sent.get(r, 0.0))) for r in call.members])
+
+
+def _flows(phase: Phase, cluster: Cluster, fold: Fold | None, sent: dict[int, float]) -> tuple[list[Any], int]:
+    """A phase's flows as (links, bytes), the folded ones into their representatives' ports, and the
+    largest latency of their routes; adds what each rank sends to `sent`."""
+    flows = []
+    latency = 0
+    for src, dst, b in phase.flows:
+        links, lat = cluster.route(src, dst)
+        latency = max(latency, lat)
+        sent[src] = sent.get(src, 0.0) + b
+        if fold is None:
+            flows.append((links, b))
+        elif fold.is_rep[src]:  # of each orbit of flows, the one leaving a representative,
+            rep = fold.rep(dst)  # into the port of its destination's representative
+            flows.append((links if rep == dst else (links[0], links[1] + 4 * (rep - dst)), b))
+    return flows, latency

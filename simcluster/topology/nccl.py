@@ -30,7 +30,10 @@ double binary tree between the nodes), which NCCL's model charges, per protocol,
 at half the bus bandwidth, times 0.92 (LL: /3.8 more; LL128: x 120/128, 7/9 on one node) and a
 correction by message size (`TREE_CORRECTION`): at many nodes its log2 beats the ring's 2(n-1)
 steps for all but the largest messages. A tree call's bytes go over the ring's links at the rate
-that gives its time (an assumption: the tree's own links are not laid out). Not modelled: the
+that gives its time (an assumption: the tree's own links are not laid out). Across nodes the ring's
+bytes are NCCL's rings' (phases.nccl_ring: one a GPU-NIC pair, every hop at once), whose bus bandwidth
+is the node's NICs' where NVLink keeps up, as nccl-tests measure (24 GB/s a 200 Gb/s NIC, 46-48 a
+400 Gb/s one: NVIDIA/nccl-tests #119, #252, #290; 366 GB/s on four 8-NIC H100 nodes, #309). Not modelled: the
 per-channel bandwidth caps (we do not count channels: a protocol gets its share of whatever rate
 the links give, engine/network.py), the network post overhead that NCCL adds to a multi-node
 ring's intra-node steps (1-2 us, by CPU vendor), the tree's 0.85 where its graph is a plain tree

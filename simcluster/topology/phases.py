@@ -11,7 +11,9 @@ it ends when its last flow ends. With one flow per link, the phases reproduce th
 
 A group spread evenly over several nodes, with more than one member per node, is hierarchical as in
 NCCL's tree/2-D algorithms: reduce_scatter inside each node, the cross-node step on 1/k of the data
-(k members per node, one ring per local index), then all_gather inside each node.
+(k members per node, one ring per local index), then all_gather inside each node. Under NCCL's model
+(`cluster.collectives = "nccl"`) those steps give the call its latencies, and its bytes move as NCCL's
+rings move them, every hop at once (`nccl_ring`); the textbook model runs the steps one after another.
 
 On a torus (cluster.torus), a group that is a grid of chips (every combination of its coordinates
 along the dimensions it spans) reduces along one dimension at a time: reduce_scatter along x, then
@@ -108,6 +110,30 @@ def phases(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster
         return [intra_rs, inter]
     assert kind is CommKind.ALL_GATHER, kind
     return [inter, intra_ag]
+
+
+def nccl_ring(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Cluster) -> Phase | None:
+    """What NCCL's rings put on the links when a group spans nodes with more than one member on each
+    (`phases` lays the call out in steps, which give its latencies; this, the bytes). NCCL runs one ring
+    a GPU-NIC pair (a channel), each through every member, every chunk in flight at once: of the
+    2(n-1)/n S an all-reduce member sends ((n-1)/n S in a reduce-scatter or all-gather), the channel that
+    leaves its node through this member's NIC, 1/k of them, sends its share to the member of the same
+    local index in the next node; the other channels, (k-1)/k, to the next member in its node over NVLink.
+    So a bus bandwidth of k NICs' where NVLink keeps up, as nccl-tests measure across nodes: 24 GB/s a
+    200 Gb/s NIC, 46-48 a 400 Gb/s one, four 200 Gb/s NICs 96 (NCCL's maintainers, NVIDIA/nccl-tests
+    #119, #252, #290), where the steps one after another (reduce-scatter in the node, the rail, gather
+    in the node) would get two thirds of it. None for another group or kind."""
+    if cluster.torus or kind not in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.ALL_GATHER):
+        return None
+    nodes = _by_node(cluster, cluster.ring_order(ranks))
+    if nodes is None:
+        return None
+    n, k, m = len(ranks), len(nodes[0]), len(nodes)
+    sent = (2 if kind is CommKind.ALL_REDUCE else 1) * (n - 1) / n * float(nbytes)
+    intra = ((node[i], node[(i + 1) % k], sent * (k - 1) / k) for node in nodes for i in range(k))
+    rails = [tuple(node[j] for node in nodes) for j in range(k)]
+    inter = ((rail[i], rail[(i + 1) % m], sent / k) for rail in rails for i in range(m))
+    return Phase(0, (*intra, *inter))
 
 
 def _lines(cluster: Cluster, ranks: tuple[int, ...]) -> list[tuple[int, list[tuple[int, ...]]]] | None:
