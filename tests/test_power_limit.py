@@ -136,3 +136,13 @@ def test_a_runs_flash_kernels_take_attention_efficiency_and_unfused_attention_do
         {k: v for k, v in full.items() if not k.startswith("flash")}
     unfused = ["model.attention_kernel=unfused"]
     assert busy(unfused) == busy(unfused + [half])
+
+
+def test_the_report_says_the_limit_and_the_clock_it_leaves(capsys):
+    args = ["run", "--summary", "--set", "run.numerics=meta", "--set", "cluster.preset=dgx-h100",
+            "--set", "cluster.power_limit_w=500"]
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # (the table's lines wrapped)
+    assert "8 H100-SXM5-80GB, at 500 W of 700 (clock x 0.903)" in text
+    assert main(args[:-2]) == 0
+    assert " W of " not in capsys.readouterr().out
