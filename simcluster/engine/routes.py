@@ -131,7 +131,8 @@ def _routed(call: Call, phases: list[Phase], nbytes: float, cluster: Cluster, ne
         if ring is not None:
             if fold is not None and call.live < len(call.members):
                 fold.check_phases(call.members, [ring], call.where, call.kind.value)
-            raw = [_flows(ring, cluster, fold, {})[0]]
+            sent = {}  # (what each member sends is the rings')
+            raw = [_flows(ring, cluster, fold, sent)[0]]
         latencies, rate = _protocol(call, phases, raw, cluster, network, nbytes)
         if ring is not None:
             latencies = [sum(latencies)]
