@@ -31,7 +31,21 @@ def test_megatrons_gpt3_example_is_imported_with_every_value_and_each_unmapped_o
     named = " ".join(notes)
     for option in ("--train-samples", "--min-lr", "--adam-beta1", "--init-method-std", "--max-position-embeddings"):
         assert option in named
-    assert "tied embedding across pipeline stages" in named and "vocabulary" in named
+    assert "vocabulary" in named
+    # its tied embedding across 16 stages (Megatron's embedding group) is kept tied; fp16 reduces 16-bit
+    # gradients (Megatron sets --accumulate-allreduce-grads-in-fp32 only for bf16)
+    assert m["tied_head"] is True and p["grads_fp32"] is False
+
+
+@pytest.mark.parametrize("flags, fp32", [("--bf16", True), ("--bf16 --grad-reduce-in-bf16", False), ("--fp16", False),
+                                         ("--fp16 --accumulate-allreduce-grads-in-fp32", True), ("", False)])
+def test_megatrons_gradient_dtype_is_imported_as_its_arguments_set_it(flags, fp32):
+    """Megatron-LM's arguments.py: bf16 accumulates and all-reduces gradients in fp32 unless
+    --grad-reduce-in-bf16; fp16 only with --accumulate-allreduce-grads-in-fp32; fp32 trains in fp32."""
+    base = "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 " \
+           "--global-batch-size 8"
+    doc, _ = megatron((base + " " + flags).split(), nodes=1, gpus_per_node=8)
+    assert doc["parallel"]["grads_fp32"] is fp32
 
 
 def test_an_imported_megatron_run_runs(tmp_path, capsys):
@@ -57,6 +71,10 @@ def test_a_torchtitan_job_file_is_imported_and_runs(tmp_path, capsys):
     assert (m["layers"], m["hidden"], m["ffn_hidden"], m["heads"], m["kv_heads"]) == LLAMA3["8B"]
     assert (m["seq"], m["global_batch"], m["arch"], p["dp"], p["zero"], p["recompute"]) == \
         (8192, 16, "llama", 16, 3, "op")
+    assert p["grads_fp32"] is True  # (FSDP2's reduce_dtype: torchtitan's mixed_precision_reduce, float32 unless set)
+    bf16_reduce = {**__import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text())}
+    bf16_reduce["training"] = {**bf16_reduce["training"], "mixed_precision_reduce": "bfloat16"}
+    assert torchtitan(bf16_reduce, nodes=2, gpus_per_node=8)[0]["parallel"]["grads_fp32"] is False
     named = " ".join(notes)
     assert all(f"[{t}]" in named for t in ("job", "profiling", "metrics", "lr_scheduler", "checkpoint"))
     assert "training.steps" in named and "optimizer.name" in named

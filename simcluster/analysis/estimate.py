@@ -106,14 +106,14 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     n = layout.dp * c  # ZeRO shards over dp x cp (a mixture of experts' experts over the dp/ep holding them)
     spread = c * (t if layout.sp else 1)  # the ranks sharing out a sequence's tokens
     edp = layout.dp * c * t // e  # the ranks holding the same experts (mesh.expert_groups)
-    state = model_state_bytes(1, data.precision)
+    state = model_state_bytes(1, data.precision, data.grads_fp32)
 
     def sharded(count: float, over: int) -> tuple[float, float]:
         """`count` parameters' model states sharded by ZeRO over `over` ranks, and the optimizer step's fp32
         copy of their gradients (mixed precision: 4 bytes an owned parameter, dp_wrap.py)."""
         shard = {0: (1, 1, 1), 1: (1, 1, over), 2: (1, over, over), 3: (over, over, over)}[layout.zero]
         states = count * (state["parameters"] / shard[0] + state["gradients"] / shard[1] + state["optimizer"] / shard[2])
-        return states, 0.0 if data.precision == "fp32" else 4 * count / shard[2]
+        return states, 0.0 if data.precision == "fp32" or data.grads_fp32 else 4 * count / shard[2]
     (dense_states, dense_step), (expert_states, expert_step) = (sharded(held_psi - expert_psi, n),
                                                                 sharded(expert_psi, edp))
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
@@ -293,24 +293,26 @@ def _rings_rate(spec: Any, nvlink: float, g: int) -> float:
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:
     """The exposed time of the step's data-parallel gradient reduction: a ring moves (n-1)/n of the
-    stage's 16-bit gradients a reduce-scatter (ZeRO-2/3: each micro-batch's; DDP, ZeRO-1: their sum)
-    and as much again to all-gather (DDP's all-reduce, ZeRO-1/2's new weights; ZeRO-3 gathers weights
-    where they are used). Overlapped (dp_wrap.py), a reduction hides under the backward pass of its
+    stage's gradients a reduce-scatter (ZeRO-2/3: each micro-batch's; DDP, ZeRO-1: their sum; 16-bit, or
+    fp32 with `grads_fp32`), DDP's all-reduce as much again, and ZeRO-1/2 all-gather the new 16-bit
+    weights (ZeRO-3 gathers weights where they are used). Overlapped (dp_wrap.py), a reduction hides under the backward pass of its
     micro-batch (a share of the compute, passes counted as flops.py does: the backward is twice a
     forward); without `overlap_grad_reduce` (Megatron-LM's 2021 local DDP), all of it comes after. With
     `overlap_param_gather`, ZeRO-1/2's all-gather of the new weights hides under the next step's first
     forward pass."""
     if n == 1:
         return 0.0
-    ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's gradients
+    ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's 16-bit weights
+    grads = ring * (2 if sc.parallel.grads_fp32 and sc.model.dtype != "fp32" else 1)  # ... of its gradients
     share = (2 / 4, 1 / 4) if layout.recompute == "full" else (2 / 3, 1 / 3)
     backward, forward = (compute / m * x for x in share)  # one micro-batch's
     under_forward = sc.parallel.overlap_param_gather and layout.zero in (1, 2)
     gather = max(0.0, ring - forward) if under_forward else ring  # ZeRO-1/2's all-gather of the new weights
+    second = grads if layout.zero == 0 else ring  # DDP's all-reduce gathers the gradients, ZeRO-1 the weights
     if layout.zero >= 2:
-        return m * max(0.0, ring - backward) + (gather if layout.zero == 2 else 0.0)
+        return m * max(0.0, grads - backward) + (gather if layout.zero == 2 else 0.0)
     if not sc.parallel.overlap_grad_reduce:
-        return ring + gather
+        return grads + (second if layout.zero == 0 else gather)
     if under_forward:  # (the reduce-scatter under the backward, the gather under the next forward)
-        return max(0.0, ring - backward) + gather
-    return max(0.0, 2 * ring - backward)
+        return max(0.0, grads - backward) + gather
+    return max(0.0, grads + second - backward)

@@ -33,10 +33,12 @@ MEGATRON = {
     "cp-comm-type": "parallel.attention", "num-layers-per-virtual-pipeline-stage": "parallel.virtual_stages",
     "swiglu": "model.arch", "normalization": "model.arch", "position-embedding-type": "model.arch",
     "untie-embeddings-and-output-weights": "model.arch", "group-query-attention": "model.kv_heads",
-    "use-flash-attn": "model.attention_kernel",
+    "use-flash-attn": "model.attention_kernel", "accumulate-allreduce-grads-in-fp32": "parallel.grads_fp32",
+    "grad-reduce-in-bf16": "parallel.grads_fp32",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
-         "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn"}
+         "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
+         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -52,6 +54,7 @@ TORCHTITAN = {
     "training.seq_len": "model.seq", "training.batch_size": "model.global_batch",
     "training.local_batch_size": "model.global_batch", "training.global_batch_size": "model.global_batch",
     "training.max_norm": "run.clip_grad", "training.mixed_precision_param": "model.dtype",
+    "training.mixed_precision_reduce": "parallel.grads_fp32",
     "activation_checkpoint.mode": "parallel.recompute",
     "activation_checkpoint.selective_ac_option": "parallel.recompute", "optimizer.lr": "run.lr",
     "optimizer.weight_decay": "run.weight_decay", "model.flavor": "model.layers", "model.name": "model.arch",
@@ -150,11 +153,8 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     if not llama and any(k in args for k in ("swiglu", "normalization")):
         notes.append("--swiglu / --normalization RMSNorm: simcluster's Llama has all of RMSNorm, SwiGLU, rotary "
                      "positions and an untied head; this model is run as the GPT")
-    m["tied_head"] = not args.get("untie-embeddings-and-output-weights", False)
-    if m["tied_head"] and int(doc["parallel"].get("pp", 1)) > 1:
-        m["tied_head"] = False
-        notes.append("a tied embedding across pipeline stages (Megatron's embedding group) is not modelled: the "
-                     "LM head is untied (its weights counted twice)")
+    m["tied_head"] = not args.get("untie-embeddings-and-output-weights", False)  # (across stages too: Megatron's
+    # embedding group, the first and last stages' copies' gradients all-reduced)
     if "ffn_hidden" not in m and "hidden" in m:  # (Megatron's default, as arguments.py computes it)
         m["ffn_hidden"] = int(4 * m["hidden"] * 2 / 3 / 64) * 64 if args.get("swiglu") else 4 * m["hidden"]
     if "vocab" not in m:
@@ -167,6 +167,10 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     p["sp"] = bool(args.get("sequence-parallel"))
     p["zero"] = 1 if args.get("use-distributed-optimizer") else 0  # (the distributed optimizer shards its states)
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))
+    # gradients in fp32: Megatron's arguments.py sets --accumulate-allreduce-grads-in-fp32 for bf16 (fp16: if given),
+    # its --grad-reduce-in-bf16 reduces them in bf16 again
+    p["grads_fp32"] = m["dtype"] != "fp32" and not args.get("grad-reduce-in-bf16") and \
+        (m["dtype"] == "bf16" or bool(args.get("accumulate-allreduce-grads-in-fp32")))
     granularity = args.get("recompute-granularity") or ("selective" if args.get("recompute-activations") else "none")
     p["recompute"] = granularity
     tp, pp, cp = (int(p.get(a, 1)) for a in ("tp", "pp", "cp"))
@@ -231,7 +235,10 @@ def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, p
     if "parallelism.pipeline_parallel_microbatch_size" in given:
         m["micro_batch"] = int(given["parallelism.pipeline_parallel_microbatch_size"])
     p: dict[str, Any] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1, "zero": 3,
-                         "recompute": _checkpointing(given, notes)}
+                         "recompute": _checkpointing(given, notes),
+                         # FSDP2's reduce_dtype (its default, float32): the gradients reduced and kept in fp32
+                         "grads_fp32": m["dtype"] != "fp32" and
+                         str(given.get("training.mixed_precision_reduce", "float32")) == "float32"}
     if pp > 1:
         schedule = str(given.get("parallelism.pipeline_parallel_schedule", "1F1B"))
         if schedule not in SCHEDULES:

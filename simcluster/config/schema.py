@@ -195,6 +195,11 @@ class ParallelSection(Section):
         False, "ZeRO-1 and 2: each unit's new weights all-gathered under the next step's forward pass, each waited "
         "for where its unit is first used (Megatron's --overlap-param-gather); false: all of them at the end of "
         "the optimizer step. The same numbers either way")
+    grads_fp32: bool = key(
+        False, "bf16/fp16 training: gradients summed and kept in fp32 (rounded once to fp32, not 16-bit), reduced "
+        "over data parallelism at 4 bytes a parameter, and 4 bytes a parameter held: Megatron-LM's bf16 default "
+        "(--accumulate-allreduce-grads-in-fp32) and torchtitan's FSDP2 (mixed_precision_reduce = 'float32'); "
+        "false: 16-bit gradients (DeepSpeed's bf16 communication, Megatron's --grad-reduce-in-bf16)")
     offload_optimizer: Literal["none", "cpu", "nvme"] = key(
         "none", "ZeRO-Offload (zero >= 1): keep the fp32 master weights and Adam's moments in the host's memory (cpu)"
         " or on its NVMe (nvme, ZeRO-Infinity); each rank's reduced gradients go down over PCIe and AdamW "

@@ -333,7 +333,8 @@ def narrow_logits(ops: Ops, dlogits: Any, dtype: str | None) -> Any:
 
 def train(ops: Ops, cfg: ModelConfig, *, steps: int, batch_size: int, lr: float = 1e-3, weight_decay: float = 0.0,
           clip_grad: float | None = None, precision: str = "fp32",
-          params: dict[str, Any] | None = None, delayed_update: bool = False) -> dict[str, Any]:
+          params: dict[str, Any] | None = None, delayed_update: bool = False,
+          grads_fp32: bool = False) -> dict[str, Any]:
     """`steps` AdamW steps on one device over the whole batch: the reference for every parallel run.
     With `clip_grad`, the gradients are first scaled to that global norm if they exceed it. With
     `delayed_update` (ZeRO-Offload's DPU), step s > 0 computes its gradients with the weights from
@@ -348,7 +349,7 @@ def train(ops: Ops, cfg: ModelConfig, *, steps: int, batch_size: int, lr: float 
     model = GPT(ops, cfg)
     master = init_params(ops, cfg) if params is None else params
     state = adam_init(ops, master)
-    sizes = model_state_bytes(cfg.parameters, precision)
+    sizes = model_state_bytes(cfg.parameters, precision, grads_fp32)
     model.memory.hold("parameters", "weights", sizes["parameters"])
     model.memory.hold("optimizer", "adam", sizes["optimizer"])
     losses = []
@@ -363,7 +364,7 @@ def train(ops: Ops, cfg: ModelConfig, *, steps: int, batch_size: int, lr: float 
         loss = model.loss(loss_sum, where)
         model.memory.hold("gradients", "grads", sizes["gradients"])
         partials = model.backward(weights, cache, step, loss_scale=LOSS_SCALE[precision])
-        grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision))) for k, v in partials.items()}
+        grads = {k: ops.finalize(ops.retag(v, grad_dtype(precision, grads_fp32))) for k, v in partials.items()}
         first = first or grads
         unscaled = unscale(ops, grads, precision)
         if clip_grad:

@@ -37,6 +37,9 @@ class TrainingConfig:
     weight_decay: float = 0.0  # AdamW's decoupled decay (torch semantics)
     clip_grad: float | None = None  # clip the gradients to this global norm (torch's clip_grad_norm_)
     precision: str = "fp32"  # "fp32"; "bf16" or "fp16": 16-bit weights and gradients, fp32 master and moments
+    # mixed precision's gradients summed and kept in fp32, not 16-bit (Megatron-LM's bf16 default,
+    # --accumulate-allreduce-grads-in-fp32; torchtitan's FSDP2 reduce_dtype, mixed_precision_reduce = "float32")
+    grads_fp32: bool = False
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
     overlap_grad_reduce: bool = True  # DDP, ZeRO-1: reduce a unit's gradients under the rest of the backward

@@ -27,7 +27,9 @@ Over a step:
      works on fp32 copies of the owned gradients, held while it runs (a temporary: 4 bytes an owned
      parameter beside ZeRO's 16 of model states), as the real optimizers do: Megatron-LM's fp16
      optimizer (`main_param.grad = model_param.grad.float()`, its 16-bit gradient buffer kept) and
-     DeepSpeed's ZeRO (its partition's fp32 gradients; it frees the 16-bit ones first, we do not).
+     DeepSpeed's ZeRO (its partition's fp32 gradients; it frees the 16-bit ones first, we do not). With
+     `grads_fp32` the gradients are fp32 from the start (summed exactly, rounded once to fp32, reduced
+     at 4 bytes a parameter) and the step uses them as they are, as Megatron-LM's bf16 main grads.
 
 Offloaded (ZeRO-Offload, ZeRO-Infinity: `offload_optimizer`, `offload_params`), the master weights and
 moments live in the host's memory or on its NVMe: each reduced gradient chunk goes down to the host
@@ -99,7 +101,7 @@ class DPWrap:
             self.working = {k: ops.cast(v, data.precision) for k, v in init.items()}
         psi = sum(math.prod(s) for u in self.units for s in shapes[u])
         owned = sum(self.master[u].shape[0] for u in self.units)
-        self.per = model_state_bytes(1, data.precision)  # bytes per parameter, by category
+        self.per = model_state_bytes(1, data.precision, data.grads_fp32)  # bytes per parameter, by category
         self.grad_count = owned if self.stage >= 2 else psi
         self.host = None if data.offload_optimizer == "none" else data.offload_optimizer  # the optimizer's tier
         self.kept = "gpu" if data.offload_params == "none" else data.offload_params  # ZeRO-3's chunks' tier
@@ -203,7 +205,8 @@ class DPWrap:
     def gradients(self, unit: str, grads: dict[str, Any], micro_batches: int) -> Generator[Any, Any, None]:
         """One micro-batch's complete gradients (exact partials) of `unit`."""
         ops = self.ops
-        flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision)) for k in self.names[unit]]),
+        flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision, self.data.grads_fp32))
+                                 for k in self.names[unit]]),
                        self.ns[unit])
         self.seen[unit] = self.seen.get(unit, 0) + 1
         if self.stage < 2:
@@ -255,7 +258,8 @@ class DPWrap:
                 yield from self._swap_in()
             with self.ctx.annotate("optimizer", f"O{step}"):
                 grads = {u: ops.finalize(total[u]) for u in self.units}
-                if data.precision != "fp32":  # the step's fp32 gradients (module docstring)
+                copied = data.precision != "fp32" and not data.grads_fp32  # the step's fp32 gradients (docstring)
+                if copied:
                     self.ctx.memory.hold("temporaries", "fp32 grads", 4 * self.owned_count, self.host or "gpu")
                 unscaled = unscale(ops, grads, data.precision)
                 clip = None
@@ -266,7 +270,7 @@ class DPWrap:
                 free = self._last_weights_free()
                 self.master = adam_step(ops, self.master, unscaled, self.state, lr=data.lr,
                                         weight_decay=data.weight_decay, clip=clip, donate=free)
-                if data.precision != "fp32":
+                if copied:
                     self.ctx.memory.release("temporaries", "fp32 grads", self.host or "gpu")
                 # the 16-bit working chunks rounded anew into the last step's (a host's are copied to the
                 # device, not held)

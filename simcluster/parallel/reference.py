@@ -35,7 +35,7 @@ def _reference(cfg: TrainingConfig, mode: str) -> dict[str, Any]:
 
     out = train(make_ops(mode), cfg.model, steps=cfg.steps, batch_size=cfg.global_batch, lr=cfg.lr,
                 weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, precision=cfg.precision,
-                delayed_update=cfg.delayed_update)
+                delayed_update=cfg.delayed_update, grads_fp32=cfg.grads_fp32)
     flat: dict[str, Any] = {f"loss[{i}]": v for i, v in enumerate(out["loss"])}
     for kind in KINDS:
         for name, value in out[kind].items():
