@@ -122,7 +122,7 @@ def nccl_ring(kind: CommKind, ranks: tuple[int, ...], nbytes: int, cluster: Clus
     So a bus bandwidth of k NICs' where NVLink keeps up, as nccl-tests measure across nodes: 24 GB/s a
     200 Gb/s NIC, 46-48 a 400 Gb/s one, four 200 Gb/s NICs 96 (NCCL's maintainers, NVIDIA/nccl-tests
     #119, #252, #290), where the steps one after another (reduce-scatter in the node, the rail, gather
-    in the node) would get two thirds of it. None for another group or kind."""
+    in the node) would get 66-78 % of it. None for another group or kind."""
     if cluster.torus or kind not in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.ALL_GATHER):
         return None
     nodes = _by_node(cluster, cluster.ring_order(ranks))
