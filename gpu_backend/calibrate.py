@@ -43,7 +43,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes, keep_freed_memory
+from gpu_backend.processes import LaunchError, check_backend, cpu_share, in_processes, keep_freed_memory, power_limit_note
 from gpu_backend.step_profile import REPEATS, WIDTHS, step_rates
 from gpu_backend.torch_ops import TorchFastOps
 from simcluster.config.options import say_error
@@ -397,7 +397,7 @@ def calibrate(path: str, *, nproc: int = 2, backend: str = "auto", dtypes: Seque
     notes = [f"measured with torch {torch.__version__} on {name}, {'quick' if quick else 'full'} grid",
              "peak_tflops: " + ("the datasheet's" if sheet else "the best GEMM measured (no datasheet for this device)"),
              "links inside a node are these; links between nodes (the NIC) stay the preset's"
-             if link else "one rank: no links measured (the preset's stay)"]
+             if link else "one rank: no links measured (the preset's stay)"] + [n for n in [power_limit_note(device)] if n]
     _profile.write(path, device=name, peak_tflops=peak16, peak_tflops_fp32=peak32, memory_gbyte_per_s=memory,
                    kernel_overhead_ns=max(1, int(round(overhead * 1e9))), gemm=gemm, link=link,
                    allreduce=allreduce, ranks=nproc, backend=kind, memory_gbyte=memory_gbyte, notes=notes,

@@ -221,3 +221,22 @@ def in_processes(body: Callable[..., Any], body_args: Sequence[Any], world: int,
             lines += [f"rank {r}: no report{states.get(r, '')}" for r in silent]
         raise LaunchError(f"torch.distributed run ({kind}, {world} processes) failed:\n" + "\n".join(lines))
     return [runs[r] for r in range(world)]
+
+
+def power_limit_note(device: Any) -> str | None:
+    """What `nvidia-smi` says of a CUDA device's power: the limit it enforces, its default and its maximum (W),
+    for a profile's notes (a profile's rates are the clock that limit left: `cluster.power_limit_w` is
+    refused beside one); None for another device, or where nvidia-smi is missing or says nothing usable."""
+    import subprocess
+
+    if getattr(device, "type", None) != "cuda":
+        return None
+    index = device.index or 0
+    query = "power.limit,power.default_limit,power.max_limit"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", str(index)],
+                             capture_output=True, text=True, timeout=30, check=False).stdout
+        limit, default, most = (float(v) for v in out.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return f"measured under a {limit:g} W power limit (default {default:g} W, at most {most:g} W; nvidia-smi)"

@@ -146,3 +146,32 @@ def test_the_report_says_the_limit_and_the_clock_it_leaves(capsys):
     assert "8 H100-SXM5-80GB, at 500 W of 700 (clock x 0.903)" in text
     assert main(args[:-2]) == 0
     assert " W of " not in capsys.readouterr().out
+
+
+def test_a_gpu_profile_notes_the_power_limit_it_was_measured_under(monkeypatch):
+    """calibrate's profile notes what nvidia-smi says of the GPU's power limit (its rates are that
+    clock's); nothing for a CPU, without nvidia-smi, or from output it cannot read."""
+    import subprocess
+    import types
+
+    torch = pytest.importorskip("torch")
+    from gpu_backend.processes import power_limit_note
+
+    asked = []
+
+    def smi(out):
+        def run(args, **kw):
+            asked.append(args)
+            if out is None:
+                raise FileNotFoundError("nvidia-smi")
+            return types.SimpleNamespace(stdout=out)
+        return run
+
+    gpu = torch.device("cuda", 1)
+    monkeypatch.setattr(subprocess, "run", smi("500.00, 700.00, 700.00\n"))
+    assert power_limit_note(gpu) == "measured under a 500 W power limit (default 700 W, at most 700 W; nvidia-smi)"
+    assert asked[-1][-2:] == ["-i", "1"] and "--query-gpu=power.limit,power.default_limit,power.max_limit" in asked[-1]
+    assert power_limit_note(torch.device("cpu")) is None
+    for out in (None, "", "[N/A], [N/A], [N/A]\n"):
+        monkeypatch.setattr(subprocess, "run", smi(out))
+        assert power_limit_note(gpu) is None
