@@ -3,16 +3,18 @@
 of the links' rate. The expected times below are written from NVIDIA/nccl src/graph/tuning.cc's
 tables (ring algorithm), not from our module."""
 
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from simcluster.config.scenario import ScenarioError, load
-from simcluster.engine import simulate
-from simcluster.numerics.tensor import MetaTensor
-from simcluster.program.mesh import DeviceMesh
-from simcluster.topology import presets
 from test_timing import B_IB, B_NVL, lone
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from collective_busbw import busbw as all_reduce_busbw  # noqa: E402
 
 # tuning.cc (2.19/2.20): base latency, a ring step's over NVLink and over the network, in us
 BASE = {"LL": 6.6, "LL128": 14.0, "Simple": 8.4}
@@ -85,17 +87,10 @@ def test_a_group_across_nodes_pays_nvlink_steps_inside_and_network_steps_between
     ("dgx-h100", 2, 8 * 47), ("dgx-h100", 4, 365.84),
 ])
 def test_an_all_reduce_across_nodes_gets_the_bus_bandwidth_nccl_tests_measure(preset, nodes, busbw):
-    """8 GiB (nccl-tests' largest size) over whole nodes: within 5 % of what nccl-tests measure, where
-    the steps one after another (reduce-scatter in each node, the rail, all-gather) got 66-78 % of it."""
-    S, n = 8 * 2**30, 8 * nodes
-    spec = presets.preset(preset, nodes=nodes)
-
-    def prog(ctx):
-        yield ctx.comm.all_reduce(MetaTensor((S // 4,), "fp32"), group=ctx.mesh.world)
-
-    trace = simulate(prog, mesh=DeviceMesh(dp=n), cluster=spec, mode="meta").trace
-    ns = max(e.end for e in trace) - min(e.start for e in trace)
-    assert 2 * (n - 1) / n * S / ns == pytest.approx(busbw, rel=0.05)
+    """8 GiB (nccl-tests' largest size) over whole nodes (benchmarks/collective_busbw.py's run): within 5 %
+    of what nccl-tests measure, where the steps one after another (reduce-scatter in each node, the rail,
+    all-gather) got 66-78 % of it."""
+    assert all_reduce_busbw(preset, nodes, 8 * 2**30) == pytest.approx(busbw, rel=0.05)
 
 
 def test_the_textbook_model_is_a_scenario_key_and_a_wrong_value_is_one_line():

@@ -303,7 +303,8 @@ def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across:
     if n == 1:
         return 0.0
     ring = (n - 1) / n * 2 * psi / across  # one reduce-scatter (or all-gather) of the stage's 16-bit weights
-    grads = ring * (2 if sc.parallel.grads_fp32 and sc.model.dtype != "fp32" else 1)  # ... of its gradients
+    state = model_state_bytes(1, sc.model.dtype, sc.parallel.grads_fp32)
+    grads = ring * state["gradients"] / state["parameters"]  # ... of its gradients (fp32 ones: twice the bytes)
     share = (2 / 4, 1 / 4) if layout.recompute == "full" else (2 / 3, 1 / 3)
     backward, forward = (compute / m * x for x in share)  # one micro-batch's
     under_forward = sc.parallel.overlap_param_gather and layout.zero in (1, 2)

@@ -268,9 +268,8 @@ PRESETS: dict[str, ClusterSpec] = {
     # units working on one output tile each, as `sms` (the tile/wave model of cluster.py). Assumptions:
     # fp32 matmuls as six bf16 passes (XLA's highest precision); the share of the MXUs' peak that a
     # best-shaped matmul reaches (no measured figure found), attention's the A100's (none found either);
-    # no rated power published (tdp_w 0: a power
-    # limit is refused); the host's figures are the DGX A100's (none
-    # found for a v5p host); the NVLink/NIC figures are unused.
+    # no rated power published (tdp_w 0: a power limit is refused); the host's figures are the DGX A100's
+    # (none found for a v5p host); the NVLink/NIC figures are unused.
     "tpu-v5p": ClusterSpec(preset="tpu-v5p", device="TPU-v5p", gpus_per_node=4, torus="2x2x1", peak_tflops=459.0,
                            peak_tflops_fp32=459.0 / 6, hbm_gbyte_per_s=2765.0, memory_gbyte=95.0,
                            ici_gbyte_per_s=100.0, sms=8, matmul_efficiency=0.8, tdp_w=0.0),
