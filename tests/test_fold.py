@@ -35,6 +35,9 @@ FOLDING = [
                    "model.global_batch=8", "model.seq=64"]),
     ("tp_sp_memory", ["cluster.gpus_per_node=4", "cluster.nodes=2"]),  # TP, SP, selective recompute
     ("tp_cliff", []),  # TP inside a node (folds), TP across nodes (does not)
+    # the tensor-parallel overlap: a ring of messages between tp peers, folded onto the representative's own
+    ("megatron_3d", ["parallel.tp_comm_overlap=true"]),
+    ("llama3_4d", ["parallel.tp_comm_overlap=true"]),
 ]
 
 

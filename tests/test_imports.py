@@ -48,6 +48,26 @@ def test_megatrons_gradient_dtype_is_imported_as_its_arguments_set_it(flags, fp3
     assert doc["parallel"]["grads_fp32"] is fp32
 
 
+@pytest.mark.parametrize("flags, want", [("", (False, False)), ("--tp-comm-overlap", (True, False)),
+                                         ("--tp-comm-overlap --overlap-param-gather", (True, True))])
+def test_megatrons_overlaps_are_imported(flags, want):
+    """--tp-comm-overlap (Transformer Engine's userbuffers) and --overlap-param-gather: flags, no value."""
+    base = "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --num-layers 2 " \
+           "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 --global-batch-size 8"
+    doc, notes = megatron((base + " " + flags).split(), nodes=1, gpus_per_node=8)
+    assert (doc["parallel"]["tp_comm_overlap"], doc["parallel"]["overlap_param_gather"]) == want
+    assert not notes[1:]  # (the vocabulary's note only: nothing else unmapped)
+
+
+def test_torchtitans_async_tensor_parallelism_is_the_overlap():
+    job = __import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text())
+    assert torchtitan(job, nodes=2, gpus_per_node=8)[0]["parallel"]["tp_comm_overlap"] is False
+    job["parallelism"] = {**job["parallelism"], "tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}
+    doc, notes = torchtitan(job, nodes=2, gpus_per_node=8)
+    assert doc["parallel"]["tp_comm_overlap"] is True and doc["parallel"]["sp"] is True
+    assert "enable_async_tensor_parallel" not in " ".join(notes)
+
+
 def test_an_imported_megatron_run_runs(tmp_path, capsys):
     """The import command writes a scenario that `simcluster run` runs (a smaller layout of the same
     arguments' shape, so that the test is quick)."""

@@ -87,9 +87,13 @@ def test_offload_from_the_command_line(stage, optimizer, params, delayed):
     assert {r["group"] for r in report["communication"]} >= {"gpu->cpu", "cpu->gpu" if params == "none" else "nvme->gpu"}
 
 
-@pytest.mark.parametrize("sp", [pytest.param("false", marks=pytest.mark.slow), "true"])
-def test_tensor_parallel_from_the_command_line(sp):
+@pytest.mark.parametrize("sp,overlap", [pytest.param("false", "false", marks=pytest.mark.slow),
+                                        pytest.param("true", "false", marks=pytest.mark.slow), ("true", "true")])
+def test_tensor_parallel_from_the_command_line(sp, overlap):
+    """(With the overlap, parallel.tp_comm_overlap: the ring exchange's sends and receives between tp peers on
+    gloo; plain sequence parallelism runs in the 4D hybrids by default.)"""
     byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.tp=2", f"parallel.sp={sp}",
+                                       f"parallel.tp_comm_overlap={overlap}",
                                        "parallel.zero=0", "cluster.gpus_per_node=4", "model.layers=2", "model.hidden=8",
                                        "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8",
                                        "model.tied_head=true", "model.global_batch=4", "model.micro_batch=1"))

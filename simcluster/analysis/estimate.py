@@ -72,7 +72,8 @@ class Layout:
                        parallel=replace(sc.parallel, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, zero=self.zero,
                                         recompute=self.recompute, schedule=self.schedule,
                                         virtual_stages=self.virtual, sp=self.tp > 1 and bool(self.sp), ep=self.ep,
-                                        moe_dispatcher=self.dispatcher))
+                                        moe_dispatcher=self.dispatcher,  # (the overlap needs sp where tp > 1)
+                                        tp_comm_overlap=sc.parallel.tp_comm_overlap and (self.tp == 1 or bool(self.sp))))
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     calls = passes * 2 * math.ceil(model.layers / p) * m  # two all-reduces a layer a pass, on the busiest stage
     tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],
                                                2 * (t - 1) / t * message / nvlink, 1, t, message)
+    if lsc.parallel.tp_comm_overlap:  # in pieces under the GEMMs (tensor_parallel.py): about one piece of t alone
+        tp_comm /= t
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
     across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else \
         _rings_rate(spec, nvlink, _per_node(spec.gpus_per_node, t, c, p))

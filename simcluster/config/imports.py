@@ -34,11 +34,12 @@ MEGATRON = {
     "swiglu": "model.arch", "normalization": "model.arch", "position-embedding-type": "model.arch",
     "untie-embeddings-and-output-weights": "model.arch", "group-query-attention": "model.kv_heads",
     "use-flash-attn": "model.attention_kernel", "accumulate-allreduce-grads-in-fp32": "parallel.grads_fp32",
-    "grad-reduce-in-bf16": "parallel.grads_fp32",
+    "grad-reduce-in-bf16": "parallel.grads_fp32", "tp-comm-overlap": "parallel.tp_comm_overlap",
+    "overlap-param-gather": "parallel.overlap_param_gather",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
          "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
-         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16"}
+         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -55,6 +56,7 @@ TORCHTITAN = {
     "training.local_batch_size": "model.global_batch", "training.global_batch_size": "model.global_batch",
     "training.max_norm": "run.clip_grad", "training.mixed_precision_param": "model.dtype",
     "training.mixed_precision_reduce": "parallel.grads_fp32",
+    "parallelism.enable_async_tensor_parallel": "parallel.tp_comm_overlap",
     "activation_checkpoint.mode": "parallel.recompute",
     "activation_checkpoint.selective_ac_option": "parallel.recompute", "optimizer.lr": "run.lr",
     "optimizer.weight_decay": "run.weight_decay", "model.flavor": "model.layers", "model.name": "model.arch",
@@ -167,6 +169,8 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     p["sp"] = bool(args.get("sequence-parallel"))
     p["zero"] = 1 if args.get("use-distributed-optimizer") else 0  # (the distributed optimizer shards its states)
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))
+    p["overlap_param_gather"] = bool(args.get("overlap-param-gather"))
+    p["tp_comm_overlap"] = bool(args.get("tp-comm-overlap"))  # (at tp = 1 Megatron turns sp off: it does nothing)
     # gradients in fp32: Megatron's arguments.py sets --accumulate-allreduce-grads-in-fp32 for bf16 (fp16: if given),
     # its --grad-reduce-in-bf16 reduces them in bf16 again
     p["grads_fp32"] = m["dtype"] != "fp32" and not args.get("grad-reduce-in-bf16") and \
@@ -238,7 +242,9 @@ def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, p
                          "recompute": _checkpointing(given, notes),
                          # FSDP2's reduce_dtype (its default, float32): the gradients reduced and kept in fp32
                          "grads_fp32": m["dtype"] != "fp32" and
-                         str(given.get("training.mixed_precision_reduce", "float32")) == "float32"}
+                         str(given.get("training.mixed_precision_reduce", "float32")) == "float32",
+                         # async TP (torch.compile's micro-pipelined all-gather-matmul and matmul-reduce-scatter)
+                         "tp_comm_overlap": tp > 1 and bool(given.get("parallelism.enable_async_tensor_parallel"))}
     if pp > 1:
         schedule = str(given.get("parallelism.pipeline_parallel_schedule", "1F1B"))
         if schedule not in SCHEDULES:

@@ -178,6 +178,11 @@ class ParallelSection(Section):
     cp: int = key(1, "context-parallel degree", minimum=1)
     tp: int = key(1, "tensor-parallel degree", minimum=1)
     sp: bool = key(False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)")
+    tp_comm_overlap: bool = key(
+        False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside "
+        "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
+        "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one in 4 splits of "
+        "its columns, an input gradient's reduce-scatter under the weight gradients. The same numbers either way")
     attention: Literal["ulysses", "ring", "allgather", "rsa"] = key(
         "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring (keys and values "
         "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys around the ring for"

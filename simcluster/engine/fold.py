@@ -28,7 +28,9 @@ and each is a symmetry of the whole run:
 So the unfolded run is symmetric at every instant, and only the representatives (dp index below
 `block`, tp index 0, cp index 0) run:
 - their programs run; a call completes when its simulated members have issued it (a folded member's
-  data is its representative's, which is in the same group: in meta mode, a shape);
+  data is its representative's, which is in the same group: in meta mode, a shape); a message from a
+  representative to a folded peer (a tp ring's, tensor_parallel.py) is the image of the one it
+  receives from a folded peer, so the representative's receive is matched to its own send (`partner`);
 - the replay moves, of each orbit of flows, the one that leaves a representative, into the port of
   its destination's representative. The symmetries move no rank to itself, so such a port carries
   one flow of each orbit that crosses the port it stands for: as many as in the unfolded run. The
@@ -75,6 +77,7 @@ class Fold:
         for r in simulated:
             is_rep[r] = 1
         object.__setattr__(self, "is_rep", bytes(is_rep))
+        object.__setattr__(self, "_partners", {})
 
     @property
     def world(self) -> int:
@@ -128,6 +131,18 @@ class Fold:
             mine, turn = rank // replica % e, of % span // replica % e
             rank += ((mine + turn) % e - mine) * replica
         return (rank + shift) % self.world
+
+    def partner(self, src: int, dst: int) -> int | None:
+        """For a message from folded `src` to its representative `dst`: where dst's own message of the same
+        orbit goes (its image under the symmetry that takes dst to src is this one), or None where src's
+        representative is another rank. A ring's message from the previous rank stands for the rep's own to
+        the next."""
+        if self.rep(src) != dst:
+            return None
+        found = self._partners.get((src, dst))
+        if found is None:
+            found = self._partners[(src, dst)] = next(x for x in range(self.world) if self.image(x, src) == dst)
+        return found
 
     def stream(self, name: str, of: int) -> str:
         """A stream of rep(of), as `of` calls it."""

@@ -192,9 +192,26 @@ class Interpreter:
             ch = self.messages[key] = Channel(CommKind.SEND, None, (src, dst), where, (f"send->{dst}", f"recv<-{src}"),
                                               self.fold)
             if ch.live == 1:
-                raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
+                if not self.fold.is_rep[src] or self.fold.rep(dst) != src:
+                    raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
+                # a message to a folded peer stands for the one its sender receives from a folded peer (the
+                # image of this one: `Fold.partner`), which the sender issues as this channel's receiver
+                ch.live = 2
             # messages between the same two ranks move their bytes over the same links, whatever the tag
             ch.routes = self.pair_routes.setdefault((src, dst), ch.routes)
+        return ch
+
+    def _received(self, op: CommOp) -> Channel:
+        """The channel of a message `op` receives: from a folded peer, the one its own image of that message
+        goes on (from this rank to a folded peer, where this rank stands in for the receiver)."""
+        src, dst = op.peer, op.rank
+        if self.fold is None or self.fold.is_rep[src]:
+            return self._message_channel(src, dst, op.tag)
+        to = self.fold.partner(src, dst)
+        if to is None:
+            raise FoldError(f"a message from rank {src} to rank {dst} joins a simulated rank to a folded one")
+        ch = self.messages[(src, dst, op.tag)] = self.messages.get((dst, to, op.tag)) or \
+            self._message_channel(dst, to, op.tag)
         return ch
 
     def _copy_channel(self, rank: int, tiers: tuple[str, str]) -> Channel:
@@ -211,7 +228,7 @@ class Interpreter:
             ch, pos = self.messages.get((op.rank, op.peer, op.tag)) or self._message_channel(op.rank, op.peer, op.tag), 0
             key = op.sig
         elif kind is _RECV:
-            ch, pos = self.messages.get((op.peer, op.rank, op.tag)) or self._message_channel(op.peer, op.rank, op.tag), 1
+            ch, pos = self.messages.get((op.peer, op.rank, op.tag)) or self._received(op), 1
             key = op.sig
         else:
             ch = self.by_id.get(id(op.group)) or self._group_channel(op.group)
@@ -243,6 +260,10 @@ class Interpreter:
         """Put member `pos`'s part of `call` on the stream it runs on; its work."""
         if self.serial_comm and op.kind is not _COPY:
             op.stream = st.cur.name
+        where = ch.where
+        if ch.kind is _SEND and op.rank != ch.members[pos]:  # receiving for a folded peer (`_received`)
+            where = f"p2p[{op.peer}->{op.rank}]" + (f" tag {op.tag}" if op.tag else "")
+            op.stream = op.stream or f"recv<-{op.peer}"
         if not op.stream:
             op.stream = ch.streams[pos]
         target = st.streams.get(op.stream) or st.stream(op.stream)
@@ -255,7 +276,7 @@ class Interpreter:
         cur = st.cur
         # the input is ready when the work issued before it on the current stream is done
         j = wait_index(target, cur, len(cur.items) - 1) if cur.items and target is not cur else -1
-        target.items.append((COMM, call, op.kind._value_, st.label[1], pos, cur if j >= 0 else None, j, ch.where))
+        target.items.append((COMM, call, op.kind._value_, st.label[1], pos, cur if j >= 0 else None, j, where))
         return EmulatedWork(op, sync, target, len(target.items) - 1, call)
 
     def _issue_alone(self, st: RankState, op: CommOp, sync: bool) -> EmulatedWork | None:
@@ -312,7 +333,7 @@ class Interpreter:
             if w is None:
                 continue  # a folded member
             w.value, w.done = value, True
-            st = ranks[r]
+            st = ranks[r] if self.fold is None else ranks[self.fold.rep(r)]  # (a folded peer's stand-in)
             blocked = st.blocked
             if blocked is not None and (blocked[0] is w if len(blocked) == 1 else all(x.done for x in blocked)):
                 st.send_value = value if st.single else [x.value for x in blocked]

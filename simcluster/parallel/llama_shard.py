@@ -133,16 +133,27 @@ class LlamaShard(TransformerShard):
         ops, gpt, pre = self.ops, self.gpt, f"layers.{i}."
         sv = saved if saved is not None else {}
         a_mine, n1 = self.norm(x, p, pre + "attn_norm")
-        a = yield from self.gather(a_mine)  # (b, s/cp, h)
-        xq = sv["xq"] if saved else ops.matmul(a, p[pre + "attn.wq"])
+        names = ("wk",) if saved else ("wq", "wk", "wv")  # (the products the per-op policy did not keep)
+        if self.overlap:  # every product of each gathered piece as it arrives
+            a, made = yield from self.gather_matmuls(a_mine, [p[pre + "attn." + n] for n in names])
+            made = dict(zip(names, made))
+        else:
+            a, made = (yield from self.gather(a_mine)), {}  # (b, s/cp, h)
+
+        def mm(name: str) -> Any:
+            return made[name] if name in made else ops.matmul(a, p[pre + "attn." + name])
+        xq = sv["xq"] if saved else mm("wq")
         q = self.rope(gpt.split_heads(xq))  # (b, a/tp, s/cp, d)
-        k = self.repeat(self.rope(gpt.split_heads(ops.matmul(a, p[pre + "attn.wk"]))))  # (b, kv/tp, ...) repeated
-        xv = sv["xv"] if saved else ops.matmul(a, p[pre + "attn.wv"])
+        k = self.repeat(self.rope(gpt.split_heads(mm("wk"))))  # (b, kv/tp, ...) repeated
+        xv = sv["xv"] if saved else mm("wv")
         v = self.repeat(gpt.split_heads(xv))
         out, core = (sv["out"], sv["core"]) if saved else (yield from self.attend(q, k, v, i, step, where))
         ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
-        y_mm = ops.matmul(ctx_, p[pre + "attn.wo"], partial=True)
-        y = sv["y"] if "y" in sv else (yield from self.reduce(y_mm))  # (b, tokens, h)
+        if "y" in sv:  # (b, tokens, h)
+            ops.matmul(ctx_, p[pre + "attn.wo"], partial=True)  # (made again, as torch does, and let go)
+            y = sv["y"]
+        else:
+            y = yield from self.matmul_reduce(ctx_, p[pre + "attn.wo"])
         keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)
         x1 = ops.add(x, self.drop(y, keep_a))
         c_mine, n2 = self.norm(x1, p, pre + "mlp_norm")
@@ -150,16 +161,14 @@ class LlamaShard(TransformerShard):
             c = c_mine
             z, mlp = yield from self.moe_forward(p, c, i, step, where.total, self._keep_all)
         else:
-            c = yield from self.gather(c_mine)
-            f1 = sv["f1"] if saved else ops.matmul(c, p[pre + "mlp.w1"])  # (b, s/cp, F/tp)
-            f3 = ops.matmul(c, p[pre + "mlp.w3"])
+            c, made = yield from self.gather_matmuls(c_mine, [p[pre + "mlp." + n] for n in ("w1", "w3")[bool(saved):]])
+            f1, f3 = (sv["f1"], made[0]) if saved else made  # (b, s/cp, F/tp)
             g = ops.mul(ops.silu(f1), f3)
             mlp = {"f1": f1, "f3": f3, "g": g}
             if saved:  # (w2's product and what follows it the backward needs no more of: torch stops here)
                 return None, {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
                               "keep_a": keep_a, "x1": x1, "c": c, "n2": n2, "keep_m": sv["keep_m"], **mlp}
-            z_mm = ops.matmul(g, p[pre + "mlp.w2"], partial=True)
-            z = yield from self.reduce(z_mm)
+            z = yield from self.matmul_reduce(g, p[pre + "mlp.w2"])
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
         cache = {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_, "keep_a": keep_a,
@@ -170,8 +179,9 @@ class LlamaShard(TransformerShard):
         if policy == "selective" and not self._keep_all:
             return x2, {k_: v_ for k_, v_ in cache.items() if k_ != "core"}
         if policy == "op":  # torchtitan's _save_list: every second mm's output (wq, wv, w1, w2: the 1st, 3rd,
-            # 5th, 7th), the attention kernel's, and the reduce-scatters' (sequence parallelism)
-            kept = {"x": x, "xq": xq, "xv": xv, "out": out, "core": core, "f1": f1, "z_mm": z_mm, "keep_m": keep_m}
+            # 5th, 7th), the attention kernel's, and the reduce-scatters' (sequence parallelism); w2's is
+            # held by torch but read by no backward here, so it is not kept (its bytes: model/activations.py)
+            kept = {"x": x, "xq": xq, "xv": xv, "out": out, "core": core, "f1": f1, "keep_m": keep_m}
             return x2, kept | ({"y": y, "z": z} if self.sp and self.t > 1 else {})
         return x2, cache
 
@@ -185,29 +195,37 @@ class LlamaShard(TransformerShard):
         if self.m.is_moe(i):  # this rank's tokens' (no gather)
             dc = yield from self.moe_backward(p, self.drop(dx2, c["keep_m"]), c, i, weight_grad)
         else:
-            dz = yield from self.gather(self.drop(dx2, c["keep_m"]))
-            weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
-            dg = ops.matmul(dz, ops.transpose(p[pre + "mlp.w2"]))  # (b, s/cp, F/tp)
+            _, (dg,) = yield from self.gather_matmuls(  # (b, s/cp, F/tp)
+                self.drop(dx2, c["keep_m"]), [ops.transpose(p[pre + "mlp.w2"])],
+                then=lambda dz: weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True)))
             df3 = ops.mul(dg, ops.silu(c["f1"]))
             df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
-            weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
-            weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
-            dc = yield from self.reduce(ops.add_partial(
+
+            def mlp_grads() -> None:
+                weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
+                weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
+            dc = yield from self.reduce_under(lambda: ops.add_partial(
                 ops.matmul(df1, ops.transpose(p[pre + "mlp.w1"]), partial=True),
-                ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)))
+                ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)), mlp_grads)
         dx1 = ops.add(dx2, self.norm_backward(dc, c["x1"], p, pre + "mlp_norm", c["n2"], grads))
-        dy = yield from self.gather(self.drop(dx1, c["keep_a"]))
-        weight_grad(pre + "attn.wo", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
-        dout = gpt.split_heads(ops.matmul(dy, ops.transpose(p[pre + "attn.wo"])))  # (b, a/tp, s/cp, d)
+        _, (dctx,) = yield from self.gather_matmuls(
+            self.drop(dx1, c["keep_a"]), [ops.transpose(p[pre + "attn.wo"])],
+            then=lambda dy: weight_grad(pre + "attn.wo", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True)))
+        dout = gpt.split_heads(dctx)  # (b, a/tp, s/cp, d)
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
         dq = gpt.merge_heads(self.rope_backward(dq))  # (b, s/cp, h/tp)
         dk = gpt.merge_heads(self.rope_backward((yield from self.unrepeat(dk))))  # (b, s/cp, kv d/tp)
         dv = gpt.merge_heads((yield from self.unrepeat(dv)))
-        for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
-            weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
-        da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)
-        if self.adds_kv_input_gradient():
-            for name, d in (("wk", dk), ("wv", dv)):
-                da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
-        da = yield from self.reduce(da)
+
+        def attention_grads() -> None:
+            for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
+                weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
+
+        def input_gradient() -> Any:
+            da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)
+            if self.adds_kv_input_gradient():
+                for name, d in (("wk", dk), ("wv", dv)):
+                    da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
+            return da
+        da = yield from self.reduce_under(input_gradient, attention_grads)
         return ops.add(dx1, self.norm_backward(da, c["x"], p, pre + "attn_norm", c["n1"], grads))

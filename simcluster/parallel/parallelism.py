@@ -37,6 +37,7 @@ DISPATCHERS = tuple(expert_parallel.DISPATCHERS)  # expert parallelism's token d
 class Parallelism:
     data: TrainingConfig = field(default_factory=TrainingConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
     sp: bool = False
+    tp_comm_overlap: bool = False  # with sp: the tp collectives in pieces under the GEMMs (tensor_parallel.py)
     attention: str = "ulysses"
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)
@@ -116,6 +117,10 @@ class Parallelism:
                 where = f"seq={m.seq}" if cp == 1 else f"a context-parallel rank's {local} tokens (seq/cp)"
                 raise ValueError(f"sequence parallelism: tp={tp} must divide {where}; valid degrees: "
                                  f"{listed(valid)}")
+        if self.tp_comm_overlap and tp > 1 and not self.sp:
+            raise ValueError("parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters "
+                             "with the GEMMs beside them: set parallel.sp = true (Megatron-LM refuses "
+                             "--tp-comm-overlap without --sequence-parallel)")
         check_schedule(self.schedule, self.shape(pp), m.layers)
         offloaded = (self.data.offload_optimizer, self.data.offload_params) != ("none", "none")
         if self.schedule is Schedule.DUALPIPE and pp > 1 and offloaded:

@@ -5,15 +5,31 @@ around its parallel regions, as free functions with the papers' names:
   g   all-reduce of the partial output forward, identity backward: after a row-parallel layer;
 with sequence parallelism, g is a reduce-scatter to this rank's tokens and f an all-gather of the
 sequence (`gather`). Every sum is of exact partials, rounded once after it (`ops.finalize`), so any tp
-degree gives the single device's bytes. The blocks that use them: transformer_shard.py, llama_shard.py."""
+degree gives the single device's bytes. The blocks that use them: transformer_shard.py, llama_shard.py.
+
+With `overlap` (parallel.tp_comm_overlap: Megatron-LM's --tp-comm-overlap, Transformer Engine's
+userbuffers; Wang et al. 2023 describe the same decomposition), the sequence-parallel collectives run
+in pieces under the GEMMs beside them, as Transformer Engine's defaults for a block do
+(transformer_engine/pytorch/module/base.py, initialize_ub):
+  an all-gather into a GEMM (QKV and fc1 forward, the output projections' input gradients), a "ring
+      exchange" of tp steps: each rank's tokens passed around the tp ring, each part multiplied while
+      the next travels (`gather_matmuls`);
+  a reduce-scatter out of a GEMM (the output projections forward), "pipeline" with 4 splits of the
+      output's columns: each split's reduce-scatter under the next split's GEMM (`matmul_reduce`);
+  a column-parallel layer's input-gradient reduce-scatter, "bulk": under its weight-gradient GEMMs
+      (`reduce_under`).
+The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
+whole GEMM's, so the numbers are the same bytes as without the overlap."""
 
 from __future__ import annotations
 
-from typing import Any, Generator
+import math
+from typing import Any, Callable, Generator
 
 import numpy as np
 
 from simcluster.numerics.tensor import MetaTensor
+from simcluster.parallel.cp_blocks import like
 from simcluster.program.context import Context
 
 
@@ -33,6 +49,77 @@ def gather(ctx: Context, x: Any, group: Any, sp: bool) -> Generator[Any, Any, An
     if not sp:
         return x
     return (yield ctx.comm.all_gather(x, group=group, dim=1))
+
+
+RS_SPLITS = 4  # Transformer Engine's "pipeline" overlap: num_splits = 4 by default (module/base.py)
+
+
+def gather_matmuls(ctx: Context, x: Any, weights: list[Any], group: Any, sp: bool, overlap: bool,
+                   then: Callable[[Any], None] | None = None) -> Generator[Any, Any, tuple[Any, list[Any]]]:
+    """`gather` of this rank's tokens x (b, tokens, h), and the gathered input times each of `weights`:
+    (gathered, products). `then(gathered)` runs before the products without the overlap (a weight
+    gradient that reads the gathered input), after them with it. With `overlap`, a ring exchange of tp
+    steps: each rank multiplies the part it holds (its own first) while passing it to the next rank and
+    receiving the previous rank's."""
+    ops = ctx.ops
+    if not overlap:
+        full = yield from gather(ctx, x, group, sp)
+        if then is not None:
+            then(full)
+        return full, [ops.matmul(full, w) for w in weights]
+    t, r = group.size, group.rank_of(ctx.rank)
+    parts: list[Any] = [None] * t
+    products: list[Any] = [None] * t
+    sends = []
+    for step in range(t):
+        owner = held(r, step, t)
+        parts[owner] = x
+        if step < t - 1:
+            # (untagged, so that a taped block replays them: parallel/tape.py)
+            sends.append(ctx.comm.send(x, dst=group.ranks[(r + 1) % t], async_op=True))
+            recv = ctx.comm.recv(src=group.ranks[(r - 1) % t], like=like(x), async_op=True)
+        products[owner] = [ops.matmul(x, w) for w in weights]
+        if step < t - 1:
+            x = yield recv
+    yield sends
+    with ops.fused(None):  # (the parts land in place in one buffer)
+        full = ops.concat(parts, 1)
+    if then is not None:
+        then(full)
+    with ops.fused(None):
+        return full, [ops.concat([p[j] for p in products], 1) for j in range(len(weights))]
+
+
+def held(r: int, step: int, t: int) -> int:
+    """Whose tokens tp rank r holds at `step` of the ring exchange: its own, then each previous rank's."""
+    return (r - step) % t
+
+
+def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: bool) -> Generator[Any, Any, Any]:
+    """A row-parallel layer and its g: x @ w's partial sums reduced over the group (`g`). With `overlap`,
+    w's output columns in RS_SPLITS pieces, each piece's reduce-scatter under the next piece's GEMM."""
+    ops = ctx.ops
+    if not overlap:
+        return (yield from g(ctx, ops.matmul(x, w, partial=True), group, sp))
+    works = [ctx.comm.reduce_scatter(ops.matmul(x, piece, partial=True), group=group, dim=1, donate=True,
+                                     async_op=True)
+             for piece in ops.split(w, math.gcd(RS_SPLITS, w.shape[-1]), -1)]
+    pieces = [ops.finalize(p) for p in (yield works)]
+    with ops.fused(None):
+        return ops.concat(pieces, -1)
+
+
+def reduce_under(ctx: Context, partial: Callable[[], Any], then: Callable[[], None], group: Any, sp: bool,
+                 overlap: bool) -> Generator[Any, Any, Any]:
+    """f backward of a column-parallel layer: its input gradient's partial sums (`partial()`) reduced over
+    the group, and `then()`, its weight gradients. Without `overlap` they run first, then the GEMM and
+    its reduction; with it the GEMM first, its reduce-scatter under them."""
+    if not overlap:
+        then()
+        return (yield from g(ctx, partial(), group, sp))
+    work = ctx.comm.reduce_scatter(partial(), group=group, dim=1, donate=True, async_op=True)
+    then()
+    return ctx.ops.finalize((yield work))
 
 
 def tp_sum(ctx: Context, x: Any, group: Any, op: str = "sum") -> Generator[Any, Any, Any]:

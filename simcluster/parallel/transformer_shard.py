@@ -69,6 +69,7 @@ class TransformerShard(Experts):
         self.t, self.tr = self.tp.size, ctx.mesh.coord("tp")
         self.P, self.r = self.cp.size, ctx.mesh.coord("cp")
         self.sp = parallelism.sp and self.t > 1
+        self.overlap = self.sp and parallelism.tp_comm_overlap  # tensor_parallel.py's pieces under the GEMMs
         self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
         self.zigzag = parallelism.zigzag(self.P)
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
@@ -137,6 +138,19 @@ class TransformerShard(Experts):
     def gather(self, x: Any) -> Generator[Any, Any, Any]:
         return (yield from tensor_parallel.gather(self.ctx, x, self.tp, self.sp))
 
+    def gather_matmuls(self, x: Any, weights: list[Any], then: Any = None) -> Generator[Any, Any, Any]:
+        """(the gathered input, its products with `weights`): f and the column-parallel GEMMs after it."""
+        return (yield from tensor_parallel.gather_matmuls(self.ctx, x, weights, self.tp, self.sp, self.overlap, then))
+
+    def matmul_reduce(self, x: Any, w: Any) -> Generator[Any, Any, Any]:
+        """A row-parallel GEMM and g after it."""
+        return (yield from tensor_parallel.matmul_reduce(self.ctx, x, w, self.tp, self.sp, self.overlap))
+
+    def reduce_under(self, partial: Any, then: Any) -> Generator[Any, Any, Any]:
+        """f backward of a column-parallel GEMM (`partial()`, its input gradient), its weight gradients
+        (`then()`) beside it."""
+        return (yield from tensor_parallel.reduce_under(self.ctx, partial, then, self.tp, self.sp, self.overlap))
+
     def tp_sum(self, x: Any, op: str = "sum") -> Generator[Any, Any, Any]:
         return (yield from tensor_parallel.tp_sum(self.ctx, x, self.tp, op))
 
@@ -192,12 +206,12 @@ class TransformerShard(Experts):
     def block(self, p: dict[str, Any], x: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         ops, m, gpt, pre = self.ops, self.m, self.gpt, f"layers.{i}."
         a_mine, mu1, r1 = ops.layer_norm(x, p[pre + "ln1.g"], p[pre + "ln1.b"], m.eps)
-        a = yield from self.gather(a_mine)  # (b, s/cp, h)
-        qkv = fusion.bias(ops, m, ops.matmul(a, p[pre + "attn.w_qkv"]), p[pre + "attn.b_qkv"])  # (b, s/cp, 3h/tp)
+        a, (qkv,) = yield from self.gather_matmuls(a_mine, [p[pre + "attn.w_qkv"]])  # (b, s/cp, h), (b, s/cp, 3h/tp)
+        qkv = fusion.bias(ops, m, qkv, p[pre + "attn.b_qkv"])
         q, k, v = (gpt.split_heads(z) for z in gpt.split_qkv(qkv))  # (b, a/tp, s/cp, d)
         out, core = yield from self.attend(q, k, v, i, step, where)
         ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
-        y = yield from self.reduce(ops.matmul(ctx_, p[pre + "attn.w_proj"], partial=True))  # row parallel, g
+        y = yield from self.matmul_reduce(ctx_, p[pre + "attn.w_proj"])  # row parallel, g
         with fusion.residual_mask(ops, m):
             keep_a = self.token_keep(f"resid_attn.{i}", tuple(y.shape), step, where)  # (b, tokens, h)
         x1 = fusion.bias_dropout_add(ops, m, y, p[pre + "attn.b_proj"], x, lambda z: self.drop(z, keep_a))
@@ -209,9 +223,9 @@ class TransformerShard(Experts):
                 keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
             x2 = ops.add(x1, self.drop(z, keep_m))
         else:
-            c = yield from self.gather(c_mine)
-            f, g = fusion.bias_gelu(ops, m, ops.matmul(c, p[pre + "mlp.w_fc"]), p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
-            z = yield from self.reduce(ops.matmul(g, p[pre + "mlp.w_out"], partial=True))
+            c, (fc,) = yield from self.gather_matmuls(c_mine, [p[pre + "mlp.w_fc"]])
+            f, g = fusion.bias_gelu(ops, m, fc, p[pre + "mlp.b_fc"])  # (b, s/cp, F/tp)
+            z = yield from self.matmul_reduce(g, p[pre + "mlp.w_out"])
             with fusion.residual_mask(ops, m):
                 keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
             x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
@@ -314,25 +328,32 @@ class TransformerShard(Experts):
             dc = yield from self.moe_backward(p, dz_mine, c, i, weight_grad)
         else:
             grads[pre + "mlp.b_out"] = ops.sum(dz_mine, (0, 1), partial=True)
-            dz = yield from self.gather(dz_mine)  # g backward with SP: the whole sequence again
-            weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))
-            df = ops.gelu_backward(ops.matmul(dz, ops.transpose(p[pre + "mlp.w_out"])), c["f"])  # (b, s/cp, F/tp)
-            weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
-            weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
-            dc = yield from self.reduce(ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True))  # f backward
+            # g backward with SP: the whole sequence again
+            _, (dg,) = yield from self.gather_matmuls(dz_mine, [ops.transpose(p[pre + "mlp.w_out"])], then=lambda dz: (
+                weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))))
+            df = ops.gelu_backward(dg, c["f"])  # (b, s/cp, F/tp)
+
+            def fc_grads() -> None:
+                weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
+                weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
+            dc = yield from self.reduce_under(  # f backward
+                lambda: ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True), fc_grads)
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
         dy_mine = self.drop_grad(dx1, c["keep_a"])
         grads[pre + "attn.b_proj"] = ops.sum(dy_mine, (0, 1), partial=True)
-        dy = yield from self.gather(dy_mine)
-        weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))
-        dout = gpt.split_heads(ops.matmul(dy, ops.transpose(p[pre + "attn.w_proj"])))  # (b, a/tp, s/cp, d)
+        _, (dctx,) = yield from self.gather_matmuls(dy_mine, [ops.transpose(p[pre + "attn.w_proj"])], then=lambda dy: (
+            weight_grad(pre + "attn.w_proj", lambda: ops.einsum("bsh,bsk->hk", c["ctx"], dy, partial=True))))
+        dout = gpt.split_heads(dctx)  # (b, a/tp, s/cp, d)
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
         dqkv = ops.concat([gpt.merge_heads(dq), gpt.merge_heads(dk), gpt.merge_heads(dv)], -1)  # (b, s/cp, 3h/tp)
-        weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True))
-        weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
-        da = yield from self.reduce(ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True))
+
+        def qkv_grads() -> None:
+            weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True))
+            weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
+        da = yield from self.reduce_under(lambda: ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True),
+                                          qkv_grads)
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
         return ops.add(dx1, dx_ln)

@@ -1,0 +1,82 @@
+"""`parallel.tp_comm_overlap`: the sequence-parallel collectives in pieces under the GEMMs beside them
+(Megatron-LM's --tp-comm-overlap, torchtitan's async TP; parallel/tensor_parallel.py). The same bytes as
+one device, and what the pieces are and what they hide."""
+
+from __future__ import annotations
+
+import pytest
+
+from simcluster.config.scenario import load
+from simcluster.config.schema import ScenarioError
+from simcluster.parallel import tensor_parallel
+from simcluster.run.runner import run_scenario
+
+SMALL = ["run.numerics=exact", "run.steps=2", "model.layers=2", "model.hidden=32", "model.heads=4",
+         "model.ffn_hidden=64", "model.seq=16", "model.vocab=64", "model.global_batch=4", "model.dropout=0.1",
+         "parallel.sp=true", "parallel.tp_comm_overlap=true", "parallel.dp=1", "cluster.nodes=1"]
+LAYOUTS = [["cluster.gpus_per_node=2", "parallel.tp=2"],
+           ["cluster.gpus_per_node=4", "parallel.tp=4", "model.dtype=bf16"],
+           ["cluster.gpus_per_node=8", "parallel.tp=2", "parallel.cp=2", "parallel.attention=ring",
+            "parallel.dp=2", "parallel.zero=1"],
+           ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb-h1",
+            "parallel.recompute=full"],
+           ["cluster.gpus_per_node=4", "parallel.tp=4", "model.arch=llama", "model.kv_heads=2",
+            "parallel.recompute=op"],
+           ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.dp=2", "model.arch=llama", "model.dtype=fp16",
+            "parallel.recompute=selective"]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: " ".join(k.split(".")[1] for k in lay[1:]))
+def test_the_overlapped_layout_is_bit_exact_against_one_device(layout):
+    report = run_scenario(load(None, SMALL + layout), trace=False).report
+    assert report["verification"]["passed"], report["verification"]
+
+
+def test_a_ring_that_files_a_part_under_the_wrong_rank_is_caught(monkeypatch):
+    """The broken variant: each rank puts the part it holds where the next rank's tokens go (at tp 2 that
+    is the right place: tp 4)."""
+    monkeypatch.setattr(tensor_parallel, "held", lambda r, step, t: (r + step) % t)
+    report = run_scenario(load(None, SMALL + LAYOUTS[1]), trace=False).report
+    assert not report["verification"]["passed"]
+
+
+def test_without_sequence_parallelism_it_is_refused_in_one_line():
+    with pytest.raises(ScenarioError, match="parallel.sp = true"):
+        run_scenario(load(None, SMALL + LAYOUTS[0] + ["parallel.sp=false"]), trace=False)
+    assert run_scenario(load(None, SMALL + ["parallel.sp=false", "run.numerics=meta", "cluster.gpus_per_node=1"]), trace=False)  # tp 1: nothing
+
+
+BIG = ["run.numerics=meta", "cluster.preset=dgx-h100", "cluster.gpus_per_node=8", "parallel.dp=1", "parallel.tp=8",
+       "parallel.sp=true", "model.layers=2", "model.hidden=4096", "model.heads=32", "model.ffn_hidden=16384",
+       "model.seq=4096", "model.vocab=32768", "model.global_batch=2", "model.dropout=0"]
+
+
+def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collectives():
+    """A block's forward: QKV's and fc1's GEMMs as 8 each (the ring exchange's steps: 7 sends of a rank's
+    tokens to the next rank each), the output projections' as 4 each (a quarter of the columns, each
+    followed by its piece's reduce-scatter); the all-gathers into a GEMM leave the tp group's calls, the
+    forward's reduce-scatters come in 4 pieces, the backward's input gradients' stay whole (under the
+    weight gradients). The same step's communication is more hidden and the step shorter."""
+    t = 8
+    runs = {on: run_scenario(load(None, BIG + [f"parallel.tp_comm_overlap={str(on).lower()}"])) for on in (False, True)}
+    calls = {on: {(c["group"], c["collective"]): c["calls_per_rank"] for c in r.report["communication"]}
+             for on, r in runs.items()}
+    rings = calls[False][("tp", "all_gather")] - calls[True][("tp", "all_gather")]
+    assert rings > 0 and rings % 4 == 0  # 2 a block forward (QKV, fc1), 2 backward (the projections' dgrad)
+    assert calls[True][("p2p", "send")] == calls[True][("p2p", "recv")] == (t - 1) * rings
+    assert calls[True][("tp", "reduce_scatter")] - calls[False][("tp", "reduce_scatter")] == 3 * rings // 2
+    assert ("p2p", "send") not in calls[False]
+
+    def forward_gemms(on):
+        out: dict[str, list[int]] = {}
+        for e in runs[on].result.trace.events:
+            if e.rank == 0 and e.name.startswith("F0:block0/matmul"):
+                out.setdefault(e.name.rsplit("/", 1)[1], []).append(e.end - e.start)
+        return out
+    whole, pieces = forward_gemms(False), forward_gemms(True)
+    assert len(pieces["matmul"]) == t * len(whole["matmul"]) and len(pieces["matmul_partial"]) == 4 * len(
+        whole["matmul_partial"])
+    assert max(pieces["matmul"][:t]) < whole["matmul"][0] < sum(pieces["matmul"][:t])  # (smaller GEMMs: less efficient)
+    hidden = {on: r.report["communication_overlap"]["hidden_fraction"] for on, r in runs.items()}
+    steps = {on: r.report["steady_step_ns"] for on, r in runs.items()}
+    assert hidden[True] > hidden[False] + 0.2 and steps[True] < steps[False]
