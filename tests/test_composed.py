@@ -53,7 +53,7 @@ def valid(row):
             and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
 
 
-ROWS, PAIRS = covering_rows(OPTIONS, valid, seed=4)  # (the seed of the fewest rows found)
+ROWS, PAIRS = covering_rows(OPTIONS, valid, seed=1)  # (seed 1: 34 rows, cheaper to run than seed 0's 39)
 # and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
               scatter_gather=True, micro_batches=1, recompute="selective", dropout=0.1, precision="bf16",
