@@ -141,7 +141,9 @@ class Fold:
             return None
         found = self._partners.get((src, dst))
         if found is None:
-            found = self._partners[(src, dst)] = next(x for x in range(self.world) if self.image(x, src) == dst)
+            t = self.mesh.sizes["tp"]  # (a tp peer first: a ring's partner is one)
+            near = range(dst - dst % t, dst - dst % t + t)
+            found = self._partners[(src, dst)] = next(x for x in (*near, *range(self.world)) if self.image(x, src) == dst)
         return found
 
     def stream(self, name: str, of: int) -> str:
