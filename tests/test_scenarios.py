@@ -29,7 +29,7 @@ HEAVY = {"torus", "pipeline_schedules"}
 
 def test_the_library_has_the_lessons():
     assert {"collectives", "allreduce_decomposed", "zero_memory", "fsdp_prefetch", "pipeline_schedules", "tp_cliff",
-            "tp_sp_memory", "sequence_volume", "ring_long_sequence", "megatron_3d", "llama3_4d"} <= set(SCENARIOS)
+            "tp_sp_memory", "tp_overlap", "sequence_volume", "ring_long_sequence", "megatron_3d", "llama3_4d"} <= set(SCENARIOS)
 
 
 GOLDEN = Path(__file__).parent / "golden"
