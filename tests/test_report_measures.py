@@ -90,7 +90,8 @@ def test_flash_attention_is_one_kernel_of_the_attention_flops(causal):
     part = 17 / 32 if causal else 1.0
     fwd, bwd = names["flash"]["flash_attention"], names["flash"]["flash_attention_backward"]
     assert fwd == math.ceil(4 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
-    assert bwd == math.ceil(10 * b * s * s * h * part / rate) + spec.kernel_overhead_ns
+    # (the backward at 499/609 of the forward's rate: cuDNN's on an H100, FlashAttention-3's figures)
+    assert bwd == math.ceil(10 * b * s * s * h * part / (rate * 499 / 609)) + spec.kernel_overhead_ns
     assert "attention_scores" not in names["flash"]
     assert "attention_scores" in names["unfused"] and "flash_attention" not in names["unfused"]
 

@@ -340,8 +340,9 @@ UNITS = (("tdp_w", "W: the board's rated power, datasheet; 0 where none is publi
          ("power_limit_w", "W: a power limit under the TDP, as nvidia-smi -pl sets; the clock falls as "
           "(limit / tdp_w)^0.30 (NVIDIA's H100 SXM and NVL ratings) and every compute-bound kernel with it, HBM and "
           "links unchanged; 0: none"),
-         ("attention_efficiency", "a fraction of the peak, 0 to 1, that FlashAttention's fused kernels reach: on "
-          "an H100 cuDNN's 0.64 (what Transformer Engine runs), FlashAttention-2's 0.33 (torch's SDPA in 2024)"),
+         ("attention_efficiency", "a fraction of the peak, 0 to 1, that FlashAttention's fused forward kernel reaches "
+          "(its backward 0.82 of that, as FlashAttention-3's H100 figures have cuDNN's): on an H100 cuDNN's 0.64 (what "
+          "Transformer Engine runs), FlashAttention-2's 0.33 (torch's SDPA in 2024)"),
          ("memory_gbyte", "GiB, 2^30 bytes: an '80GB' card is 80 GiB, which the report also shows as 85.9 GB"),
          ("_gbyte_per_s", "GB/s"), ("_gbit_per_s", "Gbit/s"), ("_ns", "ns"), ("tflops", "TFLOP/s"),
          ("_efficiency", "a fraction of the peak, 0 to 1"), ("_tbyte", "TB"), ("gparam_per_s", "10^9 parameters a second"))

@@ -31,6 +31,10 @@ ADAM_FLOPS = 12
 TILE = 128
 # FlashAttention's kernels (model/flash.py), which run at the preset's attention_efficiency
 ATTENTION_KERNELS = ("flash_attention", "flash_attention_backward")
+# and the backward at this share of the forward's rate: on an H100, head dim 128, 4k tokens, cuDNN's fused
+# attention runs its backward at 499 TFLOP/s against 609 forward (FlashAttention-2: 310 against 368, 0.84;
+# FlashAttention-3: 542 against 638, 0.85), Shah et al. 2024, "FlashAttention-3", the H100 SXM5 figures
+ATTENTION_BACKWARD = 499 / 609
 
 
 class Cluster:
@@ -63,6 +67,7 @@ class Cluster:
         self._flops_per_ns = {d: r * spec.compute_efficiency * clock for d, r in peak.items()}
         self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency * clock for d, r in peak.items()}
         self._attention_flops_per_ns = {d: r * spec.attention_efficiency * clock for d, r in peak.items()}
+        self._attention_backward_flops_per_ns = {d: r * ATTENTION_BACKWARD for d, r in self._attention_flops_per_ns.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
         self.profile = spec.profile
         sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
@@ -195,7 +200,10 @@ class Cluster:
             flops = 2.0 * -(-k // split) * tm * tn * sms * -(-tiles * split // sms)
             rate = self._gemm_flops_per_ns.get(dtype, self._gemm_flops_per_ns["fp32"])
         else:
-            rates = self._attention_flops_per_ns if name.endswith(ATTENTION_KERNELS) else self._flops_per_ns
+            rates = self._flops_per_ns
+            if name.endswith(ATTENTION_KERNELS):
+                rates = self._attention_backward_flops_per_ns if name.endswith(ATTENTION_KERNELS[1]) else \
+                    self._attention_flops_per_ns
             flops, rate = work, rates.get(dtype, rates["fp32"])
         sizes = self._named.get((name.rpartition("/")[2], dtype)) if self._named else None
         if sizes is not None:

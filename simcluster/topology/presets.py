@@ -69,8 +69,9 @@ class ClusterSpec:
     nic_latency_ns: int = 3000  # per ring step, "alpha-beta" only; assumption
     kernel_overhead_ns: int = 1000  # gap between back-to-back kernels; assumption
     compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s for kernels other than GEMMs; assumption
-    # FlashAttention's fused kernels (model/flash.py), forward and backward: the share of the peak they reach.
-    # A100: FlashAttention-2 reaches 50-73 % of it (Dao 2023, abstract; 73 % its forward), and 0.7 is what
+    # FlashAttention's fused kernels (model/flash.py): the share of the peak the forward reaches (the backward
+    # runs at 0.82 of it: cluster.ATTENTION_BACKWARD, from FlashAttention-3's H100 figures).
+    # A100: FlashAttention-2 reaches 50-73 % of it (Dao 2023, abstract; 73 % its forward, the backward less), and 0.7 is what
     # the A100 tables were predicted with (benchmarks/fidelity.py, megatron-2022: mean error 1.1 %).
     attention_efficiency: float = 0.7
     # GEMMs (matmul, einsum, attention's batched products): the maximum achievable matmul FLOP/s of
@@ -256,7 +257,7 @@ PRESETS: dict[str, ClusterSpec] = {
                             # attention: cuDNN's fused kernel, which Transformer Engine (Megatron-Core) prefers
                             # on Hopper (NVIDIA NeMo docs, PR #9188), 631.3 TFLOP/s (FlashAttention-3: 631.8)
                             # on batch 1, 24 heads, 4,608 tokens, head dim 128 (tritonbench, forward, in
-                            # pytorch/pytorch#142132, 2024-12); the backward pass is charged at it too
+                            # pytorch/pytorch#142132, 2024-12); the backward at 0.82 of it (cluster.ATTENTION_BACKWARD)
                             attention_efficiency=631.3 / 989,
                             # PCIe Gen5 x16: 128 GB/s both ways (datasheet); DGX H100: 2 TB, 8 x 3.84 TB
                             # NVMe (datasheet); two Xeon 8480C, 8 channels of DDR5-4800 each: 614.4 GB/s, so
