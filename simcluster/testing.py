@@ -223,7 +223,8 @@ class Layout:
         p, d = self.parallelism, self.parallelism.data
         degrees = ", ".join(f"{a}={n}" for a, n in (self.mesh.sizes | {"ep": self.mesh.ep}).items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
-                f"sp={p.sp}, tp_comm_overlap={p.tp_comm_overlap}, scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
+                f"sp={p.sp}, tp_comm_overlap={p.tp_comm_overlap}, tp_async_backward={p.tp_async_backward}, "
+                f"scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
                 f"overlap_param_gather={d.overlap_param_gather}, dualpipe_overlap={p.dualpipe_overlap}, "
                 f"micro_batches={d.micro_batches}, "
                 f"global_batch={d.global_batch})")
@@ -268,7 +269,7 @@ def _micro_batch_counts(schedule: Schedule, p: int, per_rank: int | None) -> lis
 def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None = None, **training: Any) -> Any:
     """A hypothesis strategy of Layout: every mesh of at most `max_world` ranks, schedule (with virtual
     stages, DualPipe's overlap on or off), context-parallel attention, sequence parallelism (with the
-    tensor-parallel collectives under the GEMMs or not), ZeRO stage
+    tensor-parallel collectives under the GEMMs or not; Megatron-LM's column-parallel backward or not), ZeRO stage
     and what it shards over (with the weights' gather under the next forward or not), expert parallelism for a mixture of experts (beside tp only with sequence parallelism), and
     micro-batch count that `Parallelism.check` accepts for `model` -- every divisibility rule honoured by
     construction. `global_batch`: fixed (then dp x micro-batches divides it) or drawn; `training`: the
@@ -318,7 +319,7 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
                     zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep,
                     dispatcher=dispatcher, dualpipe_overlap=d(st.booleans()),
-                    tp_comm_overlap=sp and tp > 1 and d(st.booleans()))
+                    tp_comm_overlap=sp and tp > 1 and d(st.booleans()), tp_async_backward=tp > 1 and d(st.booleans()))
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
         try:
             parallelism.check(dp, pp, cp, tp)

@@ -48,14 +48,17 @@ def test_megatrons_gradient_dtype_is_imported_as_its_arguments_set_it(flags, fp3
     assert doc["parallel"]["grads_fp32"] is fp32
 
 
-@pytest.mark.parametrize("flags, want", [("", (False, False)), ("--tp-comm-overlap", (True, False)),
-                                         ("--tp-comm-overlap --overlap-param-gather", (True, True))])
+@pytest.mark.parametrize("flags, want", [("", (False, False, True)), ("--tp-comm-overlap", (True, False, True)),
+                                         ("--tp-comm-overlap --overlap-param-gather", (True, True, True)),
+                                         ("--no-async-tensor-model-parallel-allreduce", (False, False, False))])
 def test_megatrons_overlaps_are_imported(flags, want):
-    """--tp-comm-overlap (Transformer Engine's userbuffers) and --overlap-param-gather: flags, no value."""
+    """--tp-comm-overlap (Transformer Engine's userbuffers), --overlap-param-gather, and the async
+    column-parallel backward Megatron-LM runs unless told not to: flags, no value."""
     base = "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --num-layers 2 " \
            "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 --global-batch-size 8"
     doc, notes = megatron((base + " " + flags).split(), nodes=1, gpus_per_node=8)
-    assert (doc["parallel"]["tp_comm_overlap"], doc["parallel"]["overlap_param_gather"]) == want
+    p = doc["parallel"]
+    assert (p["tp_comm_overlap"], p["overlap_param_gather"], p["tp_async_backward"]) == want
     assert not notes[1:]  # (the vocabulary's note only: nothing else unmapped)
 
 

@@ -36,10 +36,12 @@ MEGATRON = {
     "use-flash-attn": "model.attention_kernel", "accumulate-allreduce-grads-in-fp32": "parallel.grads_fp32",
     "grad-reduce-in-bf16": "parallel.grads_fp32", "tp-comm-overlap": "parallel.tp_comm_overlap",
     "overlap-param-gather": "parallel.overlap_param_gather",
+    "no-async-tensor-model-parallel-allreduce": "parallel.tp_async_backward",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
          "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
-         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather"}
+         "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather",
+         "no-async-tensor-model-parallel-allreduce"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -171,6 +173,8 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))
     p["overlap_param_gather"] = bool(args.get("overlap-param-gather"))
     p["tp_comm_overlap"] = bool(args.get("tp-comm-overlap"))  # (at tp = 1 Megatron turns sp off: it does nothing)
+    # its column-parallel backward (layers.py), async unless --no-async-tensor-model-parallel-allreduce (2021-23)
+    p["tp_async_backward"] = not args.get("no-async-tensor-model-parallel-allreduce")
     # gradients in fp32: Megatron's arguments.py sets --accumulate-allreduce-grads-in-fp32 for bf16 (fp16: if given),
     # its --grad-reduce-in-bf16 reduces them in bf16 again
     p["grads_fp32"] = m["dtype"] != "fp32" and not args.get("grad-reduce-in-bf16") and \

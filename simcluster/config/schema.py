@@ -183,6 +183,12 @@ class ParallelSection(Section):
         "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
         "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one in 4 splits of "
         "its columns, an input gradient's reduce-scatter under the weight gradients. The same numbers either way")
+    tp_async_backward: bool = key(
+        False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
+        "2021): with sp the layer's input gathered again under the input-gradient GEMM, that gradient's "
+        "reduce-scatter under the weight-gradient GEMM; without sp its all-reduce under it. false: torchtitan's "
+        "DTensor order, the gathered input kept from the forward and the reduction after the weight gradients. "
+        "tp_comm_overlap runs it so too. The same numbers either way")
     attention: Literal["ulysses", "ring", "allgather", "rsa"] = key(
         "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring (keys and values "
         "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys around the ring for"

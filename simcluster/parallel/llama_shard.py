@@ -166,13 +166,14 @@ class LlamaShard(TransformerShard):
             g = ops.mul(ops.silu(f1), f3)
             mlp = {"f1": f1, "f3": f3, "g": g}
             if saved:  # (w2's product and what follows it the backward needs no more of: torch stops here)
-                return None, {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
-                              "keep_a": keep_a, "x1": x1, "c": c, "n2": n2, "keep_m": sv["keep_m"], **mlp}
+                return None, {"x": x, "a": a, "a_mine": a_mine, "n1": n1, "q": q, "k": k, "v": v, "core": core,
+                              "ctx": ctx_, "keep_a": keep_a, "x1": x1, "c": c, "c_mine": c_mine, "n2": n2,
+                              "keep_m": sv["keep_m"], **mlp}
             z = yield from self.matmul_reduce(g, p[pre + "mlp.w2"])
         keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
         x2 = ops.add(x1, self.drop(z, keep_m))
-        cache = {"x": x, "a": a, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_, "keep_a": keep_a,
-                 "x1": x1, "c": c, "n2": n2, "keep_m": keep_m, **mlp}
+        cache = {"x": x, "a": a, "a_mine": a_mine, "n1": n1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
+                 "keep_a": keep_a, "x1": x1, "c": c, "c_mine": c_mine, "n2": n2, "keep_m": keep_m, **mlp}
         policy = self.m.recompute.value
         if policy == "full" and not self._keep_all:
             return x2, {"x": x}
@@ -201,12 +202,12 @@ class LlamaShard(TransformerShard):
             df3 = ops.mul(dg, ops.silu(c["f1"]))
             df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
 
-            def mlp_grads() -> None:
-                weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", c["c"], df1, partial=True))
-                weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", c["c"], df3, partial=True))
+            def mlp_grads(whole: Any) -> None:
+                weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", whole, df1, partial=True))
+                weight_grad(pre + "mlp.w3", lambda: ops.einsum("bsh,bsf->hf", whole, df3, partial=True))
             dc = yield from self.reduce_under(lambda: ops.add_partial(
                 ops.matmul(df1, ops.transpose(p[pre + "mlp.w1"]), partial=True),
-                ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)), mlp_grads)
+                ops.matmul(df3, ops.transpose(p[pre + "mlp.w3"]), partial=True)), mlp_grads, c["c_mine"], c["c"])
         dx1 = ops.add(dx2, self.norm_backward(dc, c["x1"], p, pre + "mlp_norm", c["n2"], grads))
         _, (dctx,) = yield from self.gather_matmuls(
             self.drop(dx1, c["keep_a"]), [ops.transpose(p[pre + "attn.wo"])],
@@ -217,9 +218,9 @@ class LlamaShard(TransformerShard):
         dk = gpt.merge_heads(self.rope_backward((yield from self.unrepeat(dk))))  # (b, s/cp, kv d/tp)
         dv = gpt.merge_heads((yield from self.unrepeat(dv)))
 
-        def attention_grads() -> None:
+        def attention_grads(whole: Any) -> None:
             for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
-                weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", c["a"], d, partial=True))
+                weight_grad(pre + "attn." + name, lambda d=d: ops.einsum("bsh,bsk->hk", whole, d, partial=True))
 
         def input_gradient() -> Any:
             da = ops.matmul(dq, ops.transpose(p[pre + "attn.wq"]), partial=True)
@@ -227,5 +228,5 @@ class LlamaShard(TransformerShard):
                 for name, d in (("wk", dk), ("wv", dv)):
                     da = ops.add_partial(da, ops.matmul(d, ops.transpose(p[pre + "attn." + name]), partial=True))
             return da
-        da = yield from self.reduce_under(input_gradient, attention_grads)
+        da = yield from self.reduce_under(input_gradient, attention_grads, c["a_mine"], c["a"])
         return ops.add(dx1, self.norm_backward(da, c["x"], p, pre + "attn_norm", c["n1"], grads))

@@ -38,6 +38,7 @@ class Parallelism:
     data: TrainingConfig = field(default_factory=TrainingConfig)  # model, batch, micro-batches, steps, optimizer, ZeRO stage
     sp: bool = False
     tp_comm_overlap: bool = False  # with sp: the tp collectives in pieces under the GEMMs (tensor_parallel.py)
+    tp_async_backward: bool = False  # Megatron-LM's column-parallel backward (tensor_parallel.reduce_under)
     attention: str = "ulysses"
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)

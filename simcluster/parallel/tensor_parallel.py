@@ -16,8 +16,9 @@ in pieces under the GEMMs beside them, as Transformer Engine's defaults for a bl
       the next travels (`gather_matmuls`);
   a reduce-scatter out of a GEMM (the output projections forward), "pipeline" with 4 splits of the
       output's columns: each split's reduce-scatter under the next split's GEMM (`matmul_reduce`);
-  a column-parallel layer's input-gradient reduce-scatter, "bulk": under its weight-gradient GEMMs
-      (`reduce_under`).
+  a column-parallel layer's backward, "bulk": its input gathered again under the input-gradient GEMM, that
+      gradient's reduce-scatter under the weight-gradient GEMMs (`reduce_under`; Megatron-LM runs its
+      backward so without Transformer Engine too: parallel.tp_async_backward).
 The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
 whole GEMM's, so the numbers are the same bytes as without the overlap."""
 
@@ -109,16 +110,24 @@ def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: b
         return ops.concat(pieces, -1)
 
 
-def reduce_under(ctx: Context, partial: Callable[[], Any], then: Callable[[], None], group: Any, sp: bool,
-                 overlap: bool) -> Generator[Any, Any, Any]:
+def reduce_under(ctx: Context, partial: Callable[[], Any], then: Callable[[Any], None], group: Any, sp: bool,
+                 overlap: bool, mine: Any, kept: Any) -> Generator[Any, Any, Any]:
     """f backward of a column-parallel layer: its input gradient's partial sums (`partial()`) reduced over
-    the group, and `then()`, its weight gradients. Without `overlap` they run first, then the GEMM and
-    its reduction; with it the GEMM first, its reduce-scatter under them."""
-    if not overlap:
-        then()
+    the group, and `then(input)`, its weight gradients from the layer's whole input. Without `overlap`,
+    `then(kept)` (the gathered input the forward kept) first, then the GEMM and its reduction, as
+    torchtitan's DTensor runs them. With it, as Megatron-LM's column-parallel backward does (layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication; Transformer Engine's "bulk" overlaps are the same):
+    with sequence parallelism the input gathered again from this rank's tokens `mine` under the GEMM, then
+    the reduce-scatter under the weight gradients; without it the all-reduce under them."""
+    if not overlap or group.size == 1:
+        then(kept)
         return (yield from g(ctx, partial(), group, sp))
-    work = ctx.comm.reduce_scatter(partial(), group=group, dim=1, donate=True, async_op=True)
-    then()
+    gathering = ctx.comm.all_gather(mine, group=group, dim=1, async_op=True) if sp else None
+    p = partial()
+    whole = (yield gathering) if sp else kept
+    work = ctx.comm.reduce_scatter(p, group=group, dim=1, donate=True, async_op=True) if sp else \
+        ctx.comm.all_reduce(p, group=group, donate=True, async_op=True)
+    then(whole)
     return ctx.ops.finalize((yield work))
 
 

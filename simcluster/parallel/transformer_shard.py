@@ -70,6 +70,8 @@ class TransformerShard(Experts):
         self.P, self.r = self.cp.size, ctx.mesh.coord("cp")
         self.sp = parallelism.sp and self.t > 1
         self.overlap = self.sp and parallelism.tp_comm_overlap  # tensor_parallel.py's pieces under the GEMMs
+        # Megatron-LM's column-parallel backward (tensor_parallel.reduce_under), which the overlap runs too
+        self.async_backward = self.t > 1 and (parallelism.tp_async_backward or self.overlap)
         self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
         self.zigzag = parallelism.zigzag(self.P)
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
@@ -146,10 +148,11 @@ class TransformerShard(Experts):
         """A row-parallel GEMM and g after it."""
         return (yield from tensor_parallel.matmul_reduce(self.ctx, x, w, self.tp, self.sp, self.overlap))
 
-    def reduce_under(self, partial: Any, then: Any) -> Generator[Any, Any, Any]:
+    def reduce_under(self, partial: Any, then: Any, mine: Any, kept: Any) -> Generator[Any, Any, Any]:
         """f backward of a column-parallel GEMM (`partial()`, its input gradient), its weight gradients
-        (`then()`) beside it."""
-        return (yield from tensor_parallel.reduce_under(self.ctx, partial, then, self.tp, self.sp, self.overlap))
+        (`then(input)`) beside it; `mine`, this rank's tokens of the input, `kept`, the input gathered."""
+        return (yield from tensor_parallel.reduce_under(self.ctx, partial, then, self.tp, self.sp, self.async_backward,
+                                                        mine, kept))
 
     def tp_sum(self, x: Any, op: str = "sum") -> Generator[Any, Any, Any]:
         return (yield from tensor_parallel.tp_sum(self.ctx, x, self.tp, op))
@@ -230,8 +233,9 @@ class TransformerShard(Experts):
                 keep_m = self.token_keep(f"resid_mlp.{i}", tuple(z.shape), step, where)
             x2 = fusion.bias_dropout_add(ops, m, z, p[pre + "mlp.b_out"], x1, lambda z: self.drop(z, keep_m))
             mlp = {"f": f, "g": g}
-        cache = {"x": x, "a": a, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core, "ctx": ctx_,
-                 "keep_a": keep_a, "x1": x1, "c": c, "mu2": mu2, "r2": r2, "keep_m": keep_m, **mlp}
+        cache = {"x": x, "a": a, "a_mine": a_mine, "mu1": mu1, "r1": r1, "q": q, "k": k, "v": v, "core": core,
+                 "ctx": ctx_, "keep_a": keep_a, "x1": x1, "c": c, "c_mine": c_mine, "mu2": mu2, "r2": r2,
+                 "keep_m": keep_m, **mlp}
         policy = m.recompute.value
         if policy == "full" and not self._keep_all:
             return x2, {"x": x}
@@ -333,11 +337,11 @@ class TransformerShard(Experts):
                 weight_grad(pre + "mlp.w_out", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True))))
             df = ops.gelu_backward(dg, c["f"])  # (b, s/cp, F/tp)
 
-            def fc_grads() -> None:
-                weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", c["c"], df, partial=True))
+            def fc_grads(whole: Any) -> None:
+                weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", whole, df, partial=True))
                 weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
             dc = yield from self.reduce_under(  # f backward
-                lambda: ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True), fc_grads)
+                lambda: ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True), fc_grads, c["c_mine"], c["c"])
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
@@ -349,11 +353,11 @@ class TransformerShard(Experts):
         dq, dk, dv = yield from self.attend_backward(dout, c["core"])
         dqkv = ops.concat([gpt.merge_heads(dq), gpt.merge_heads(dk), gpt.merge_heads(dv)], -1)  # (b, s/cp, 3h/tp)
 
-        def qkv_grads() -> None:
-            weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", c["a"], dqkv, partial=True))
+        def qkv_grads(whole: Any) -> None:
+            weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", whole, dqkv, partial=True))
             weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
         da = yield from self.reduce_under(lambda: ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True),
-                                          qkv_grads)
+                                          qkv_grads, c["a_mine"], c["a"])
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
         return ops.add(dx1, dx_ln)

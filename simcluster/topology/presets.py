@@ -71,8 +71,8 @@ class ClusterSpec:
     compute_efficiency: float = 0.7  # achievable fraction of peak FLOP/s for kernels other than GEMMs; assumption
     # FlashAttention's fused kernels (model/flash.py): the share of the peak the forward reaches (the backward
     # runs at 0.82 of it: cluster.ATTENTION_BACKWARD, from FlashAttention-3's H100 figures).
-    # A100: FlashAttention-2 reaches 50-73 % of it (Dao 2023, abstract; 73 % its forward, the backward less), and 0.7 is what
-    # the A100 tables were predicted with (benchmarks/fidelity.py, megatron-2022: mean error 1.1 %).
+    # A100: FlashAttention-2 reaches 50-73 % of it (Dao 2023, abstract; 73 % its forward, the backward less);
+    # 0.7 is within that, an assumption (the A100 tables run attention unfused, as Megatron-LM did then).
     attention_efficiency: float = 0.7
     # GEMMs (matmul, einsum, attention's batched products): the maximum achievable matmul FLOP/s of
     # the best-shaped bf16 GEMM over the datasheet peak, measured: A100 SXM 267.9 of 312 TFLOP/s
