@@ -96,3 +96,19 @@ def test_megatrons_column_parallel_backward_is_bit_exact(layout):
     report = run_scenario(load(None, SMALL + layout + ["parallel.tp_comm_overlap=false",
                                                        "parallel.tp_async_backward=true"]), trace=False).report
     assert report["verification"]["passed"], report["verification"]
+
+
+def test_the_planners_estimate_charges_what_each_hides():
+    """The estimate (analysis/estimate.py) charges a layer's four tp collectives a pass pair; Megatron's
+    async backward hides one of the four (the backward's input-gradient reduction), the overlap all but
+    one piece of t of them: what each saves against the plain order is a quarter and (t - 1)/t of it."""
+    from simcluster.analysis.estimate import Layout, estimate
+
+    t = 8
+    layout = Layout(tp=t, pp=1, cp=1, dp=1, zero=0, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
+    seconds = {on: estimate(load(None, BIG + [f"parallel.tp_comm_overlap={str(on == 'overlap').lower()}",
+                                             f"parallel.tp_async_backward={str(on == 'async').lower()}"]),
+                            layout).seconds for on in ("plain", "async", "overlap")}
+    saved = {on: seconds["plain"] - seconds[on] for on in ("async", "overlap")}
+    assert saved["overlap"] > saved["async"] > 0
+    assert saved["async"] / saved["overlap"] == pytest.approx((1 / 4) / ((t - 1) / t), rel=1e-9)

@@ -154,6 +154,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
                                                2 * (t - 1) / t * message / nvlink, 1, t, message)
     if lsc.parallel.tp_comm_overlap:  # in pieces under the GEMMs (tensor_parallel.py): about one piece of t alone
         tp_comm /= t
+    elif lsc.parallel.tp_async_backward:  # the backward's input-gradient reduction under the weight gradients
+        tp_comm *= 1 - 1 / (2 * passes)  # (one of each pass's two a layer; the re-gather under its GEMM)
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
     across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else \
         _rings_rate(spec, nvlink, _per_node(spec.gpus_per_node, t, c, p))
