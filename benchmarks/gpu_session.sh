@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 35 and 40: the GPU checks in one call of the device tool (not a test; about 4 minutes on one H100 or H200).
+# Issues 35 and 40: the GPU checks in one call of the device tool (not a test; about 5 minutes on one H100 or H200).
 #
 # The device machine has torch, numpy, rich, ml_dtypes, hypothesis and pytest, but not simpy or shtab:
 # carry them as wheels. Once, here, in the repository's root:
@@ -36,5 +36,5 @@ timeout 100 python3 benchmarks/gpu_profile.py > "$OUT/profile.log" 2>&1; head -3
 # the fidelity suite's H100 tables with this GPU's measured GEMM rates in place of the datasheet and MAMF
 # figures (an H200 computes as an H100; its faster memory moves the memory-bound kernels): is the H100's
 # sustained rate what keeps those tables fast?
-timeout 90 python3 benchmarks/fidelity.py --table megatron-core-2024 --table torchtitan-2024 \
+timeout 150 python3 benchmarks/fidelity.py --table megatron-core-2024 --table torchtitan-2024 \
     --set cluster.profile="$OUT/profile.toml" > "$OUT/fidelity.log" 2>&1; tail -24 "$OUT/fidelity.log"
