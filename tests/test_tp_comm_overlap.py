@@ -112,3 +112,18 @@ def test_the_planners_estimate_charges_what_each_hides():
     saved = {on: seconds["plain"] - seconds[on] for on in ("async", "overlap")}
     assert saved["overlap"] > saved["async"] > 0
     assert saved["async"] / saved["overlap"] == pytest.approx((1 / 4) / ((t - 1) / t), rel=1e-9)
+
+
+def test_a_backward_that_gathers_the_wrong_input_again_is_caught(monkeypatch):
+    """The broken variant of the async backward: the input it gathers again for the weight gradients is not
+    the one the forward multiplied (twice it), so only a run that uses the re-gathered input is caught."""
+    reduce_under = tensor_parallel.reduce_under
+
+    def broken(ctx, partial, then, group, sp, overlap, mine, kept):
+        return (yield from reduce_under(ctx, partial, then, group, sp, overlap, ctx.ops.add(mine, mine), kept))
+    monkeypatch.setattr(tensor_parallel, "reduce_under", broken)
+    args = SMALL + LAYOUTS[0] + ["parallel.tp_comm_overlap=false"]
+    assert run_scenario(load(None, args + ["parallel.tp_async_backward=false"]), trace=False).report[
+        "verification"]["passed"]  # (the forward's gathered input: the broken gather is never used)
+    assert not run_scenario(load(None, args + ["parallel.tp_async_backward=true"]), trace=False).report[
+        "verification"]["passed"]
