@@ -182,7 +182,8 @@ class ParallelSection(Section):
         False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside "
         "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
         "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one in 4 splits of "
-        "its columns, an input gradient's reduce-scatter under the weight gradients. The same numbers either way")
+        "its columns, the backward's column-parallel layers as tp_async_backward runs them. The same numbers either "
+        "way")
     tp_async_backward: bool = key(
         False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
         "2021): with sp the layer's input gathered again under the input-gradient GEMM, that gradient's "
