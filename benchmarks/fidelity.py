@@ -13,6 +13,9 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
   torchtitan-2024     torchtitan's December 2024 benchmarks: Llama 3.1 8B, FSDP on 8 and 128 H100s (at
                       a 500 W power limit), eager and torch.compile'd; tokens a second per GPU, and the
                       compiled/eager ratio.
+  torchtitan-2025     torchtitan's June 2025 async TP benchmarks: Llama 3.1 8B on 64 H100s (FSDP 8, TP 8) and
+                      70B on 256 (FSDP 32, TP 8), torch.compile'd, plain and async TP (500 W); tokens a second
+                      per GPU, and async TP's speedup.
 
 Every row runs in meta mode, folded, for the report only, and prints the predicted figure beside the
 published one, with the simulation's own wall time and peak memory (this process's resident set,
@@ -63,6 +66,9 @@ TABLES = {
     # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16 rows).
     "torchtitan-2024": Table("torchtitan_2024.toml", "tokens_per_gpu", (5762, 6667, 5605, 6514), modern=True,
                              ratios=((1, 2), (3, 4)), memory=(82.4, 77.0, 67.0, 62.0)),
+    # torchtitan's benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, its bfloat16 rows.
+    "torchtitan-2025": Table("torchtitan_2025_async_tp.toml", "tokens_per_gpu", (4378, 4809.4, 597.3, 652.4),
+                             modern=True, ratios=((1, 2), (3, 4))),
 }
 
 

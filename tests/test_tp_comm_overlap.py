@@ -1,6 +1,7 @@
 """`parallel.tp_comm_overlap`: the sequence-parallel collectives in pieces under the GEMMs beside them
-(Megatron-LM's --tp-comm-overlap, torchtitan's async TP; parallel/tensor_parallel.py). The same bytes as
-one device, and what the pieces are and what they hide."""
+(Megatron-LM's --tp-comm-overlap with its async backward, `parallel.tp_async_backward`; torchtitan's async
+TP without it; parallel/tensor_parallel.py). The same bytes as one device, and what the pieces are and
+what they hide."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ LAYOUTS = [["cluster.gpus_per_node=2", "parallel.tp=2"],
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: " ".join(k.split(".")[1] for k in lay[1:]))
 def test_the_overlapped_layout_is_bit_exact_against_one_device(layout):
-    report = run_scenario(load(None, SMALL + layout), trace=False).report
+    """Every other layout with Megatron-LM's backward (Transformer Engine's bulk overlap), the rest
+    without (torch's async TP)."""
+    backward = LAYOUTS.index(layout) % 2 == 0
+    report = run_scenario(load(None, SMALL + layout + [f"parallel.tp_async_backward={str(backward).lower()}"]),
+                          trace=False).report
     assert report["verification"]["passed"], report["verification"]
 
 
@@ -51,18 +56,30 @@ BIG = ["run.numerics=meta", "cluster.preset=dgx-h100", "cluster.gpus_per_node=8"
        "model.seq=4096", "model.vocab=32768", "model.global_batch=2", "model.dropout=0"]
 
 
+FLAGS = {"plain": (False, False), "async": (False, True), "overlap": (True, True), "torch": (True, False)}
+
+
+def flags(on: str) -> list[str]:
+    """The four orders: each collective where it falls, Megatron-LM's async backward, Transformer Engine's
+    overlap with it (Megatron-LM's --tp-comm-overlap), and torch's async TP (the overlap without it)."""
+    overlap, backward = FLAGS[on]
+    return [f"parallel.tp_comm_overlap={str(overlap).lower()}", f"parallel.tp_async_backward={str(backward).lower()}"]
+
+
 def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collectives():
     """A block's forward: QKV's and fc1's GEMMs as 8 each (the ring exchange's steps: 7 sends of a rank's
     tokens to the next rank each), the output projections' as 4 each (a quarter of the columns, each
     followed by its piece's reduce-scatter); the all-gathers into a GEMM leave the tp group's calls, the
     forward's reduce-scatters come in 4 pieces. The backward's column-parallel layers run as Megatron-LM's
     do (parallel.tp_async_backward): their input gathered again under the input-gradient GEMM, 2 more
-    all-gathers a block, and that gradient's reduce-scatter under the weight gradients, whole. The same
-    step's communication is more hidden and the step shorter."""
+    all-gathers a block, and that gradient's reduce-scatter under the weight gradients, whole. torch's
+    async TP (the overlap alone) has the same pieces and rings, and keeps the forward's gathered input
+    instead of gathering it again. The same step's communication is more hidden: most with both, then the
+    overlap alone, then the async backward alone; the step is shortest with both, and either alone beats
+    the plain order (which of the two by more depends on the shapes: here the pieces' smaller GEMMs cost
+    the overlap alone about what it hides)."""
     t = 8
-    runs = {on: run_scenario(load(None, BIG + [f"parallel.tp_comm_overlap={str(on == 'overlap').lower()}",
-                                               f"parallel.tp_async_backward={str(on == 'async').lower()}"]))
-            for on in ("plain", "async", "overlap")}
+    runs = {on: run_scenario(load(None, BIG + flags(on))) for on in FLAGS}
     calls = {on: {(c["group"], c["collective"]): c["calls_per_rank"] for c in r.report["communication"]}
              for on, r in runs.items()}
     regathers = calls["async"][("tp", "all_gather")] - calls["plain"][("tp", "all_gather")]
@@ -72,6 +89,9 @@ def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collect
     assert calls["overlap"][("p2p", "send")] == calls["overlap"][("p2p", "recv")] == (t - 1) * rings
     assert calls["overlap"][("tp", "reduce_scatter")] - calls["async"][("tp", "reduce_scatter")] == 3 * rings // 2
     assert ("p2p", "send") not in calls["async"]
+    assert calls["torch"][("tp", "all_gather")] == calls["plain"][("tp", "all_gather")] - rings
+    assert calls["torch"][("tp", "reduce_scatter")] == calls["overlap"][("tp", "reduce_scatter")]
+    assert calls["torch"][("p2p", "send")] == calls["overlap"][("p2p", "send")]
 
     def forward_gemms(on):
         out: dict[str, list[int]] = {}
@@ -85,7 +105,8 @@ def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collect
     assert max(pieces["matmul"][:t]) < whole["matmul"][0] < sum(pieces["matmul"][:t])  # (smaller GEMMs: less efficient)
     hidden = {on: r.report["communication_overlap"]["hidden_fraction"] for on, r in runs.items()}
     steps = {on: r.report["steady_step_ns"] for on, r in runs.items()}
-    assert hidden["overlap"] > hidden["async"] > hidden["plain"] and steps["overlap"] < steps["async"] < steps["plain"]
+    assert hidden["overlap"] > hidden["torch"] > hidden["async"] > hidden["plain"]
+    assert steps["overlap"] < min(steps["torch"], steps["async"]) and max(steps["torch"], steps["async"]) < steps["plain"]
 
 
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[4], LAYOUTS[0] + ["parallel.sp=false"]],
@@ -101,17 +122,17 @@ def test_megatrons_column_parallel_backward_is_bit_exact(layout):
 def test_the_planners_estimate_charges_what_each_hides():
     """The estimate (analysis/estimate.py) charges a layer's four tp collectives a pass pair; Megatron's
     async backward hides one of the four (the backward's input-gradient reduction), the overlap all but
-    one piece of t of them: what each saves against the plain order is a quarter and (t - 1)/t of it."""
+    one piece of t of the other three: what each saves against the plain order is a quarter, three
+    quarters of (t - 1)/t of it, and with both the sum of the two."""
     from simcluster.analysis.estimate import Layout, estimate
 
     t = 8
     layout = Layout(tp=t, pp=1, cp=1, dp=1, zero=0, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
-    seconds = {on: estimate(load(None, BIG + [f"parallel.tp_comm_overlap={str(on == 'overlap').lower()}",
-                                             f"parallel.tp_async_backward={str(on == 'async').lower()}"]),
-                            layout).seconds for on in ("plain", "async", "overlap")}
-    saved = {on: seconds["plain"] - seconds[on] for on in ("async", "overlap")}
-    assert saved["overlap"] > saved["async"] > 0
-    assert saved["async"] / saved["overlap"] == pytest.approx((1 / 4) / ((t - 1) / t), rel=1e-9)
+    seconds = {on: estimate(load(None, BIG + flags(on)), layout).seconds for on in FLAGS}
+    saved = {on: seconds["plain"] - seconds[on] for on in ("async", "overlap", "torch")}
+    assert saved["overlap"] > saved["torch"] > saved["async"] > 0
+    assert saved["async"] / saved["torch"] == pytest.approx((1 / 4) / (3 / 4 * (t - 1) / t), rel=1e-9)
+    assert saved["overlap"] == pytest.approx(saved["async"] + saved["torch"], rel=1e-9)
 
 
 def test_a_backward_that_gathers_the_wrong_input_again_is_caught(monkeypatch):

@@ -152,10 +152,14 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     calls = passes * 2 * math.ceil(model.layers / p) * m  # two all-reduces a layer a pass, on the busiest stage
     tp_comm = 0.0 if t == 1 else calls * _call(spec, CommKind.ALL_REDUCE, [(2 * (t - 1), nccl.NVLINK)],
                                                2 * (t - 1) / t * message / nvlink, 1, t, message)
-    if lsc.parallel.tp_comm_overlap:  # in pieces under the GEMMs (tensor_parallel.py): about one piece of t alone
-        tp_comm /= t
-    elif lsc.parallel.tp_async_backward:  # the backward's input-gradient reduction under the weight gradients
-        tp_comm *= 1 - 1 / (2 * passes)  # (one of each pass's two a layer; the re-gather under its GEMM)
+    # the backward's input-gradient reductions (one of each pass's two a layer): under the weight gradients with
+    # the async backward, else exposed; the rest, with the overlap, in pieces under the GEMMs (tensor_parallel.py),
+    # about one piece of t alone
+    backward = 0.0 if lsc.parallel.tp_async_backward else 1 / (2 * passes)
+    if lsc.parallel.tp_comm_overlap:
+        tp_comm *= backward + (1 - 1 / (2 * passes)) / t
+    else:
+        tp_comm *= 1 - 1 / (2 * passes) + backward
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
     across = nvlink if spec.torus or spec.world_size <= spec.gpus_per_node else \
         _rings_rate(spec, nvlink, _per_node(spec.gpus_per_node, t, c, p))

@@ -181,15 +181,17 @@ class ParallelSection(Section):
     tp_comm_overlap: bool = key(
         False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside "
         "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
-        "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one in 4 splits of "
-        "its columns, the backward's column-parallel layers as tp_async_backward runs them. The same numbers either "
-        "way")
+        "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one GEMM in 4 splits "
+        "of its columns. The backward's column-parallel layers, whose input gradient sums two or three GEMMs, are "
+        "tp_async_backward's: Megatron-LM runs both (--tp-comm-overlap with its async backward, on by default), "
+        "torch's pattern matcher fuses one GEMM into a reduce-scatter and so leaves them (async TP alone). The same "
+        "numbers either way")
     tp_async_backward: bool = key(
         False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
-        "2021): with sp the layer's input gathered again under the input-gradient GEMM, that gradient's "
-        "reduce-scatter under the weight-gradient GEMM; without sp its all-reduce under it. false: torchtitan's "
-        "DTensor order, the gathered input kept from the forward and the reduction after the weight gradients. "
-        "tp_comm_overlap runs it so too. The same numbers either way")
+        "2021; Transformer Engine's bulk overlap under --tp-comm-overlap): with sp the layer's input gathered again "
+        "under the input-gradient GEMM, that gradient's reduce-scatter under the weight-gradient GEMMs; without sp "
+        "its all-reduce under them. false: torchtitan's DTensor order, the gathered input kept from the forward and "
+        "the reduction after the weight gradients. The same numbers either way")
     attention: Literal["ulysses", "ring", "allgather", "rsa"] = key(
         "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring (keys and values "
         "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys around the ring for"

@@ -17,8 +17,12 @@ in pieces under the GEMMs beside them, as Transformer Engine's defaults for a bl
   a reduce-scatter out of a GEMM (the output projections forward), "pipeline" with 4 splits of the
       output's columns: each split's reduce-scatter under the next split's GEMM (`matmul_reduce`);
   a column-parallel layer's backward, "bulk": its input gathered again under the input-gradient GEMM, that
-      gradient's reduce-scatter under the weight-gradient GEMMs (`reduce_under`; Megatron-LM runs its
-      backward so without Transformer Engine too: parallel.tp_async_backward).
+      gradient's reduce-scatter under the weight-gradient GEMMs (`reduce_under`, parallel.tp_async_backward;
+      Megatron-LM runs its backward so without Transformer Engine too).
+torch's async TP (torchtitan's enable_async_tensor_parallel: torch/_inductor/fx_passes/micro_pipeline_tp.py)
+runs the first two and not the third: its pattern matcher fuses a reduce-scatter of one GEMM's output, and
+a column-parallel layer's input gradient is a sum of two or three (q, k and v; w1 and w3), so it is
+`overlap` without `async_backward`.
 The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
 whole GEMM's, so the numbers are the same bytes as without the overlap."""
 

@@ -70,8 +70,9 @@ class TransformerShard(Experts):
         self.P, self.r = self.cp.size, ctx.mesh.coord("cp")
         self.sp = parallelism.sp and self.t > 1
         self.overlap = self.sp and parallelism.tp_comm_overlap  # tensor_parallel.py's pieces under the GEMMs
-        # Megatron-LM's column-parallel backward (tensor_parallel.reduce_under), which the overlap runs too
-        self.async_backward = parallelism.tp_async_backward or self.overlap
+        # Megatron-LM's column-parallel backward (tensor_parallel.reduce_under); torch's async TP, the overlap
+        # without it, leaves a reduce-scatter of summed GEMMs where it falls
+        self.async_backward = parallelism.tp_async_backward
         self.heads, self.vocab = m.heads // self.t, m.vocab // self.t  # this tp rank's share
         self.zigzag = parallelism.zigzag(self.P)
         self.positions = layout(m.seq, self.P, self.r, self.zigzag)  # what q, k and v cover: s/cp
