@@ -73,8 +73,9 @@ def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collect
     forward's reduce-scatters come in 4 pieces. The backward's column-parallel layers run as Megatron-LM's
     do (parallel.tp_async_backward): their input gathered again under the input-gradient GEMM, 2 more
     all-gathers a block, and that gradient's reduce-scatter under the weight gradients, whole. torch's
-    async TP (the overlap alone) has the same pieces and rings, and keeps the forward's gathered input
-    instead of gathering it again. The same step's communication is more hidden: most with both, then the
+    async TP (the overlap alone) has the same pieces and rings, keeps the forward's gathered input instead
+    of gathering it again, and runs those input gradients (the GPT's: one GEMM each, QKV's and fc1's) in 4
+    pieces each under their reduce-scatters, as the forward's output projections. The same step's communication is more hidden: most with both, then the
     overlap alone, then the async backward alone; the step is shortest with both, and either alone beats
     the plain order (which of the two by more depends on the shapes: here the pieces' smaller GEMMs cost
     the overlap alone about what it hides)."""
@@ -90,7 +91,7 @@ def test_the_pieces_are_transformer_engines_and_hide_the_tensor_parallel_collect
     assert calls["overlap"][("tp", "reduce_scatter")] - calls["async"][("tp", "reduce_scatter")] == 3 * rings // 2
     assert ("p2p", "send") not in calls["async"]
     assert calls["torch"][("tp", "all_gather")] == calls["plain"][("tp", "all_gather")] - rings
-    assert calls["torch"][("tp", "reduce_scatter")] == calls["overlap"][("tp", "reduce_scatter")]
+    assert calls["torch"][("tp", "reduce_scatter")] == calls["overlap"][("tp", "reduce_scatter")] + 3 * regathers
     assert calls["torch"][("p2p", "send")] == calls["overlap"][("p2p", "send")]
 
     def forward_gemms(on):
@@ -148,3 +149,17 @@ def test_a_backward_that_gathers_the_wrong_input_again_is_caught(monkeypatch):
         "verification"]["passed"]  # (the forward's gathered input: the broken gather is never used)
     assert not run_scenario(load(None, args + ["parallel.tp_async_backward=true"]), trace=False).report[
         "verification"]["passed"]
+
+
+def test_reduce_scatter_pieces_put_back_in_the_wrong_order_are_caught(monkeypatch):
+    """The broken variant of the pieces a reduce-scatter runs in (the forward's output projections; with the
+    overlap alone, the GPT's QKV and fc1 input gradients too): the reduced pieces concatenated last first."""
+    def broken(ctx, x, w, group, sp, overlap):
+        ops = ctx.ops
+        works = [ctx.comm.reduce_scatter(ops.matmul(x, piece, partial=True), group=group, dim=1, donate=True,
+                                         async_op=True) for piece in ops.split(w, tensor_parallel.RS_SPLITS, -1)]
+        return ops.concat([ops.finalize(p) for p in (yield works)][::-1], -1)
+    args = SMALL + LAYOUTS[1] + ["parallel.tp_async_backward=false"]
+    assert run_scenario(load(None, args), trace=False).report["verification"]["passed"]
+    monkeypatch.setattr(tensor_parallel, "matmul_reduce", broken)
+    assert not run_scenario(load(None, args), trace=False).report["verification"]["passed"]

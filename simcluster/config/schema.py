@@ -182,10 +182,10 @@ class ParallelSection(Section):
         False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside "
         "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
         "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one GEMM in 4 splits "
-        "of its columns. The backward's column-parallel layers, whose input gradient sums two or three GEMMs, are "
-        "tp_async_backward's: Megatron-LM runs both (--tp-comm-overlap with its async backward, on by default), "
-        "torch's pattern matcher fuses one GEMM into a reduce-scatter and so leaves them (async TP alone). The same "
-        "numbers either way")
+        "of its columns. The backward's column-parallel layers are tp_async_backward's: Megatron-LM runs both "
+        "(--tp-comm-overlap with its async backward, on by default); torch's async TP is this alone, its pattern "
+        "matcher fusing a reduce-scatter of one GEMM's output (the GPT's QKV and fc1 input gradients, in pieces) "
+        "and not of a sum (the Llama's, of q, k and v and of w1 and w3). The same numbers either way")
     tp_async_backward: bool = key(
         False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
         "2021; Transformer Engine's bulk overlap under --tp-comm-overlap): with sp the layer's input gathered again "

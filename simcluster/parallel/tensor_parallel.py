@@ -20,9 +20,10 @@ in pieces under the GEMMs beside them, as Transformer Engine's defaults for a bl
       gradient's reduce-scatter under the weight-gradient GEMMs (`reduce_under`, parallel.tp_async_backward;
       Megatron-LM runs its backward so without Transformer Engine too).
 torch's async TP (torchtitan's enable_async_tensor_parallel: torch/_inductor/fx_passes/micro_pipeline_tp.py)
-runs the first two and not the third: its pattern matcher fuses a reduce-scatter of one GEMM's output, and
-a column-parallel layer's input gradient is a sum of two or three (q, k and v; w1 and w3), so it is
-`overlap` without `async_backward`.
+runs the first two and not the third: its pattern matcher fuses a reduce-scatter of one GEMM's output
+wherever it is, so a column-parallel layer's input gradient that is one GEMM's (the GPT's fused QKV and
+fc1) runs as the second, and one that sums two or three (the Llama's q, k and v; w1 and w3) not at all:
+`overlap` without `async_backward` (the blocks' `reduce_under`).
 The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
 whole GEMM's, so the numbers are the same bytes as without the overlap."""
 

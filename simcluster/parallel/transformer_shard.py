@@ -149,9 +149,16 @@ class TransformerShard(Experts):
         """A row-parallel GEMM and g after it."""
         return (yield from tensor_parallel.matmul_reduce(self.ctx, x, w, self.tp, self.sp, self.overlap))
 
-    def reduce_under(self, partial: Any, then: Any, mine: Any, kept: Any) -> Generator[Any, Any, Any]:
+    def reduce_under(self, partial: Any, then: Any, mine: Any, kept: Any,
+                     gemm: tuple[Any, Any] | None = None) -> Generator[Any, Any, Any]:
         """f backward of a column-parallel GEMM (`partial()`, its input gradient), its weight gradients
-        (`then(input)`) beside it; `mine`, this rank's tokens of the input, `kept`, the input gathered."""
+        (`then(input)`) beside it; `mine`, this rank's tokens of the input, `kept`, the input gathered.
+        `gemm`, (x, w) where that gradient is one GEMM's, x @ w: with the overlap and without the async
+        backward (torch's async TP), its reduce-scatter in pieces under it, as the forward's output
+        projections' (torch's pattern matcher fuses a reduce-scatter of one GEMM's output, wherever it is)."""
+        if self.overlap and not self.async_backward and gemm is not None:
+            then(kept)
+            return (yield from self.matmul_reduce(*gemm))
         return (yield from tensor_parallel.reduce_under(self.ctx, partial, then, self.tp, self.sp, self.async_backward,
                                                         mine, kept))
 
@@ -341,8 +348,8 @@ class TransformerShard(Experts):
             def fc_grads(whole: Any) -> None:
                 weight_grad(pre + "mlp.w_fc", lambda: ops.einsum("bsh,bsf->hf", whole, df, partial=True))
                 weight_grad(pre + "mlp.b_fc", lambda: ops.sum(df, (0, 1), partial=True))
-            dc = yield from self.reduce_under(  # f backward
-                lambda: ops.matmul(df, ops.transpose(p[pre + "mlp.w_fc"]), partial=True), fc_grads, c["c_mine"], c["c"])
+            fc = (df, ops.transpose(p[pre + "mlp.w_fc"]))
+            dc = yield from self.reduce_under(lambda: ops.matmul(*fc, partial=True), fc_grads, c["c_mine"], c["c"], fc)
         dx1_ln, grads[pre + "ln2.g"], grads[pre + "ln2.b"] = ops.layer_norm_backward(
             dc, c["x1"], p[pre + "ln2.g"], c["mu2"], c["r2"])
         dx1 = ops.add(dx2, dx1_ln)
@@ -357,8 +364,8 @@ class TransformerShard(Experts):
         def qkv_grads(whole: Any) -> None:
             weight_grad(pre + "attn.w_qkv", lambda: ops.einsum("bsh,bsk->hk", whole, dqkv, partial=True))
             weight_grad(pre + "attn.b_qkv", lambda: ops.sum(dqkv, (0, 1), partial=True))
-        da = yield from self.reduce_under(lambda: ops.matmul(dqkv, ops.transpose(p[pre + "attn.w_qkv"]), partial=True),
-                                          qkv_grads, c["a_mine"], c["a"])
+        qkv = (dqkv, ops.transpose(p[pre + "attn.w_qkv"]))
+        da = yield from self.reduce_under(lambda: ops.matmul(*qkv, partial=True), qkv_grads, c["a_mine"], c["a"], qkv)
         dx_ln, grads[pre + "ln1.g"], grads[pre + "ln1.b"] = ops.layer_norm_backward(
             da, c["x"], p[pre + "ln1.g"], c["mu1"], c["r1"])
         return ops.add(dx1, dx_ln)
