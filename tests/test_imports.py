@@ -50,10 +50,13 @@ def test_megatrons_gradient_dtype_is_imported_as_its_arguments_set_it(flags, fp3
 
 @pytest.mark.parametrize("flags, want", [("", (False, False, True)), ("--tp-comm-overlap", (True, False, True)),
                                          ("--tp-comm-overlap --overlap-param-gather", (True, True, True)),
-                                         ("--no-async-tensor-model-parallel-allreduce", (False, False, False))])
+                                         ("--no-async-tensor-model-parallel-allreduce", (False, False, False)),
+                                         ("--tp-comm-overlap --no-async-tensor-model-parallel-allreduce",
+                                          (True, False, True))])
 def test_megatrons_overlaps_are_imported(flags, want):
     """--tp-comm-overlap (Transformer Engine's userbuffers), --overlap-param-gather, and the async
-    column-parallel backward Megatron-LM runs unless told not to: flags, no value."""
+    column-parallel backward Megatron-LM runs unless told not to (and under --tp-comm-overlap whatever it
+    is told: Transformer Engine's bulk overlaps): flags, no value."""
     base = "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --num-layers 2 " \
            "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 --global-batch-size 8"
     doc, notes = megatron((base + " " + flags).split(), nodes=1, gpus_per_node=8)
@@ -68,6 +71,7 @@ def test_torchtitans_async_tensor_parallelism_is_the_overlap():
     job["parallelism"] = {**job["parallelism"], "tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}
     doc, notes = torchtitan(job, nodes=2, gpus_per_node=8)
     assert doc["parallel"]["tp_comm_overlap"] is True and doc["parallel"]["sp"] is True
+    assert not doc["parallel"].get("tp_async_backward")  # (torch's pattern matcher: tensor_parallel.py)
     assert "enable_async_tensor_parallel" not in " ".join(notes)
 
 

@@ -173,8 +173,9 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))
     p["overlap_param_gather"] = bool(args.get("overlap-param-gather"))
     p["tp_comm_overlap"] = bool(args.get("tp-comm-overlap"))  # (at tp = 1 Megatron turns sp off: it does nothing)
-    # its column-parallel backward (layers.py), async unless --no-async-tensor-model-parallel-allreduce (2021-23)
-    p["tp_async_backward"] = not args.get("no-async-tensor-model-parallel-allreduce")
+    # its column-parallel backward (layers.py), async unless --no-async-tensor-model-parallel-allreduce (2021-23);
+    # under --tp-comm-overlap Transformer Engine's bulk overlaps run it so whatever that flag says
+    p["tp_async_backward"] = p["tp_comm_overlap"] or not args.get("no-async-tensor-model-parallel-allreduce")
     # gradients in fp32: Megatron's arguments.py sets --accumulate-allreduce-grads-in-fp32 for bf16 (fp16: if given),
     # its --grad-reduce-in-bf16 reduces them in bf16 again
     p["grads_fp32"] = m["dtype"] != "fp32" and not args.get("grad-reduce-in-bf16") and \
