@@ -37,4 +37,5 @@ timeout 100 python3 benchmarks/gpu_profile.py > "$OUT/profile.log" 2>&1; head -3
 # figures (an H200 computes as an H100; its faster memory moves the memory-bound kernels): is the H100's
 # sustained rate what keeps those tables fast?
 timeout 150 python3 benchmarks/fidelity.py --table megatron-core-2024 --table torchtitan-2024 \
-    --set cluster.profile="$OUT/profile.toml" > "$OUT/fidelity.log" 2>&1; tail -24 "$OUT/fidelity.log"
+    --table torchtitan-2025 --set cluster.profile="$OUT/profile.toml" > "$OUT/fidelity.log" 2>&1
+tail -34 "$OUT/fidelity.log"
