@@ -120,20 +120,25 @@ def test_megatrons_column_parallel_backward_is_bit_exact(layout):
     assert report["verification"]["passed"], report["verification"]
 
 
-def test_the_planners_estimate_charges_what_each_hides():
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_planners_estimate_charges_what_each_hides(arch):
     """The estimate (analysis/estimate.py) charges a layer's four tp collectives a pass pair; Megatron's
     async backward hides one of the four (the backward's input-gradient reduction), the overlap all but
-    one piece of t of the other three: what each saves against the plain order is a quarter, three
-    quarters of (t - 1)/t of it, and with both the sum of the two."""
+    one piece of t of the other three, and of that one too where it is one GEMM's (the GPT's; torch's
+    async TP leaves the Llama's, a sum, exposed): what each saves against the plain order is a quarter,
+    (t - 1)/t of it (the GPT) or three quarters of that (the Llama), and with both flags the quarter and
+    three quarters of (t - 1)/t."""
     from simcluster.analysis.estimate import Layout, estimate
 
     t = 8
     layout = Layout(tp=t, pp=1, cp=1, dp=1, zero=0, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
-    seconds = {on: estimate(load(None, BIG + flags(on)), layout).seconds for on in FLAGS}
+    big = BIG + [f"model.arch={arch}"] + (["model.kv_heads=8"] if arch == "llama" else [])
+    seconds = {on: estimate(load(None, big + flags(on)), layout).seconds for on in FLAGS}
     saved = {on: seconds["plain"] - seconds[on] for on in ("async", "overlap", "torch")}
     assert saved["overlap"] > saved["torch"] > saved["async"] > 0
-    assert saved["async"] / saved["torch"] == pytest.approx((1 / 4) / (3 / 4 * (t - 1) / t), rel=1e-9)
-    assert saved["overlap"] == pytest.approx(saved["async"] + saved["torch"], rel=1e-9)
+    alone = (t - 1) / t * (1 if arch == "gpt" else 3 / 4)
+    assert saved["torch"] / saved["async"] == pytest.approx(alone / (1 / 4), rel=1e-9)
+    assert saved["overlap"] / saved["async"] == pytest.approx((1 / 4 + 3 / 4 * (t - 1) / t) / (1 / 4), rel=1e-9)
 
 
 def test_a_backward_that_gathers_the_wrong_input_again_is_caught(monkeypatch):

@@ -154,10 +154,11 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
                                                2 * (t - 1) / t * message / nvlink, 1, t, message)
     # the backward's input-gradient reductions (one of each pass's two a layer): under the weight gradients with
     # the async backward, else exposed; the rest, with the overlap, in pieces under the GEMMs (tensor_parallel.py),
-    # about one piece of t alone
+    # about one piece of t alone, and those reductions too where each is one GEMM's (the GPT's fused QKV and fc1)
     backward = 0.0 if lsc.parallel.tp_async_backward else 1 / (2 * passes)
     if lsc.parallel.tp_comm_overlap:
-        tp_comm *= backward + (1 - 1 / (2 * passes)) / t
+        pieces, exposed = (backward, 0.0) if model.arch == "gpt" else (0.0, backward)
+        tp_comm *= exposed + (1 - 1 / (2 * passes) + pieces) / t
     else:
         tp_comm *= 1 - 1 / (2 * passes) + backward
     # the data-parallel group (dp x cp, the outermost axes) leaves the node once the mesh does
