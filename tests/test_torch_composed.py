@@ -87,13 +87,17 @@ def test_offload_from_the_command_line(stage, optimizer, params, delayed):
     assert {r["group"] for r in report["communication"]} >= {"gpu->cpu", "cpu->gpu" if params == "none" else "nvme->gpu"}
 
 
-@pytest.mark.parametrize("sp,overlap", [pytest.param("false", "false", marks=pytest.mark.slow),
-                                        pytest.param("true", "false", marks=pytest.mark.slow), ("true", "true")])
-def test_tensor_parallel_from_the_command_line(sp, overlap):
+@pytest.mark.parametrize("sp,overlap,backward", [pytest.param("false", "false", "false", marks=pytest.mark.slow),
+                                                 pytest.param("true", "false", "false", marks=pytest.mark.slow),
+                                                 pytest.param("true", "true", "false", marks=pytest.mark.slow),
+                                                 ("true", "true", "true")])
+def test_tensor_parallel_from_the_command_line(sp, overlap, backward):
     """(With the overlap, parallel.tp_comm_overlap: the ring exchange's sends and receives between tp peers on
-    gloo; plain sequence parallelism runs in the 4D hybrids by default.)"""
+    gloo, and with Megatron-LM's backward, parallel.tp_async_backward, the re-gather and the reduction under
+    the weight gradients; torch's async TP, the overlap alone, runs the forward's pieces again in the backward;
+    plain sequence parallelism runs in the 4D hybrids by default.)"""
     byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=2", "parallel.tp=2", f"parallel.sp={sp}",
-                                       f"parallel.tp_comm_overlap={overlap}",
+                                       f"parallel.tp_comm_overlap={overlap}", f"parallel.tp_async_backward={backward}",
                                        "parallel.zero=0", "cluster.gpus_per_node=4", "model.layers=2", "model.hidden=8",
                                        "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8",
                                        "model.tied_head=true", "model.global_batch=4", "model.micro_batch=1"))
