@@ -21,10 +21,11 @@ from simcluster.run.runner import run_all
 from simcluster.viz.outcome_view import render
 
 SCENARIOS = [f.stem for f in library()]
-# The two lessons whose exact runs take ~50 s each (64 TPU chips three times; six pipeline schedules):
-# their golden pictures run with -m slow; tests/test_torus.py and tests/test_pipeline.py check what
-# they teach in the default suite.
-HEAVY = {"torus", "pipeline_schedules"}
+# The lessons whose exact runs take longest (64 TPU chips three times and six pipeline schedules, ~50 s
+# each; six variants over 8 ranks for rails, and offload's and fsdp_prefetch's, 10-22 s each on 2 cores):
+# their golden pictures run with -m slow, to keep the default suite under 8 minutes; tests/test_torus.py,
+# test_pipeline.py, test_rails.py, test_offload.py and test_zero_measures.py check what they teach in it.
+HEAVY = {"torus", "pipeline_schedules", "rails", "offload", "fsdp_prefetch"}
 
 
 def test_the_library_has_the_lessons():
