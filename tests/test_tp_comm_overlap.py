@@ -146,8 +146,8 @@ def test_a_backward_that_gathers_the_wrong_input_again_is_caught(monkeypatch):
     the one the forward multiplied (twice it), so only a run that uses the re-gathered input is caught."""
     reduce_under = tensor_parallel.reduce_under
 
-    def broken(ctx, partial, then, group, sp, overlap, mine, kept):
-        return (yield from reduce_under(ctx, partial, then, group, sp, overlap, ctx.ops.add(mine, mine), kept))
+    def broken(ctx, partial, then, group, sp, overlap, mine, kept, *rest):
+        return (yield from reduce_under(ctx, partial, then, group, sp, overlap, ctx.ops.add(mine, mine), kept, *rest))
     monkeypatch.setattr(tensor_parallel, "reduce_under", broken)
     args = SMALL + LAYOUTS[0] + ["parallel.tp_comm_overlap=false"]
     assert run_scenario(load(None, args + ["parallel.tp_async_backward=false"]), trace=False).report[

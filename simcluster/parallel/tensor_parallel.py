@@ -22,8 +22,8 @@ in pieces under the GEMMs beside them, as Transformer Engine's defaults for a bl
 torch's async TP (torchtitan's enable_async_tensor_parallel: torch/_inductor/fx_passes/micro_pipeline_tp.py)
 runs the first two and not the third: its pattern matcher fuses a reduce-scatter of one GEMM's output
 wherever it is, so a column-parallel layer's input gradient that is one GEMM's (the GPT's fused QKV and
-fc1) runs as the second, and one that sums two or three (the Llama's q, k and v; w1 and w3) not at all:
-`overlap` without `async_backward` (the blocks' `reduce_under`).
+fc1) runs as the second, and one that sums two or three (the Llama's q, k and v; w1 and w3) not at all
+(`reduce_under` with `pieces`, without its `overlap`).
 The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
 whole GEMM's, so the numbers are the same bytes as without the overlap."""
 
@@ -116,16 +116,21 @@ def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: b
 
 
 def reduce_under(ctx: Context, partial: Callable[[], Any], then: Callable[[Any], None], group: Any, sp: bool,
-                 overlap: bool, mine: Any, kept: Any) -> Generator[Any, Any, Any]:
+                 overlap: bool, mine: Any, kept: Any, pieces: bool = False,
+                 gemm: tuple[Any, Any] | None = None) -> Generator[Any, Any, Any]:
     """f backward of a column-parallel layer: its input gradient's partial sums (`partial()`) reduced over
     the group, and `then(input)`, its weight gradients from the layer's whole input. Without `overlap`,
     `then(kept)` (the gathered input the forward kept) first, then the GEMM and its reduction, as
-    torchtitan's DTensor runs them. With it, as Megatron-LM's column-parallel backward does (layers.py,
-    LinearWithGradAccumulationAndAsyncCommunication; Transformer Engine's "bulk" overlaps are the same):
-    with sequence parallelism the input gathered again from this rank's tokens `mine` under the GEMM, then
-    the reduce-scatter under the weight gradients; without it the all-reduce under them."""
+    torchtitan's DTensor runs them; with `pieces` (torch's async TP) and `gemm`, (x, w) where the gradient is
+    one GEMM's x @ w, that GEMM and its reduce-scatter as `matmul_reduce`'s pieces. With `overlap`, as
+    Megatron-LM's column-parallel backward does (layers.py, LinearWithGradAccumulationAndAsyncCommunication;
+    Transformer Engine's "bulk" overlaps are the same): with sequence parallelism the input gathered again
+    from this rank's tokens `mine` under the GEMM, then the reduce-scatter under the weight gradients;
+    without it the all-reduce under them."""
     if not overlap or group.size == 1:
         then(kept)
+        if pieces and gemm is not None and group.size > 1:
+            return (yield from matmul_reduce(ctx, *gemm, group, sp, True))
         return (yield from g(ctx, partial(), group, sp))
     gathering = ctx.comm.all_gather(mine, group=group, dim=1, async_op=True) if sp else None
     p = partial()

@@ -156,11 +156,8 @@ class TransformerShard(Experts):
         `gemm`, (x, w) where that gradient is one GEMM's, x @ w: with the overlap and without the async
         backward (torch's async TP), its reduce-scatter in pieces under it, as the forward's output
         projections' (torch's pattern matcher fuses a reduce-scatter of one GEMM's output, wherever it is)."""
-        if self.overlap and not self.async_backward and gemm is not None:
-            then(kept)
-            return (yield from self.matmul_reduce(*gemm))
         return (yield from tensor_parallel.reduce_under(self.ctx, partial, then, self.tp, self.sp, self.async_backward,
-                                                        mine, kept))
+                                                        mine, kept, self.overlap, gemm))
 
     def tp_sum(self, x: Any, op: str = "sum") -> Generator[Any, Any, Any]:
         return (yield from tensor_parallel.tp_sum(self.ctx, x, self.tp, op))
