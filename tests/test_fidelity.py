@@ -37,12 +37,13 @@ def test_torchtitans_compiled_over_eager_stays_within_5_percent():
     assert compiled / eager == pytest.approx(table.published[1] / table.published[0], rel=0.05)
 
 
-def test_torchtitans_async_tensor_parallel_speedup_stays_within_6_percent():
+def test_torchtitans_async_tensor_parallel_speedup_stays_within_2_5_percent():
     """torchtitan's June 2025 table, Llama 3.1 8B on 64 H100s (FSDP 8, TP 8): async TP 4,809.4 tokens/s a
-    GPU, plain TP 4,378 (1.099). Predicted 1.198 while async TP ran Megatron-LM's backward too, 1.135 since
-    it leaves the column-parallel input gradients' reduce-scatters where they fall, as torch's pattern
-    matcher does (a reduce-scatter of one GEMM's output only; those gradients sum two or three GEMMs)."""
+    GPU, plain TP 4,378 (1.099). Predicted 1.198 while async TP ran Megatron-LM's backward too; 1.135 once
+    it left the column-parallel input gradients' reduce-scatters where they fall, as torch's pattern matcher
+    does (a reduce-scatter of one GEMM's output only; those gradients sum two or three GEMMs); 1.119 since
+    each fused reduce-scatter also sums its partials in a kernel of its own, as torch's does."""
     table = TABLES["torchtitan-2025"]
     variants = load(str(BENCHMARKS / table.file)).variants
     plain, overlapped = (figure(run_scenario(variants[i][1], trace=False).report, table.metric) for i in (0, 1))
-    assert overlapped / plain == pytest.approx(table.published[1] / table.published[0], rel=0.06)
+    assert overlapped / plain == pytest.approx(table.published[1] / table.published[0], rel=0.025)

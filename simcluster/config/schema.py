@@ -185,7 +185,8 @@ class ParallelSection(Section):
         "of its columns. The backward's column-parallel layers are tp_async_backward's: Megatron-LM runs both "
         "(--tp-comm-overlap with its async backward, on by default); torch's async TP is this alone, its pattern "
         "matcher fusing a reduce-scatter of one GEMM's output (the GPT's QKV and fc1 input gradients, in pieces) "
-        "and not of a sum (the Llama's, of q, k and v and of w1 and w3). The same numbers either way")
+        "and not of a sum (the Llama's, of q, k and v and of w1 and w3), each fused one summing its partials in a "
+        "kernel of its own. The same numbers either way")
     tp_async_backward: bool = key(
         False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
         "2021; Transformer Engine's bulk overlap under --tp-comm-overlap): with sp the layer's input gathered again "

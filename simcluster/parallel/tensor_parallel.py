@@ -23,7 +23,9 @@ torch's async TP (torchtitan's enable_async_tensor_parallel: torch/_inductor/fx_
 runs the first two and not the third: its pattern matcher fuses a reduce-scatter of one GEMM's output
 wherever it is, so a column-parallel layer's input gradient that is one GEMM's (the GPT's fused QKV and
 fc1) runs as the second, and one that sums two or three (the Llama's q, k and v; w1 and w3) not at all
-(`reduce_under` with `pieces`, without its `overlap`).
+(`reduce_under` with `pieces`, without its `overlap`); and each of its fused reduce-scatters ends in a
+summing kernel on the compute stream (`matmul_reduce`'s `local_sum`), where Transformer Engine's sum
+inside its communication kernels.
 The pieces land in place in one buffer (no copy kernel), and each GEMM's rows or columns are the
 whole GEMM's, so the numbers are the same bytes as without the overlap."""
 
@@ -34,7 +36,7 @@ from typing import Any, Callable, Generator
 
 import numpy as np
 
-from simcluster.numerics.tensor import MetaTensor
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor
 from simcluster.parallel.cp_blocks import like
 from simcluster.program.context import Context
 
@@ -101,16 +103,25 @@ def held(r: int, step: int, t: int) -> int:
     return (r - step) % t
 
 
-def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: bool) -> Generator[Any, Any, Any]:
+def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: bool,
+                  local_sum: bool = False) -> Generator[Any, Any, Any]:
     """A row-parallel layer and its g: x @ w's partial sums reduced over the group (`g`). With `overlap`,
-    w's output columns in RS_SPLITS pieces, each piece's reduce-scatter under the next piece's GEMM."""
+    w's output columns in RS_SPLITS pieces, each piece's reduce-scatter under the next piece's GEMM.
+    `local_sum` (torch's async TP): the reduction is a kernel of its own on the compute stream, as torch's
+    fused matmul-reduce-scatter runs it (torch/distributed/_symmetric_memory, _fused_matmul_reduce_scatter_impl:
+    each rank's partial rows pushed to it, then the group's partials summed by one torch.sum); it reads the
+    group's partials of this rank's output and writes the output. Transformer Engine's "pipeline" reduce-
+    scatter sums inside its communication kernels (userbuffers), so it has none."""
     ops = ctx.ops
     if not overlap:
         return (yield from g(ctx, ops.matmul(x, w, partial=True), group, sp))
     works = [ctx.comm.reduce_scatter(ops.matmul(x, piece, partial=True), group=group, dim=1, donate=True,
                                      async_op=True)
              for piece in ops.split(w, math.gcd(RS_SPLITS, w.shape[-1]), -1)]
-    pieces = [ops.finalize(p) for p in (yield works)]
+    done = yield works
+    with ops.fused("reduce_scatter_sum" if local_sum else None,
+                   nbytes=(group.size + 1) * sum(math.prod(p.shape) for p in done) * ITEMSIZE[ops.cost_dtype]):
+        pieces = [ops.finalize(p) for p in done]
     with ops.fused(None):
         return ops.concat(pieces, -1)
 
@@ -130,7 +141,7 @@ def reduce_under(ctx: Context, partial: Callable[[], Any], then: Callable[[Any],
     if not overlap or group.size == 1:
         then(kept)
         if pieces and gemm is not None and group.size > 1:
-            return (yield from matmul_reduce(ctx, *gemm, group, sp, True))
+            return (yield from matmul_reduce(ctx, *gemm, group, sp, True, local_sum=True))
         return (yield from g(ctx, partial(), group, sp))
     gathering = ctx.comm.all_gather(mine, group=group, dim=1, async_op=True) if sp else None
     p = partial()

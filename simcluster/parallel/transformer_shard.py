@@ -147,7 +147,8 @@ class TransformerShard(Experts):
 
     def matmul_reduce(self, x: Any, w: Any) -> Generator[Any, Any, Any]:
         """A row-parallel GEMM and g after it."""
-        return (yield from tensor_parallel.matmul_reduce(self.ctx, x, w, self.tp, self.sp, self.overlap))
+        return (yield from tensor_parallel.matmul_reduce(self.ctx, x, w, self.tp, self.sp, self.overlap,
+                                                         local_sum=not self.async_backward))
 
     def reduce_under(self, partial: Any, then: Any, mine: Any, kept: Any,
                      gemm: tuple[Any, Any] | None = None) -> Generator[Any, Any, Any]:
