@@ -224,7 +224,8 @@ class Layout:
         degrees = ", ".join(f"{a}={n}" for a, n in (self.mesh.sizes | {"ep": self.mesh.ep}).items())
         return (f"Layout({degrees}, schedule={p.schedule.value}, virtual={p.virtual}, attention={p.attention}, "
                 f"sp={p.sp}, tp_comm_overlap={p.tp_comm_overlap}, tp_async_backward={p.tp_async_backward}, "
-                f"scatter_gather={p.scatter_gather}, zero={d.zero} over {p.zero_over}, "
+                f"scatter_gather={p.scatter_gather}, embedding_in_split={p.embedding_in_split}, "
+                f"loss_in_split={p.loss_in_split}, zero={d.zero} over {p.zero_over}, "
                 f"overlap_param_gather={d.overlap_param_gather}, dualpipe_overlap={p.dualpipe_overlap}, "
                 f"micro_batches={d.micro_batches}, "
                 f"global_batch={d.global_batch})")
@@ -319,7 +320,8 @@ def layouts(model: ModelConfig, *, max_world: int = 16, global_batch: int | None
         parallelism = Parallelism(data=data, sp=sp, attention=attention, schedule=schedule, virtual=virtual,
                     zero_over=d(st.sampled_from(ZERO_OVER)), scatter_gather=d(st.booleans()), ep=ep,
                     dispatcher=dispatcher, dualpipe_overlap=d(st.booleans()),
-                    tp_comm_overlap=sp and tp > 1 and d(st.booleans()), tp_async_backward=tp > 1 and d(st.booleans()))
+                    tp_comm_overlap=sp and tp > 1 and d(st.booleans()), tp_async_backward=tp > 1 and d(st.booleans()),
+                    embedding_in_split=pp > 1 and d(st.booleans()), loss_in_split=pp > 1 and d(st.booleans()))
         mesh = DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
         try:
             parallelism.check(dp, pp, cp, tp)

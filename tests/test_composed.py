@@ -5,7 +5,7 @@ that a valid layout can hold (mesh degrees 1-3 on each axis with at most 16 rank
 pipeline messages' scatter/gather, attention, ZeRO stage and what it shards over, micro-batches,
 recomputation, dropout, precision, tied head, causal mask, weight decay, clipping, architecture and
 grouped-query attention, ZeRO-Offload's tier, ZeRO-Infinity's parameter offload, the delayed
-update and the tensor-parallel overlap) is run at least once, whatever the draw; hypothesis draws the seed and the
+update, the tensor-parallel overlap and which pipeline ends count as layers in the split) is run at least once, whatever the draw; hypothesis draws the seed and the
 layer count within each row.
 """
 
@@ -34,15 +34,18 @@ OPTIONS = {
     "precision": ["fp32", "bf16", "fp16"], "tied_head": [False, True], "causal": [False, True],
     "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05], "arch": ["gpt", "llama"], "kv_group": [1, 2],
     "offload": ["none", "cpu", "nvme"], "offload_params": [False, True], "delayed_update": [False, True],
-    "tp_comm_overlap": [False, True],
+    "tp_comm_overlap": [False, True], "ends": ["none", "embedding", "loss", "both"],
 }
 
 
 def valid(row):
     """At most 16 ranks; llama's head is untied and its query heads share key/value heads (kv_group of them per kv head), the gpt's do not;
     DualPipe needs an even number of stages; offloading the optimizer needs a ZeRO stage, the parameters
-    ZeRO-3, and neither is modelled with DualPipe; the tensor-parallel overlap needs sequence parallelism."""
+    ZeRO-3, and neither is modelled with DualPipe; the tensor-parallel overlap needs sequence parallelism;
+    the pipeline's ends count in a split only where there is one."""
     if row["tp_comm_overlap"] and not row["sp"]:
+        return False
+    if row["ends"] != "none" and row["pp"] == 1:
         return False
     if (row["offload"] != "none" and row["zero"] == 0) or (row["offload_params"] and row["zero"] != 3):
         return False
@@ -53,17 +56,17 @@ def valid(row):
             and not (row["arch"] == "llama" and row["tied_head"]) and not (row["arch"] == "gpt" and row["kv_group"] > 1))
 
 
-ROWS, PAIRS = covering_rows(OPTIONS, valid, seed=1)  # (seed 1: 34 rows, cheaper to run than seed 0's 39)
+ROWS, PAIRS = covering_rows(OPTIONS, valid, seed=2)  # (seed 2: 35 rows, the fewest of seeds 0-7)
 # and two 4D layouts, every axis split (Llama 3's shape: tp x cp x pp x dp with FSDP)
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
               scatter_gather=True, micro_batches=1, recompute="selective", dropout=0.1, precision="bf16",
               tied_head=False, causal=True, weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2, offload="cpu",
-              offload_params=True, delayed_update=True, tp_comm_overlap=True),
+              offload_params=True, delayed_update=True, tp_comm_overlap=True, ends="both"),
          dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, scatter_gather=True, attention="ulysses", zero=1,
               zero_over="dp",
               micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
               weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1, offload="nvme", offload_params=False,
-              delayed_update=False, tp_comm_overlap=False)]
+              delayed_update=False, tp_comm_overlap=False, ends="none")]
 
 
 def layout(row):
@@ -96,7 +99,8 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
                     offload_params=(row["offload"] if row["offload"] != "none" else "cpu") if row["offload_params"] else "none")
     layout = Layout(DeviceMesh(dp=dp, pp=pp, cp=cp, tp=tp), Parallelism(
         data=data, sp=row["sp"], attention=row["attention"], schedule=row["schedule"], virtual=virtual,
-        zero_over=row["zero_over"], scatter_gather=row["scatter_gather"], tp_comm_overlap=row["tp_comm_overlap"]))
+        zero_over=row["zero_over"], scatter_gather=row["scatter_gather"], tp_comm_overlap=row["tp_comm_overlap"],
+        embedding_in_split=row["ends"] in ("embedding", "both"), loss_in_split=row["ends"] in ("loss", "both")))
     want = reference(data)
     assert len(want) == 2 + 5 * len(model.parameter_shapes())  # losses; weights, gradients (last, first), moments
     assert_bit_exact(composed, layout.parallelism, mesh=layout.mesh, assemble=layout.assemble, reference=want)

@@ -65,6 +65,22 @@ def test_megatrons_overlaps_are_imported(flags, want):
     assert not notes[1:]  # (the vocabulary's note only: nothing else unmapped)
 
 
+def test_megatrons_pipeline_split_of_the_embedding_and_the_loss_is_imported():
+    """--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split, and the virtual
+    stages --num-layers-per-virtual-pipeline-stage makes with them (Megatron's arguments.py counts each as a
+    layer): Llama 3 405B's 126 layers + 2 over 16 stages of 1 layer a chunk is 8 chunks a stage."""
+    base = ("--pipeline-model-parallel-size 16 --num-layers 126 --hidden-size 256 --num-attention-heads 4 "
+            "--seq-length 128 --micro-batch-size 1 --global-batch-size 32 --num-layers-per-virtual-pipeline-stage 1")
+    doc, _ = megatron((base + " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split").split(),
+                      nodes=2, gpus_per_node=8)
+    p = doc["parallel"]
+    assert (p["embedding_in_split"], p["loss_in_split"], p["virtual_stages"], p["schedule"]) == (True, True, 8,
+                                                                                                "interleaved")
+    p = megatron(base.replace("126", "128").split(), nodes=2, gpus_per_node=8)[0]["parallel"]
+    assert (p["embedding_in_split"], p["loss_in_split"], p["virtual_stages"]) == (False, False, 8)
+    assert load(None, [f"parallel.{k}={str(v).lower()}" for k, v in doc["parallel"].items() if k.endswith("split")])
+
+
 def test_torchtitans_async_tensor_parallelism_is_the_overlap():
     job = __import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text())
     assert torchtitan(job, nodes=2, gpus_per_node=8)[0]["parallel"]["tp_comm_overlap"] is False

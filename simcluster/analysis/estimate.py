@@ -125,7 +125,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     act = sum(kept.values())
     if layout.schedule in DEFERRING:  # each stage's pieces, as many as its passes hold at once
         place = placement(parallelism.schedule, parallelism.shape(p))
-        sizes = [len(r) for r in partition(model.layers, place.pieces)]
+        sizes = [len(r) for r in partition(model.layers, place.pieces, parallelism.embedding_in_split,
+                                           parallelism.loss_in_split)]
         # the LM head's cache: its logits' exponentials (b, s/c, V/t; fp32, the cross-entropy's) and its input
         # before and after the norm
         head = layout.micro_batch * model.seq / c * (4 * model.vocab / t + 2 * model.hidden * ITEMSIZE[model.dtype])
@@ -140,8 +141,9 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     tokens = data.global_batch * model.seq
     hardware = step_flops(replace(model, recompute=layout.recompute), tokens)[1]
     rate = spec.gemm_tflops * 1e12  # the FLOPs are GEMMs', nearly all
-    compute = hardware * p * _busiest(model, parallelism.schedule, parallelism.shape(p)) / (spec.world_size * rate) \
-        * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
+    busiest = _busiest(model, parallelism.schedule, parallelism.shape(p), parallelism.embedding_in_split,
+                       parallelism.loss_in_split)
+    compute = hardware * p * busiest / (spec.world_size * rate) * (1 + (p - 1) / (m * v * BUBBLE[layout.schedule]))
     nvlink = spec.nvlink_bytes_per_ns * 1e9
     if spec.torus:  # a ring along a torus line: its links, both ways where they wrap around (phases.py)
         nvlink = spec.ici_gbyte_per_s * 1e9 * (2 if spec.torus_wraps else 1)
@@ -208,16 +210,17 @@ def _held(schedule: Any, shape: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _busiest(model: Any, schedule: Any, shape: Any) -> float:
+def _busiest(model: Any, schedule: Any, shape: Any, embedding: bool = False, loss: bool = False) -> float:
     """The busiest pipeline stage's share of a step's hardware FLOPs (1/p where the layers and the head
-    split evenly): its chunks' layers (the first chunks take one more: pipeline.py's partition) and,
-    on the last chunk's stage, the LM head. A pipeline runs at its busiest stage's pace."""
+    split evenly): its chunks' layers (the first chunks take one more: pipeline.py's partition, with the
+    embedding and the loss counted as layers where `embedding`, `loss`) and, on the last chunk's stage,
+    the LM head. A pipeline runs at its busiest stage's pace."""
     layers, core, head = forward_per_token(model)
     again = {Recompute.NONE: 0.0, Recompute.SELECTIVE: core, Recompute.FULL: layers + core,
              Recompute.OP: op_recomputed(model)}[model.recompute]
     per_layer = (3 * (layers + core) + again) / model.layers
     place = placement(schedule, shape)
-    sizes = [len(r) for r in partition(model.layers, place.pieces)]
+    sizes = [len(r) for r in partition(model.layers, place.pieces, embedding, loss)]
     work = [0.0] * shape.stages
     for g in range(place.chunks):  # (DualPipe holds each piece twice, each copy for half the micro-batches)
         piece = place.piece[g]

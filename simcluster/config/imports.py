@@ -37,11 +37,14 @@ MEGATRON = {
     "grad-reduce-in-bf16": "parallel.grads_fp32", "tp-comm-overlap": "parallel.tp_comm_overlap",
     "overlap-param-gather": "parallel.overlap_param_gather",
     "no-async-tensor-model-parallel-allreduce": "parallel.tp_async_backward",
+    "account-for-embedding-in-pipeline-split": "parallel.embedding_in_split",
+    "account-for-loss-in-pipeline-split": "parallel.loss_in_split",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
          "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
          "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather",
-         "no-async-tensor-model-parallel-allreduce"}
+         "no-async-tensor-model-parallel-allreduce", "account-for-embedding-in-pipeline-split",
+         "account-for-loss-in-pipeline-split"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -183,11 +186,14 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     granularity = args.get("recompute-granularity") or ("selective" if args.get("recompute-activations") else "none")
     p["recompute"] = granularity
     tp, pp, cp = (int(p.get(a, 1)) for a in ("tp", "pp", "cp"))
+    ends = {"embedding_in_split": bool(args.get("account-for-embedding-in-pipeline-split")),
+            "loss_in_split": bool(args.get("account-for-loss-in-pipeline-split"))}  # (each a layer in the split)
     if "num-layers-per-virtual-pipeline-stage" in args and "layers" in m:
         per = int(_number(str(args["num-layers-per-virtual-pipeline-stage"]), "--num-layers-per-virtual-pipeline-stage"))
-        p["virtual_stages"] = m["layers"] // (pp * per)
+        p["virtual_stages"] = (m["layers"] + sum(ends.values())) // (pp * per)
     if pp > 1:
         p["schedule"] = "interleaved" if p.get("virtual_stages", 1) > 1 else "1f1b"
+        p |= ends
     if cp > 1:
         p["attention"] = CP_COMM.get(str(args.get("cp-comm-type", "p2p")), "ring")
     p["dp"] = _dp(nodes * gpus_per_node, tp, pp, cp, "Megatron-LM's degrees")

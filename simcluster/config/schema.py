@@ -233,6 +233,13 @@ class ParallelSection(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"] = key(
         "1f1b", "pipeline schedule (pp > 1)")
     virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)
+    embedding_in_split: bool = key(
+        False, "pp > 1: the pipeline split counts the embedding as a layer, so the first chunk holds one layer fewer "
+        "(none where each chunk is one layer: the embedding alone), as Megatron-LM's "
+        "--account-for-embedding-in-pipeline-split and Llama 3 405B's pipeline balance the first stage")
+    loss_in_split: bool = key(
+        False, "pp > 1: the pipeline split counts the head and its loss as a layer, so the last chunk holds one layer "
+        "fewer, as Megatron-LM's --account-for-loss-in-pipeline-split and Llama 3 405B's pipeline")
     dualpipe_overlap: bool = key(
         True, "DualPipe: each paired forward and backward pass (its main step's) run together, each computing while "
         "the other's communication (expert all-to-all, tensor-parallel and pipeline transfers) is in flight, as "

@@ -49,9 +49,9 @@ def _units_by_chunk(pieces: tuple[tuple[str, ...], ...], place: Any) -> tuple[tu
 
 
 @functools.lru_cache(maxsize=64)
-def chunk_units(layers: int, pieces: int) -> tuple[tuple[str, ...], ...]:
-    """The units of each piece of the layers, in forward order (piece 0 embeds, the last one has the head)."""
-    out = [[f"block{i}" for i in r] for r in partition(layers, pieces)]
+def chunk_units(layers: int, pieces: int, embedding: bool = False, loss: bool = False) -> tuple[tuple[str, ...], ...]:
+    """Each piece's units in forward order (piece 0 embeds, the last has the head; pipeline.partition)."""
+    out = [[f"block{i}" for i in r] for r in partition(layers, pieces, embedding, loss)]
     out[0].insert(0, "embed")
     out[-1].append("head")
     return tuple(tuple(units) for units in out)
@@ -248,7 +248,7 @@ def _placed(ctx: Context, parallelism: Parallelism) -> _Placed:
     shape = parallelism.shape(p)
     place = placement(parallelism.schedule, shape)
     neighbours = functools.lru_cache(lambda q: stage_passes(parallelism.schedule, shape, q))
-    pieces = chunk_units(m.layers, place.pieces)
+    pieces = chunk_units(m.layers, place.pieces, parallelism.embedding_in_split, parallelism.loss_in_split)
     units = _units_by_chunk(pieces, place)
     mine = [u for c in sorted(place.piece[g] for g in place.on(s)) for u in pieces[c]]  # model order
     dual = place.pieces < place.chunks  # DualPipe: each piece twice, the reverse chain's copy not counted twice

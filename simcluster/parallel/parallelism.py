@@ -42,6 +42,8 @@ class Parallelism:
     attention: str = "ulysses"
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)
+    embedding_in_split: bool = False  # the pipeline split counts the embedding as a block (pipeline.partition)
+    loss_in_split: bool = False  # ... and the head with its loss
     zero_over: str = "dp_cp"
     # pp > 1 with tp > 1 and no sp: each tp rank sends 1/tp of a pipeline message and the receiving
     # stage all-gathers the parts over tp (Narayanan et al. 2021, section 4.1)
@@ -122,7 +124,7 @@ class Parallelism:
             raise ValueError("parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters "
                              "with the GEMMs beside them: set parallel.sp = true (Megatron-LM refuses "
                              "--tp-comm-overlap without --sequence-parallel)")
-        check_schedule(self.schedule, self.shape(pp), m.layers)
+        check_schedule(self.schedule, self.shape(pp), m.layers, self.embedding_in_split + self.loss_in_split)
         offloaded = (self.data.offload_optimizer, self.data.offload_params) != ("none", "none")
         if self.schedule is Schedule.DUALPIPE and pp > 1 and offloaded:
             raise ValueError("DualPipe with offloading is not modelled: its two copies of a stage sum their "

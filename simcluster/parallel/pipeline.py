@@ -36,14 +36,19 @@ from simcluster.program.context import Context
 
 
 @functools.lru_cache(maxsize=64)
-def _partition(layers: int, chunks: int) -> tuple[range, ...]:
-    return tuple(partition_uncached(layers, chunks))
+def _partition(layers: int, chunks: int, embedding: bool, loss: bool) -> tuple[range, ...]:
+    slots = partition_uncached(layers + embedding + loss, chunks)
+    return tuple(range(max(r.start - embedding, 0), min(r.stop - embedding, layers)) for r in slots)
 
 
-def partition(layers: int, chunks: int) -> list[range]:
-    """Contiguous runs of blocks, as even as possible (the first chunks take one more). (Made once for
-    every stage of a pipeline.)"""
-    return list(_partition(layers, chunks))
+def partition(layers: int, chunks: int, embedding: bool = False, loss: bool = False) -> list[range]:
+    """Contiguous runs of blocks, as even as possible (the first chunks take one more). With `embedding`
+    (`loss`), the embedding (the head with its loss) counts as a block in the split, so the first (last)
+    chunk holds one block fewer, none where a chunk is one block's worth: Megatron-LM's
+    --account-for-embedding-in-pipeline-split (--account-for-loss-in-pipeline-split), and how Llama 3
+    405B balanced its pipeline (126 blocks, 16 stages of 8 chunks: the first chunk only the embedding, the
+    last only the head and the loss; Dubey et al. 2024, section 3.3.2). (Made once for every stage.)"""
+    return list(_partition(layers, chunks, embedding, loss))
 
 
 def partition_uncached(layers: int, chunks: int) -> list[range]:

@@ -103,23 +103,27 @@ def _placement(schedule: Schedule, shape: PipelineShape) -> Placement:
     return Placement(n, tuple(g % p for g in range(n)), tuple(range(n)), (tuple(range(n)),))
 
 
-def check(schedule: Schedule, shape: PipelineShape, layers: int) -> None:
-    """Clear errors for configurations a schedule cannot run."""
+def check(schedule: Schedule, shape: PipelineShape, layers: int, ends: int = 0) -> None:
+    """Clear errors for configurations a schedule cannot run. `ends`: how many of the embedding and the
+    loss count as a block in the split (pipeline.partition)."""
     p, m, v = shape.stages, shape.micro_batches, shape.virtual
+    counted = f"{layers} layers" + (f" (and the {'embedding and the loss' if ends == 2 else 'embedding or the loss'}"
+                                    " counted as layers)" if ends else "")
+    layers += ends
     for name, value in (("stages", p), ("micro-batches", m), ("virtual stages", v)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"pipeline {name} must be a positive integer, got {value!r}")
     if schedule is not Schedule.INTERLEAVED and v != 1:
         raise ValueError(f"virtual stages v={v} need the interleaved schedule, not {schedule.value}")
     if p > layers:
-        raise ValueError(f"{p} pipeline stages for {layers} layers: every stage needs at least one layer")
+        raise ValueError(f"{p} pipeline stages for {counted}: every stage needs at least one layer")
     if p * v > layers:
-        raise ValueError(f"p x v = {p} x {v} = {p * v} model chunks for {layers} layers: every chunk needs a layer; "
+        raise ValueError(f"p x v = {p} x {v} = {p * v} model chunks for {counted}: every chunk needs a layer; "
                          f"valid v for p={p}: {', '.join(str(x) for x in range(1, layers // p + 1))}")
     if schedule is Schedule.INTERLEAVED and m % p:
         raise ValueError(f"the interleaved schedule needs the micro-batch count m={m} to be a multiple of p={p}")
     if schedule is Schedule.ZB_V and 2 * p > layers:
-        raise ValueError(f"ZB-V cuts the layers into 2 x p = {2 * p} chunks: {layers} layers are too few; "
+        raise ValueError(f"ZB-V cuts the layers into 2 x p = {2 * p} chunks: {counted} are too few; "
                          f"valid p: {', '.join(str(x) for x in range(1, layers // 2 + 1))}")
     if schedule is Schedule.DUALPIPE and (p % 2 or m % 2 or m < 2 * p):
         raise ValueError(f"DualPipe needs an even number of stages (p={p}) and an even micro-batch count of at "
