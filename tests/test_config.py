@@ -116,7 +116,7 @@ def test_the_closed_sets_are_the_implementations():
 # every key the program's configurations share by name, set away from both defaults
 SHARED = ["model.layers=3", "model.hidden=128", "model.heads=8", "model.ffn_hidden=200", "model.seq=48",
           "model.vocab=100", "model.causal=false", "model.dropout=0.125", "model.dtype=fp16", "model.arch=llama",
-          "model.kv_heads=2", "model.attention_kernel=unfused", "model.fused_kernels=false",
+          "model.kv_heads=2", "model.gqa=native", "model.attention_kernel=unfused", "model.fused_kernels=false",
           "model.global_batch=16", "run.steps=2", "run.lr=0.5", "run.seed=7", "parallel.zero=3", "parallel.offload_params=cpu", "parallel.prefetch=false",
           "parallel.overlap_grad_reduce=false", "parallel.offload_optimizer=cpu", "parallel.delayed_update=true",
           "parallel.sp=true", "parallel.tp=1", "parallel.dp=8", "parallel.attention=ring",
@@ -148,7 +148,7 @@ def test_the_programs_configurations_take_every_key_they_share_by_name():
                     assert _value(getattr(target, f.name)) == getattr(section, f.name), f.name
                     assert _value(f.default) != getattr(section, f.name), f"{f.name}: set it away from the default"
                     shared += 1
-    assert shared == 52  # 30 of ModelConfig (15 of them the mixture of experts), 11 of TrainingConfig, 11 of Parallelism
+    assert shared == 53  # 31 of ModelConfig (15 of them the mixture of experts), 11 of TrainingConfig, 11 of Parallelism
     assert got.model.seed == sc.run.seed and got.data.precision == "fp16" and got.virtual == 1
 
 

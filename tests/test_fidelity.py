@@ -47,3 +47,13 @@ def test_torchtitans_async_tensor_parallel_speedup_stays_within_2_5_percent():
     variants = load(str(BENCHMARKS / table.file)).variants
     plain, overlapped = (figure(run_scenario(variants[i][1], trace=False).report, table.metric) for i in (0, 1))
     assert overlapped / plain == pytest.approx(table.published[1] / table.published[0], rel=0.025)
+
+
+def test_llama_3s_step_from_8192_to_16384_gpus_stays_within_2_percent():
+    """Llama 3 405B (Dubey et al. 2024, Table 4): 430 TFLOP/s a GPU on 8,192 H100s (DP 64), 400 on 16,384 (DP
+    128, half the micro-batches a rank: the pipeline's bubble and the data-parallel reduction's share grow):
+    0.930. Predicted 0.939 when this test was written (the rows themselves 23-25 % fast, as the table says)."""
+    table = TABLES["llama3-2024"]
+    variants = load(str(BENCHMARKS / table.file)).variants
+    small, large = (figure(run_scenario(variants[i][1], trace=False).report, table.metric) for i in (0, 1))
+    assert large / small == pytest.approx(table.published[1] / table.published[0], rel=0.02)

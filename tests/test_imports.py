@@ -81,6 +81,19 @@ def test_megatrons_pipeline_split_of_the_embedding_and_the_loss_is_imported():
     assert load(None, [f"parallel.{k}={str(v).lower()}" for k, v in doc["parallel"].items() if k.endswith("split")])
 
 
+def test_megatrons_grouped_query_attention_takes_the_kv_heads_as_they_are():
+    """Megatron-LM's --group-query-attention runs Transformer Engine's attention, which takes the key/value
+    heads as they are (model.gqa = "native"); torchtitan's Llama repeats them before SDPA (repeat_kv)."""
+    base = "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 " \
+           "--global-batch-size 8 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights"
+    doc, _ = megatron((base + " --group-query-attention --num-query-groups 2").split(), nodes=1, gpus_per_node=8)
+    assert (doc["model"]["kv_heads"], doc["model"]["gqa"]) == (2, "native")
+    assert "gqa" not in megatron(base.split(), nodes=1, gpus_per_node=8)[0]["model"]
+    job = __import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text())
+    assert "gqa" not in torchtitan(job, nodes=1, gpus_per_node=8)[0]["model"]
+    assert load(None, ["model.arch=llama", "model.kv_heads=1", "model.gqa=native"]).model.gqa == "native"
+
+
 def test_torchtitans_async_tensor_parallelism_is_the_overlap():
     job = __import__("tomllib").loads((DATA / "torchtitan_llama3_8b.toml").read_text())
     assert torchtitan(job, nodes=2, gpus_per_node=8)[0]["parallel"]["tp_comm_overlap"] is False

@@ -110,6 +110,16 @@ def test_context_parallel_from_the_command_line(attention):
                                        "model.ffn_hidden=8", "model.seq=4", "model.vocab=9", "model.global_batch=2"))
 
 
+def test_grouped_query_attention_taken_as_it_is_on_gloo():
+    """model.gqa = "native" (the kv heads gathered as they are, their gradients summed over the query heads
+    before they are rounded), on torch's exact kernels: the emulator's bytes."""
+    byte_identical_everywhere(on_torch(*SMALL, "parallel.dp=1", "parallel.cp=2", "parallel.attention=allgather",
+                                       "cluster.gpus_per_node=2", "model.arch=llama", "model.tied_head=false",
+                                       "model.kv_heads=1", "model.gqa=native", "model.layers=2", "model.hidden=8",
+                                       "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=9",
+                                       "model.global_batch=2"))
+
+
 @pytest.mark.parametrize("schedule,p,v,dp", [pytest.param("gpipe", 2, 1, 2, marks=pytest.mark.slow),
                                              pytest.param("1f1b", 4, 1, 1, marks=pytest.mark.slow),
                                              ("interleaved", 2, 2, 1), ("zb-h1", 3, 1, 1), ("zb-v", 2, 1, 1),

@@ -169,6 +169,8 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
         notes.append("vocabulary from the tokenizer: taken as GPT-2's 50,257 padded to 51,200 (set model.vocab)")
     if not args.get("group-query-attention"):
         m.pop("kv_heads", None)
+    else:  # (Transformer Engine's attention takes the key/value heads as they are)
+        m["gqa"] = "native"
     if "dropout" not in m:
         m["dropout"] = 0.1  # (Megatron's --hidden-dropout default)
     p["sp"] = bool(args.get("sequence-parallel"))

@@ -92,6 +92,13 @@ class ModelSection(Section):
         "MLP, grouped-query attention, no biases, untied head)")
     kv_heads: int | None = key(
         None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
+    gqa: Literal["repeat_kv", "native"] = key(
+        "repeat_kv", "llama with kv_heads < heads: repeat_kv, each key/value head repeated for its query heads before "
+        "attention (Llama's reference code, torchtitan: SDPA sees as many as the query heads, context parallelism "
+        "exchanges the repeats, and each repeat's gradient is rounded before they are summed); native, the attention "
+        "kernel takes them as they are (FlashAttention's, cuDNN's and Transformer Engine's grouped-query attention, "
+        "Megatron-LM, Llama 3's training): context parallelism exchanges the key/value heads only, and each one's "
+        "gradient is summed over its query heads before it is rounded, once")
     dropout: float = key(0.0, "dropout probability", minimum=0)
     moe_experts: int = key(
         0, "a mixture of experts in place of the MLP, this many routed experts (SwiGLU for llama, GELU for gpt; "

@@ -22,6 +22,7 @@ from simcluster.numerics.divisors import divisors, listed
 from simcluster.numerics.ops import Ops
 
 ARCHS = ("gpt", "llama")
+GQA = ("repeat_kv", "native")  # how attention takes grouped-query attention's key/value heads
 
 
 class Recompute(Enum):
@@ -54,6 +55,7 @@ class ModelConfig:
     dtype: str = "fp32"  # logical dtype of activations, for the memory ledger
     arch: str = "gpt"  # "gpt"; "llama": RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases
     kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); None: as many as heads
+    gqa: str = "repeat_kv"  # llama: kv heads repeated before attention, or taken as they are ("native")
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
     attention_kernel: str = "flash"  # what the attention core costs: one fused kernel, or each step (flash.py)
     fused_kernels: bool = True  # bias+GELU, bias+dropout+residual, softmax as single kernels (fusion.py)
@@ -95,6 +97,8 @@ class ModelConfig:
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings rotate pairs: head dim hidden/heads = {self.head_dim} must be even")
         object.__setattr__(self, "kv_heads", kv)
+        if self.gqa not in GQA:
+            raise ValueError(f"model.gqa {self.gqa!r} is not valid; valid: {', '.join(GQA)}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "recompute", Recompute(self.recompute))

@@ -171,8 +171,10 @@ class GPT:
             da, c_["x"], p[pre + "ln1.g"], c_["mu1"], c_["r1"])
         return ops.add(dx1, dx_ln)
 
-    def attention_backward(self, dout: Any, c_: dict[str, Any]) -> tuple[Any, Any, Any]:
-        """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward), or of the fused one."""
+    def attention_backward(self, dout: Any, c_: dict[str, Any], fold: Any = None) -> tuple[Any, Any, Any]:
+        """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward), or of the fused one.
+        `fold`: dk's and dv's partial sums added over each key/value head's query heads before they are
+        rounded (grouped-query attention's heads as they are: llama_shard.py's kv_fold)."""
         ops, cfg = self.ops, self.cfg
         if "flash" in c_:
             return ops.fused_attention_backward(c_["flash"], dout)
@@ -181,14 +183,17 @@ class GPT:
             with fusion.probabilities(ops, cfg):
                 probs = ops.attention_probs(c_["e"], c_["l"])  # P = e / l
                 pd = probs if c_["keep"] is None else _drop(ops, probs, c_["keep"], cfg)
-            dv = ops.einsum("bask,basd->bakd", pd, dout)
+            dv = ops.einsum("bask,basd->bakd", pd, dout) if fold is None else \
+                ops.finalize(fold(ops.einsum("bask,basd->bakd", pd, dout, partial=True)))
             dpd = ops.einsum("basd,bakd->bask", dout, c_["v"])
             dp = dpd if c_["keep"] is None else _drop_grad(ops, dpd, c_["keep"], cfg)
             with fusion.softmax_backward(ops, cfg, probs):
                 delta = ops.sum(ops.mul(dout, c_["out"]), -1)  # (b, a, s): sum over d, never split
                 ds = ops.mul(probs, ops.sub(dp, ops.expand_last(delta)))
             dq = ops.scale(ops.einsum("bask,bakd->basd", ds, c_["k"]), scale)
-            dk = ops.scale(ops.einsum("bask,basd->bakd", ds, c_["q"]), scale)
+            dk = ops.einsum("bask,basd->bakd", ds, c_["q"]) if fold is None else \
+                ops.finalize(fold(ops.einsum("bask,basd->bakd", ds, c_["q"], partial=True)))
+            dk = ops.scale(dk, scale)
         return dq, dk, dv
 
     # -- the whole model -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from simcluster.numerics import limbs as _limbs
 from simcluster.numerics import tensor as _tensor
 from simcluster.numerics.tensor import MetaTensor, Partial, dtype_name
 
@@ -41,6 +42,17 @@ class Placement:
             shape[dim] *= n
             return MetaTensor(tuple(shape), x.dtype)
         return self.xp.repeat(x, n, dim)
+
+    def unrepeat_partial(self, p: Any, n: int, dim: int) -> Any:
+        """The gradient of `repeat` on a partial sum: each run of n slices along `dim` added, unrounded
+        (exact in exact mode). No kernel of its own: a fused attention kernel that takes grouped-query
+        attention's key/value heads as they are sums their query heads' gradients as it goes."""
+        shape, dim = tuple(p.shape), dim % len(p.shape)
+        out = shape[:dim] + (shape[dim] // n,) + shape[dim + 1:]
+        if p.__class__ is MetaTensor:
+            return MetaTensor(out, p.dtype, p.partial)
+        summed = p.xp.sum(p.limbs.reshape(out[:dim + 1] + (n,) + out[dim + 1:] + (p.limbs.shape[-1],)), dim + 1)
+        return Partial(_limbs.normalize(summed, p.xp) if p.exact else summed, p.dtype, p.xp)
 
     def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any] | None:
         """softmax(q k^T scale (causal)) v over whole sequences as one kernel, and what its backward needs:

@@ -47,6 +47,7 @@ class LlamaShard(TransformerShard):
         self.copies = max(1, self.t // m.kv_heads)  # tp ranks holding each kv head (Megatron replicates them)
         self.kv = max(1, m.kv_heads // self.t)  # this tp rank's key/value heads
         self.group = self.heads // self.kv  # this rank's query heads per kv head
+        self.folds = m.gqa == "native" and self.group > 1  # kv heads as they are, into attention and out of it
         if self.ops.mode is Mode.META:  # (shapes only: no table the length of the sequence)
             self.cos = self.sin = MetaTensor((len(self.positions), m.head_dim), "fp64")
         else:
@@ -104,6 +105,16 @@ class LlamaShard(TransformerShard):
         eager.repeat_kv(self.ops, self.m, x, self.group)
         return self.ops.repeat(x, self.group, 1)
 
+    def expand_kv(self, x: Any) -> Any:
+        """model.gqa = "native": each kv head for each of its query heads inside the attention kernel (which
+        indexes it: no copy, no kernel); "repeat_kv": x, repeated before attention (`repeat`)."""
+        return self.ops.repeat(x, self.group, 1) if self.folds else x
+
+    def kv_fold(self) -> Any:
+        """model.gqa = "native": a key/value gradient's partial sums added over each kv head's query heads,
+        unrounded, inside the kernel, before any exchange; the gradient is rounded once, after."""
+        return (lambda p: self.ops.unrepeat_partial(p, self.group, 1)) if self.folds else None
+
     def unrepeat(self, dx: Any) -> Generator[Any, Any, Any]:
         """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once. A kv head that
         several tp ranks hold collects its query heads' gradients from all of them first."""
@@ -144,9 +155,10 @@ class LlamaShard(TransformerShard):
             return made[name] if name in made else ops.matmul(a, p[pre + "attn." + name])
         xq = sv["xq"] if saved else mm("wq")
         q = self.rope(gpt.split_heads(xq))  # (b, a/tp, s/cp, d)
-        k = self.repeat(self.rope(gpt.split_heads(mm("wk"))))  # (b, kv/tp, ...) repeated
+        k = self.rope(gpt.split_heads(mm("wk")))  # (b, kv/tp, ...), repeated for the query heads unless native
+        k = k if self.folds else self.repeat(k)
         xv = sv["xv"] if saved else mm("wv")
-        v = self.repeat(gpt.split_heads(xv))
+        v = gpt.split_heads(xv) if self.folds else self.repeat(gpt.split_heads(xv))
         out, core = (sv["out"], sv["core"]) if saved else (yield from self.attend(q, k, v, i, step, where))
         ctx_ = gpt.merge_heads(out)  # (b, s/cp, h/tp)
         if "y" in sv:  # (b, tokens, h)

@@ -10,11 +10,17 @@ from typing import Any, Generator
 
 
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
-    core = model.core(q, k, v, layer, step, where)
+    core = model.core(q, model.expand_kv(k), model.expand_kv(v), layer, step, where)
     return core["out"], core | {"q": q, "k": k, "v": v}
     yield  # (a generator, as the others)
 
 
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-    return model.gpt.attention_backward(dout, core)
+    return model.gpt.attention_backward(dout, expanded(model, core), model.kv_fold())
     yield  # (a generator, as the others)
+
+
+def expanded(model: Any, core: dict[str, Any]) -> dict[str, Any]:
+    """What the backward pass takes: the kept key/value heads as the query heads see them (the shard's
+    expand_kv; the kept ones are the kv heads, with grouped-query attention's heads as they are)."""
+    return core | {"k": model.expand_kv(core["k"]), "v": model.expand_kv(core["v"])}

@@ -113,6 +113,12 @@ class Parallelism:
         _divides(f"context-parallel degree {cp}", cp, "seq", m.seq)
         if cp > 1 and self.attention == "ulysses":
             _divides(f"ulysses degree {cp}", cp, "heads" if tp == 1 else "heads/tp", m.heads // tp)
+        if m.gqa == "native" and m.kv_heads < m.heads:
+            if tp > m.kv_heads:
+                raise ValueError(f"model.gqa = 'native' with tp={tp} above kv_heads={m.kv_heads} is not modelled (each "
+                                 f"kv head on several tp ranks); set model.gqa = 'repeat_kv' or tp <= {m.kv_heads}")
+            if cp > 1 and self.attention == "ulysses":
+                _divides(f"ulysses degree {cp} with model.gqa = 'native'", cp, "kv_heads/tp", m.kv_heads // tp)
         if self.sp and tp > 1:
             local = m.seq // cp
             if local % tp:

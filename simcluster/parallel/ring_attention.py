@@ -19,6 +19,9 @@ each block's scores from q and k and takes its weights from the merged lse: no s
 the passes. allgather in fast mode: the gathered keys as one block, the same way.
 backward: keys and values travel around again; each rank adds its part of the block's dK and dV to
 accumulators that travel with the block and arrive, complete, back at its owner.
+Grouped-query attention's heads as they are (model.gqa = "native", as Transformer Engine's ring runs
+them): the blocks and their accumulators carry the kv heads, each expanded for its query heads where it
+is used and each part of its gradient summed over them before it is added.
 
 All-gather attention (Llama 3) is allgather_attention.py; ColossalAI's ring self-attention, rsa.py.
 """
@@ -37,7 +40,7 @@ from simcluster.parallel.cp_blocks import drop, kept, positions_of, rotate
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any,
             ring: bool = True) -> Generator[Any, Any, Any]:
     """Ring attention's forward pass (`ring`), or RSA's RingQK and RingAV (not `ring`)."""
-    ops, P, r = model.ops, model.P, model.r
+    ops, P, r, ex = model.ops, model.P, model.r, model.expand_kv
     scale = 1.0 / math.sqrt(model.m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
@@ -53,9 +56,10 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
                 sv, rv = rotate(model, kv[1], tag + 2)
                 sends += [sk, sv]
             cols = positions_of(model, o)
-            with flash.forward(ops, model.m, q, kv[0]):
-                keep = model.block_keep(f"attn.{layer}", (b, a, sq, kv[0].shape[2]), step, where, rows, cols)
-                block = ops.attention_block(q, kv[0], kv[1], scale, model.allowed(rows, cols), keep,
+            ek = ex(kv[0])
+            with flash.forward(ops, model.m, q, ek):
+                keep = model.block_keep(f"attn.{layer}", (b, a, sq, ek.shape[2]), step, where, rows, cols)
+                block = ops.attention_block(q, ek, ex(kv[1]), scale, model.allowed(rows, cols), keep,
                                             1.0 / (1.0 - model.m.dropout))
             if out is None:
                 out, lse = block
@@ -82,8 +86,9 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
             if ring:
                 send_v, recv_v = rotate(model, v_cur, tag + 2)
                 sends.append(send_v)
-        with fused(q, k_cur):
-            s = ops.attention_scores(q, k_cur, scale, model.allowed(rows, positions_of(model, o)))
+        ek = ex(k_cur)
+        with fused(q, ek):
+            s = ops.attention_scores(q, ek, scale, model.allowed(rows, positions_of(model, o)))
             scores.append(s)
             maxes.append(ops.max(s, -1))
         values.append(v_cur)
@@ -107,7 +112,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
             e = ops.attention_weights(scores[t], row_max)
             keep = model.block_keep(f"attn.{layer}", tuple(e.shape), step, where, rows, positions_of(model, o))
             l_parts.append(ops.sum(e, -1, partial=True))
-            o_parts.append(ops.einsum("bask,bakd->basd", kept(model, e, keep), v_cur, partial=True))
+            o_parts.append(ops.einsum("bask,bakd->basd", kept(model, e, keep), ex(v_cur), partial=True))
         if t < P - 1 and not ring:
             v_cur = yield recv
     if sends:
@@ -122,7 +127,8 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
 
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     """dq, dk, dv for this rank's tokens: dK and dV accumulate as they travel back to their owners."""
-    ops, P, r, m = model.ops, model.P, model.r, model.m
+    ops, P, r, m, ex = model.ops, model.P, model.r, model.m, model.expand_kv
+    fold = model.kv_fold() or (lambda p: p)
     scale = 1.0 / math.sqrt(m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]
@@ -137,20 +143,21 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
             sk, rk = rotate(model, kv[0], tag + 1)
             sv, rv = rotate(model, kv[1], tag + 2)
             sends += [sk, sv]
-        with flash.backward(ops, m, core["q"], kv[0]):  # (a block's backward as one fused kernel, with flash)
+        ek, ev = ex(kv[0]), ex(kv[1])
+        with flash.backward(ops, m, core["q"], ek):  # (a block's backward as one fused kernel, with flash)
             cols = positions_of(model, o)
             if lse is None:
                 probs = ops.attention_probs(ops.attention_weights(core["scores"][t], core["max"]), core["l"])
             else:
-                s = ops.attention_scores(core["q"], kv[0], scale, model.allowed(rows, cols))
+                s = ops.attention_scores(core["q"], ek, scale, model.allowed(rows, cols))
                 probs = ops.attention_weights(s, ops.expand_last(lse))
             keep = model.block_keep(f"attn.{core['layer']}", tuple(probs.shape), core["step"], core["where"], rows,
                                     cols)
-            dv_t = ops.einsum("bask,basd->bakd", drop(model, probs, keep), dout, partial=True)
-            dp = drop(model, ops.einsum("basd,bakd->bask", dout, kv[1]), keep)
+            dv_t = fold(ops.einsum("bask,basd->bakd", drop(model, probs, keep), dout, partial=True))
+            dp = drop(model, ops.einsum("basd,bakd->bask", dout, ev), keep)
             ds = ops.mul(probs, ops.sub(dp, delta))
-            dq_parts.append(ops.einsum("bask,bakd->basd", ds, kv[0], partial=True))
-            dk_t = ops.einsum("bask,basd->bakd", ds, core["q"], partial=True)
+            dq_parts.append(ops.einsum("bask,bakd->basd", ds, ek, partial=True))
+            dk_t = fold(ops.einsum("bask,basd->bakd", ds, core["q"], partial=True))
         dk_acc = dk_t if dk_acc is None else ops.add_partial(dk_acc, dk_t)
         dv_acc = dv_t if dv_acc is None else ops.add_partial(dv_acc, dv_t)
         if P == 1:

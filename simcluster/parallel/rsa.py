@@ -31,7 +31,8 @@ def _own_rows(ops: Any, full: Any, P: int, r: int) -> Any:
 
 
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-    ops, ctx, cp, P, r = model.ops, model.ctx, model.cp, model.P, model.r
+    ops, ctx, cp, P, r, ex = model.ops, model.ctx, model.cp, model.P, model.r, model.expand_kv
+    fold = model.kv_fold() or (lambda p: p)  # (grouped-query attention's heads as they are: ring_attention.py)
     scale = 1.0 / math.sqrt(model.m.head_dim)
     rows, owners = model.positions, [(r - t) % P for t in range(P)]
     delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))
@@ -42,26 +43,27 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
                                       rows, positions_of(model, o)))
     order = sorted(range(P), key=lambda t: owners[t])  # the blocks in sequence order
     dropped = ops.concat([drop(model, probs[t], keeps[t]) for t in order], -1)  # (b, a, s/P, s)
-    dv_all = ctx.comm.all_reduce(ops.einsum("bask,basd->bakd", dropped, dout, partial=True), group=cp, async_op=True)
+    dv_all = ctx.comm.all_reduce(fold(ops.einsum("bask,basd->bakd", dropped, dout, partial=True)), group=cp,
+                                 async_op=True)
     tag, sends = (1 << 20) + 8, []
     v_cur, ds = core["v"], [None] * P
     for t, o in enumerate(owners):  # RingQK on (dO, V): the score gradients, block by block
         if t < P - 1:
             send, recv = rotate(model, v_cur, tag + 1)
             sends.append(send)
-        dp = drop(model, ops.einsum("basd,bakd->bask", dout, v_cur), keeps[t])
+        dp = drop(model, ops.einsum("basd,bakd->bask", dout, ex(v_cur)), keeps[t])
         ds[t] = ops.mul(probs[t], ops.sub(dp, delta))
         if t < P - 1:
             v_cur = yield recv
     full_ds = ops.concat([ds[t] for t in order], -1)
-    dk_all = ctx.comm.all_reduce(ops.einsum("bask,basd->bakd", full_ds, core["q"], partial=True), group=cp,
+    dk_all = ctx.comm.all_reduce(fold(ops.einsum("bask,basd->bakd", full_ds, core["q"], partial=True)), group=cp,
                                  async_op=True)
     k_cur, dq = core["k"], None
     for t, o in enumerate(owners):  # RingAV on (dS, K): the query gradient
         if t < P - 1:
             send, recv = rotate(model, k_cur, tag + 2)
             sends.append(send)
-        part = ops.einsum("bask,bakd->basd", ds[t], k_cur, partial=True)
+        part = ops.einsum("bask,bakd->basd", ds[t], ex(k_cur), partial=True)
         dq = part if dq is None else ops.add_partial(dq, part)
         if t < P - 1:
             k_cur = yield recv

@@ -168,7 +168,8 @@ class TransformerShard(Experts):
         """The two-pass core on full-sequence q, k, v (b, a', s, d): this tp rank's heads, or with
         ulysses this cp rank's share of them. The kernel set's fused attention where it has one (gpt.py)."""
         ops, m = self.ops, self.m
-        fused = None if m.dropout else ops.fused_attention(q, k, v, causal=m.causal, scale=1.0 / math.sqrt(m.head_dim))
+        fused = None if m.dropout or self.folds else ops.fused_attention(q, k, v, causal=m.causal,
+                                                                         scale=1.0 / math.sqrt(m.head_dim))
         if fused is not None:
             return {"out": fused[0], "flash": fused[1]}
         with flash.forward(ops, m, q, k):
@@ -186,6 +187,16 @@ class TransformerShard(Experts):
             out = ops.attention_output(ops.einsum("bask,bakd->basd", ek, v, partial=True), l_sum, q.dtype,
                                        1.0 / (1.0 - m.dropout))
         return {"e": e, "l": l_sum, "keep": keep, "out": out}
+
+    folds = False  # grouped-query attention's kv heads taken as they are (llama_shard.py, model.gqa = "native")
+
+    def expand_kv(self, x: Any) -> Any:
+        """Key/value heads as the query heads see them (the identity here: one each)."""
+        return x
+
+    def kv_fold(self) -> Any:
+        """None, or what sums a key/value gradient's partials over each kv head's query heads."""
+        return None
 
     def attend(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         """(b, a/tp, s/cp, d) in and out; and what the backward pass needs."""
