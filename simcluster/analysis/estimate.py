@@ -233,7 +233,8 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
     """The exposed time of one layer's context-parallel exchanges for one micro-batch (forward, its
     recomputation under full recompute, backward), the cp group spread over `nodes` nodes (its ranks
     talk over NVLink inside one, each over its own NIC between them). With x the bytes of this
-    rank's queries (b s/c h/t, 16-bit) and kv of its keys (or values): Ulysses all-to-alls q, k, v
+    rank's queries (b s/c h/t, 16-bit) and kv of its keys (or values, repeated for the query heads unless
+    model.gqa = "native"): Ulysses all-to-alls q, k, v
     and the output each way, (c-1)/c of 2x + 2kv, of which (k-1)/k leaves the node; all-gather KV
     gathers (c-1) kv of keys and of values (hierarchically: (k-1) kv through each NIC, then the rest
     inside the node) and reduce-scatters their gradients back; the ring passes keys and values c-1
@@ -255,7 +256,8 @@ def _context_exchange(attention: str, layout: Layout, model: Any, spec: Any, nvl
 
     b, s, d = layout.micro_batch, model.seq // c, model.head_dim
     x = b * s * model.heads // t * d * 2
-    kv = b * s * max(model.kv_heads // t, 1) * d * 2
+    # (grouped-query attention's kv heads travel as they are with model.gqa = "native", repeated otherwise)
+    kv = b * s * (max(model.kv_heads // t, 1) if model.gqa == "native" else model.heads // t) * d * 2
     passes = (2 if layout.recompute == "full" else 1) + 1  # forwards and the backward
     link = nccl.NET if k > 1 else nccl.NVLINK
     if attention == "ulysses":  # q, k, v and the output: four all-to-alls a pass
