@@ -133,7 +133,10 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         held = max(sum(count * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0))
                        for piece, count in stage) for stage in _held(parallelism.schedule, parallelism.shape(p)))
     else:
-        in_flight = min(m, p) * ((1 + (p - 1) / (p * v)) if layout.schedule == "interleaved" else 1)
+        in_flight = min(m, p)
+        if layout.schedule == "interleaved" and p > 1:  # stage 0's warm-up and one more, 1/v of a stage each
+            n = parallelism.shape(p).together  # (N = p: p + (p - 1)/v)
+            in_flight = min(m * v, 2 * (p - 1) + (v - 1) * n + 1) / v
         held = act * math.ceil(model.layers / p) * in_flight
     # the larger of the backward's activations and the optimizer step's fp32 gradients (dp_wrap.py)
     memory = dense_states + expert_states + max(held, dense_step + expert_step)

@@ -37,6 +37,7 @@ MEGATRON = {
     "grad-reduce-in-bf16": "parallel.grads_fp32", "tp-comm-overlap": "parallel.tp_comm_overlap",
     "overlap-param-gather": "parallel.overlap_param_gather",
     "no-async-tensor-model-parallel-allreduce": "parallel.tp_async_backward",
+    "microbatch-group-size-per-vp-stage": "parallel.microbatch_group",
     "account-for-embedding-in-pipeline-split": "parallel.embedding_in_split",
     "account-for-loss-in-pipeline-split": "parallel.loss_in_split",
 }

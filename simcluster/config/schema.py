@@ -240,6 +240,12 @@ class ParallelSection(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe"] = key(
         "1f1b", "pipeline schedule (pp > 1)")
     virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)
+    microbatch_group: int = key(
+        0, "interleaved schedule: the micro-batches that go through one chunk before the next chunk's turn, N in "
+        "[pp, micro-batches], the last group whatever is left (at least pp); 0: pp. Megatron-LM's "
+        "--microbatch-group-size-per-vp-stage; Llama 3 405B's pipeline sets it so that the micro-batch count need not "
+        "be a multiple of pp. A larger N holds (v - 1)(N - pp) more micro-batches' activations on a stage",
+        minimum=0)
     embedding_in_split: bool = key(
         False, "pp > 1: the pipeline split counts the embedding as a layer, so the first chunk holds one layer fewer "
         "(none where each chunk is one layer: the embedding alone), as Megatron-LM's "

@@ -42,6 +42,7 @@ class Parallelism:
     attention: str = "ulysses"
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1  # model chunks per pipeline stage (interleaved)
+    microbatch_group: int = 0  # interleaved: micro-batches through a chunk together (0: pp; pipeline_schedules.py)
     embedding_in_split: bool = False  # the pipeline split counts the embedding as a block (pipeline.partition)
     loss_in_split: bool = False  # ... and the head with its loss
     zero_over: str = "dp_cp"
@@ -93,7 +94,7 @@ class Parallelism:
         return axes + ("ep",) if self.model.moe_experts and not self.model.moe_skew else axes
 
     def shape(self, pp: int) -> PipelineShape:
-        return PipelineShape(pp, self.data.micro_batches, self.virtual)
+        return PipelineShape(pp, self.data.micro_batches, self.virtual, self.microbatch_group)
 
     def check(self, dp: int, pp: int, cp: int, tp: int) -> None:
         """Clear errors for what this parallelism cannot run on the mesh."""

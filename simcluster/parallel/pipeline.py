@@ -213,6 +213,7 @@ class UniformPipeline:
     micro_batches: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual: int = 1
+    group: int = 0  # the interleaved schedule's N (PipelineShape.group)
     t_f: int = 1000
     t_b: int = 1000
     t_w: int = 1000
@@ -273,7 +274,7 @@ def uniform_cluster(stages: int, **overrides: Any) -> Any:
 
 def pipeline_uniform(ctx: Context, cfg: UniformPipeline) -> Generator[Any, Any, None]:
     pp = ctx.mesh.pp
-    shape = PipelineShape(pp.size, cfg.micro_batches, cfg.virtual)
+    shape = PipelineShape(pp.size, cfg.micro_batches, cfg.virtual, cfg.group)
     place = placement(cfg.schedule, shape)
     check(cfg.schedule, shape, layers=place.pieces)
     passes = stage_passes(cfg.schedule, shape, ctx.mesh.coord("pp"))

@@ -40,10 +40,16 @@ class PipelineShape:
     stages: int  # p
     micro_batches: int  # m
     virtual: int = 1  # v, model chunks per stage (interleaved only)
+    group: int = 0  # N, micro-batches that go through a chunk together (interleaved only; 0: p)
 
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
+
+    @property
+    def together(self) -> int:
+        """N: the interleaved schedule's micro-batches a chunk runs before the next chunk's turn."""
+        return self.group or self.stages
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,14 @@ def check(schedule: Schedule, shape: PipelineShape, layers: int, ends: int = 0) 
     if p * v > layers:
         raise ValueError(f"p x v = {p} x {v} = {p * v} model chunks for {counted}: every chunk needs a layer; "
                          f"valid v for p={p}: {', '.join(str(x) for x in range(1, layers // p + 1))}")
-    if schedule is Schedule.INTERLEAVED and m % p:
-        raise ValueError(f"the interleaved schedule needs the micro-batch count m={m} to be a multiple of p={p}")
+    n = shape.together
+    if schedule is Schedule.INTERLEAVED and not p <= n <= m:
+        raise ValueError(f"the interleaved schedule's micro-batch group N={n} must lie in [p, m] = [{p}, {m}]")
+    if schedule is Schedule.INTERLEAVED and 0 < m % n < p:
+        raise ValueError(f"the interleaved schedule needs the micro-batch count m={m} to be a multiple of "
+                         f"{'p' if not shape.group else 'N'}={n}, or to leave at least p={p} after the last whole "
+                         f"group (parallel.microbatch_group sets N, Megatron-LM's "
+                         f"--microbatch-group-size-per-vp-stage)")
     if schedule is Schedule.ZB_V and 2 * p > layers:
         raise ValueError(f"ZB-V cuts the layers into 2 x p = {2 * p} chunks: {counted} are too few; "
                          f"valid p: {', '.join(str(x) for x in range(1, layers // 2 + 1))}")
@@ -152,19 +164,20 @@ def one_f_one_b(shape: PipelineShape, stage: int) -> list[Pass]:
 
 def interleaved(shape: PipelineShape, stage: int) -> list[Pass]:
     """Interleaved 1F1B (Narayanan et al. 2021, section 2.2): v chunks per stage, micro-batches in
-    groups of p go through chunk 0, then chunk 1, ...; 1. warm-up: 2(p - s - 1) + (v - 1)p forwards;
-    2. steady state: one forward, one backward; 3. cool-down: the remaining backwards."""
-    p, m, v = shape.stages, shape.micro_batches, shape.virtual
+    groups of N (p unless set; the last group whatever is left) go through chunk 0, then chunk 1, ...;
+    1. warm-up: 2(p - s - 1) + (v - 1)N forwards; 2. steady state: one forward, one backward; 3. cool-down:
+    the remaining backwards. N as Megatron-LM's --microbatch-group-size-per-vp-stage (schedules.py,
+    get_schedule_table), which Llama 3's pipeline set freely (Dubey et al. 2024, section 3.3.2) so that m
+    need not be a multiple of p."""
+    p, m, v, n = shape.stages, shape.micro_batches, shape.virtual, shape.together
     total = m * v
+    table = [(j, k) for first in range(0, m, n) for k in range(v) for j in range(first, min(first + n, m))]
 
     def virtual(i: int, forward: bool) -> tuple[int, int]:
-        group, within = divmod(i, p * v)
-        k = within // p  # model chunk on this stage
-        if not forward:
-            k = v - 1 - k
-        return group * p + within % p, k * p + stage  # (micro-batch, global chunk)
+        j, k = table[i]  # micro-batch, model chunk on this stage
+        return j, (k if forward else v - 1 - k) * p + stage  # (micro-batch, global chunk)
 
-    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    warmup = min((p - stage - 1) * 2 + (v - 1) * n, total)
     ops: list[Pass] = [("F", *virtual(i, True)) for i in range(warmup)]
     f, b = warmup, 0
     while f < total:

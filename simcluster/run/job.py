@@ -88,10 +88,12 @@ def parallelism_of(sc: Scenario, mesh: DeviceMesh) -> Parallelism:
             raise ValueError("a checkpoint with the delayed parameter update is not modelled: the weights the "
                              "next step uses are not those the checkpoint holds; set parallel.delayed_update = "
                              "false to save or resume")
-        if p.schedule == "interleaved" and p.pp > 1 and cfg.micro_batches % p.pp:
+        if p.schedule == "interleaved" and p.pp > 1 and not p.microbatch_group and cfg.micro_batches % p.pp:
             raise ValueError(f"the interleaved schedule needs each rank's micro-batch count ({cfg.micro_batches}) "
                              f"to be a multiple of pp={p.pp}: set model.micro_batch so that global_batch / dp / "
-                             f"micro_batch is a multiple of {p.pp}")
+                             f"micro_batch is a multiple of {p.pp}, or parallel.microbatch_group (Megatron-LM's "
+                             f"--microbatch-group-size-per-vp-stage) to one that m is a multiple of, or leaves at "
+                             f"least {p.pp} after")
         parallelism = Parallelism(**alike(Parallelism, p), data=cfg, virtual=p.virtual_stages,
                                   dispatcher=p.moe_dispatcher, checkpoint=checkpoint.of(sc))
         parallelism.check(**mesh.sizes)
