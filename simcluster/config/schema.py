@@ -93,12 +93,11 @@ class ModelSection(Section):
     kv_heads: int | None = key(
         None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
     gqa: Literal["repeat_kv", "native"] = key(
-        "repeat_kv", "llama with kv_heads < heads: repeat_kv, each key/value head repeated for its query heads before "
-        "attention (Llama's reference code, torchtitan: SDPA sees as many as the query heads, context parallelism "
-        "exchanges the repeats, and each repeat's gradient is rounded before they are summed); native, the attention "
-        "kernel takes them as they are (FlashAttention's, cuDNN's and Transformer Engine's grouped-query attention, "
-        "Megatron-LM, Llama 3's training): context parallelism exchanges the key/value heads only, and each one's "
-        "gradient is summed over its query heads before it is rounded, once")
+        "repeat_kv", "llama, kv_heads < heads: repeat_kv repeats each key/value head for its query heads before attention "
+        "(Llama's reference code, torchtitan's SDPA: context parallelism exchanges the repeats, each repeat's gradient "
+        "rounded before they are summed); native takes them as they are (FlashAttention's, cuDNN's and Transformer "
+        "Engine's kernels; Megatron-LM, Llama 3): context parallelism exchanges the kv heads only, each one's gradient "
+        "summed over its query heads and rounded once")
     dropout: float = key(0.0, "dropout probability", minimum=0)
     moe_experts: int = key(
         0, "a mixture of experts in place of the MLP, this many routed experts (SwiGLU for llama, GELU for gpt; "
@@ -186,14 +185,13 @@ class ParallelSection(Section):
     tp: int = key(1, "tensor-parallel degree", minimum=1)
     sp: bool = key(False, "Megatron sequence parallelism with tp > 1 (norms and dropout on sequence shards)")
     tp_comm_overlap: bool = key(
-        False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside "
-        "them, as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor "
-        "parallelism do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one GEMM in 4 splits "
-        "of its columns. The backward's column-parallel layers are tp_async_backward's: Megatron-LM runs both "
-        "(--tp-comm-overlap with its async backward, on by default); torch's async TP is this alone, its pattern "
-        "matcher fusing a reduce-scatter of one GEMM's output (the GPT's QKV and fc1 input gradients, in pieces) "
-        "and not of a sum (the Llama's, of q, k and v and of w1 and w3), each fused one summing its partials in a "
-        "kernel of its own. The same numbers either way")
+        False, "with sp: run the sequence-parallel all-gathers and reduce-scatters in pieces under the GEMMs beside them, "
+        "as Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers) and torchtitan's async tensor parallelism "
+        "do: each all-gather into a GEMM in tp pieces, each reduce-scatter out of one GEMM in 4 splits of its columns. "
+        "The backward's column-parallel layers are tp_async_backward's: Megatron-LM runs both (--tp-comm-overlap with "
+        "its async backward, on by default); torch's async TP is this alone, its pattern matcher fusing a reduce-scatter "
+        "of one GEMM's output (the GPT's QKV and fc1 input gradients, in pieces) and not of a sum (the Llama's, of q, k "
+        "and v and of w1 and w3), each fused one summing its partials in a kernel of its own. The same numbers either way")
     tp_async_backward: bool = key(
         False, "Megatron-LM's column-parallel backward (its LinearWithGradAccumulationAndAsyncCommunication, on since "
         "2021; Transformer Engine's bulk overlap under --tp-comm-overlap): with sp the layer's input gathered again "
@@ -241,18 +239,13 @@ class ParallelSection(Section):
         "1f1b", "pipeline schedule (pp > 1)")
     virtual_stages: int = key(1, "model chunks per pipeline stage (interleaved schedule)", minimum=1)
     microbatch_group: int = key(
-        0, "interleaved schedule: the micro-batches that go through one chunk before the next chunk's turn, N in "
-        "[pp, micro-batches], the last group whatever is left (at least pp); 0: pp. Megatron-LM's "
-        "--microbatch-group-size-per-vp-stage; Llama 3 405B's pipeline sets it so that the micro-batch count need not "
-        "be a multiple of pp. A larger N holds (v - 1)(N - pp) more micro-batches' activations on a stage",
-        minimum=0)
-    embedding_in_split: bool = key(
-        False, "pp > 1: the pipeline split counts the embedding as a layer, so the first chunk holds one layer fewer "
-        "(none where each chunk is one layer: the embedding alone), as Megatron-LM's "
-        "--account-for-embedding-in-pipeline-split and Llama 3 405B's pipeline balance the first stage")
-    loss_in_split: bool = key(
-        False, "pp > 1: the pipeline split counts the head and its loss as a layer, so the last chunk holds one layer "
-        "fewer, as Megatron-LM's --account-for-loss-in-pipeline-split and Llama 3 405B's pipeline")
+        0, "interleaved: the micro-batches through a chunk before the next chunk's turn, N in [pp, micro-batches], the "
+        "last group what is left (at least pp); 0: pp. Megatron-LM's --microbatch-group-size-per-vp-stage, Llama 3's "
+        "N: the micro-batch count need not be a multiple of pp; stage 0 holds (v - 1)(N - pp)/v more", minimum=0)
+    embedding_in_split: bool = key(False, "the pipeline split counts the embedding as a layer: the first chunk holds one "
+                                   "fewer (Megatron-LM's --account-for-embedding-in-pipeline-split; Llama 3 405B)")
+    loss_in_split: bool = key(False, "the pipeline split counts the head and its loss as a layer: the last chunk holds one "
+                              "fewer (Megatron-LM's --account-for-loss-in-pipeline-split; Llama 3 405B)")
     dualpipe_overlap: bool = key(
         True, "DualPipe: each paired forward and backward pass (its main step's) run together, each computing while "
         "the other's communication (expert all-to-all, tensor-parallel and pipeline transfers) is in flight, as "
