@@ -181,10 +181,12 @@ class TorchFastOps(FastOps):
 
     def fused_attention(self, q: Any, k: Any, v: Any, *, causal: bool, scale: float) -> tuple[Any, Any]:
         """torch's scaled_dot_product_attention (FlashAttention on a GPU, its fused CPU kernel here): the
-        s x s scores never exist; the backward is its own, through autograd on the kept graph."""
+        s x s scores never exist; the backward is its own, through autograd on the kept graph. Fewer key/value
+        heads than query heads (model.gqa = "native"): its grouped-query attention takes them as they are."""
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
         with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)
+            out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale,
+                                                                   enable_gqa=k.shape[1] != q.shape[1])
         self._flash("flash_attention", q, k, causal, backward=False)
         return out.detach(), (out, q_, k_, v_, causal)
 

@@ -245,10 +245,12 @@ def test_the_fast_bound_catches_a_swapped_shard_on_gloo(broken):
     pytest.param(("parallel.dp=2", "parallel.zero=3", "cluster.gpus_per_node=2"), marks=pytest.mark.slow),
     ("parallel.dp=1", "parallel.cp=2", "parallel.attention=ulysses", "model.arch=llama", "model.kv_heads=2",
      "cluster.gpus_per_node=2"),
+    ("parallel.dp=1", "model.arch=llama", "model.kv_heads=2", "model.gqa=native", "cluster.gpus_per_node=1"),
 ])
 def test_fused_attention_from_the_command_line(layout):
-    """Without dropout the torch kernel set's attention is torch's fused one (SDPA); plain and Ulysses
-    (which runs the core on whole sequences) agree with the emulator and one device within the bound."""
+    """Without dropout the torch kernel set's attention is torch's fused one (SDPA); plain, Ulysses (which
+    runs the core on whole sequences) and the kv heads as they are (SDPA's enable_gqa) agree with the
+    emulator and one device within the bound."""
     within_the_fast_tolerance(on_torch(
         "run.steps=2", "model.dropout=0", "run.numerics=fast", "model.dtype=bf16", *layout, "model.layers=2",
         "model.hidden=8", "model.heads=4", "model.ffn_hidden=8", "model.seq=4", "model.vocab=8",

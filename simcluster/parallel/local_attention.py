@@ -10,7 +10,7 @@ from typing import Any, Generator
 
 
 def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: Any) -> Generator[Any, Any, Any]:
-    core = model.core(q, model.expand_kv(k), model.expand_kv(v), layer, step, where)
+    core = model.core(q, k, v, layer, step, where)
     return core["out"], core | {"q": q, "k": k, "v": v}
     yield  # (a generator, as the others)
 

@@ -166,12 +166,13 @@ class TransformerShard(Experts):
     # -- attention over cp --------------------------------------------------------------------------
     def core(self, q: Any, k: Any, v: Any, layer: int, step: int, where: Slice) -> dict[str, Any]:
         """The two-pass core on full-sequence q, k, v (b, a', s, d): this tp rank's heads, or with
-        ulysses this cp rank's share of them. The kernel set's fused attention where it has one (gpt.py)."""
+        ulysses this cp rank's share of them (k, v: their kv heads, expand_kv's). The kernel set's fused
+        attention where it has one (gpt.py), given the kv heads as they are."""
         ops, m = self.ops, self.m
-        fused = None if m.dropout or self.folds else ops.fused_attention(q, k, v, causal=m.causal,
-                                                                         scale=1.0 / math.sqrt(m.head_dim))
+        fused = None if m.dropout else ops.fused_attention(q, k, v, causal=m.causal, scale=1.0 / math.sqrt(m.head_dim))
         if fused is not None:
             return {"out": fused[0], "flash": fused[1]}
+        k, v = self.expand_kv(k), self.expand_kv(v)
         with flash.forward(ops, m, q, k):
             s = ops.attention_scores(q, k, 1.0 / math.sqrt(m.head_dim), self.gpt.causal_mask(q.shape[2]))
             with fusion.softmax(ops, m, s):

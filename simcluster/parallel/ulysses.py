@@ -31,7 +31,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     ctx, group = model.ctx, model.cp
     qh, kh, vh = yield [ctx.comm.all_to_all(t, group=group, split_dim=1, concat_dim=2, async_op=True)
                         for t in (q, k, v)]
-    core = model.core(qh, model.expand_kv(kh), model.expand_kv(vh), layer, step, where)
+    core = model.core(qh, kh, vh, layer, step, where)
     out = yield from to_sequence(ctx, core["out"], group)
     return out, core | {"q": qh, "k": kh, "v": vh}
 
