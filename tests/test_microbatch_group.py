@@ -116,3 +116,9 @@ def test_the_planners_estimate_holds_the_larger_warm_up():
     two, six = (estimate(load(None, args + [f"parallel.microbatch_group={n}"]), layout) for n in (2, 6))
     per_layer = sum(layer_activations(s=2048, b=1, h=1024, a=8, dtype="bf16", attention_kernel="flash").values())
     assert six.memory_bytes - two.memory_bytes == pytest.approx(2 * 4 * per_layer, rel=1e-9)
+
+
+def test_fewer_micro_batches_than_stages_are_refused_as_before():
+    """Without a group set, m < p is the old refusal (a multiple of p), not a word about N."""
+    with pytest.raises(ValueError, match="m=1 to be a multiple of p=2"):
+        schedules.check(Schedule.INTERLEAVED, PipelineShape(2, 1, 2), layers=4)

@@ -127,9 +127,9 @@ def check(schedule: Schedule, shape: PipelineShape, layers: int, ends: int = 0) 
         raise ValueError(f"p x v = {p} x {v} = {p * v} model chunks for {counted}: every chunk needs a layer; "
                          f"valid v for p={p}: {', '.join(str(x) for x in range(1, layers // p + 1))}")
     n = shape.together
-    if schedule is Schedule.INTERLEAVED and not p <= n <= m:
+    if schedule is Schedule.INTERLEAVED and shape.group and not p <= n <= m:
         raise ValueError(f"the interleaved schedule's micro-batch group N={n} must lie in [p, m] = [{p}, {m}]")
-    if schedule is Schedule.INTERLEAVED and 0 < m % n < p:
+    if schedule is Schedule.INTERLEAVED and m % n and (not shape.group or m % n < p):
         raise ValueError(f"the interleaved schedule needs the micro-batch count m={m} to be a multiple of "
                          f"{'p' if not shape.group else 'N'}={n}, or to leave at least p={p} after the last whole "
                          f"group (parallel.microbatch_group sets N, Megatron-LM's "
