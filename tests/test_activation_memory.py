@@ -78,3 +78,53 @@ def test_flash_attention_keeps_statistics_not_scores(t, sp, recompute):
     statistics = 4 * a * s * b / t
     outside = t if sp else 1
     assert tp_layer(t, sp=sp, recompute=recompute, kernel="flash") == s * b * h * (10 / outside + 24 / t) + statistics
+
+
+def llama_layer(f, fused=True, gqa="repeat_kv", kv=16):
+    m = ModelConfig(arch="llama", layers=2, hidden=h, heads=a, kv_heads=kv, ffn_hidden=f, seq=s, vocab=64,
+                    dtype="bf16", tied_head=False, attention_kernel="flash", fused_kernels=fused, gqa=gqa)
+    data = TrainingConfig(model=m, global_batch=b, steps=1, precision="bf16")
+    return held_per_layer(composed, Parallelism(data=data), DeviceMesh())
+
+
+@pytest.mark.parametrize("fused, kept", [(True, 3), (False, 4)])
+def test_a_swiglu_mlp_keeps_its_width_three_or_four_times(fused, kept):
+    """A Llama block's MLP terms are its width f's: Megatron-Core's fused SwiGLU keeps its input (w1's and
+    w3's outputs) and w2 its output, 3 s b f 16-bit values; eager PyTorch keeps SiLU's output too (4, as
+    `test_eager_autograd_keeps_what_the_formula_counts` measures). Twice the width: that many more."""
+    assert llama_layer(2048, fused) - llama_layer(1024, fused) == kept * s * b * 1024 * 2
+
+
+def test_native_gqa_keeps_the_kv_heads_keys_and_values():
+    """With the kv heads taken as they are, the attention kernel keeps 4 heads' keys and values, not the
+    16 repeats: 2 x 12 heads x s b d 16-bit values fewer."""
+    assert llama_layer(1024, gqa="repeat_kv", kv=4) - llama_layer(1024, gqa="native", kv=4) == 2 * 12 * s * b * 64 * 2
+
+
+def test_eager_autograd_keeps_what_the_formula_counts():
+    """torch's own autograd, eager, on an MLP of each kind: the distinct tensors it saves for the backward,
+    past the MLP's input, are GELU's input and output (2f) and SwiGLU's w1 and w3 outputs, SiLU's output
+    and the product (4f), as activations.py charges them."""
+    torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
+    import torch.nn.functional as F
+
+    def saved(fn, x):
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x).sum()
+        kept.pop(x.untyped_storage().data_ptr(), None)  # (the MLP's input: the formula's "mlp input")
+        return kept
+
+    tokens, width, f = 8, 16, 40
+    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    w1, w2, w3 = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+                  for shape in ((width, f), (f, width), (width, f)))
+    gelu = saved(lambda x: F.gelu(x @ w1) @ w2, x)
+    swiglu = saved(lambda x: (F.silu(x @ w1) * (x @ w3)) @ w2, x)
+    weights = {w.untyped_storage().data_ptr() for w in (w1, w2, w3)}
+    assert sorted(n for p, n in gelu.items() if p not in weights) == [tokens * f * 2] * 2
+    assert sorted(n for p, n in swiglu.items() if p not in weights) == [tokens * f * 2] * 4

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from simcluster.config.scenario import Scenario, ScenarioError
-from simcluster.model.activations import layer_activations, moe_activations
+from simcluster.model.activations import MLP_KIND, layer_activations, moe_activations
 from simcluster.model.config import Recompute
 from simcluster.model.flops import forward_per_token, op_recomputed, step_flops
 from simcluster.model.precision import model_state_bytes
@@ -119,7 +119,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
                                                                 sharded(expert_psi, edp))
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                              sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
-                             attention_kernel=model.attention_kernel, kv=model.kv_heads, f=model.ffn_hidden)
+                             attention_kernel=model.attention_kernel, kv=model.kv_heads, f=model.ffn_hidden,
+                             mlp=MLP_KIND[model.arch], fused=model.fused_kernels, gqa=model.gqa)
     if model.moe_experts and layout.recompute != "full":
         kept = moe_activations(kept, model, b=layout.micro_batch, parts=spread)
     act = sum(kept.values())

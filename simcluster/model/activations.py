@@ -9,6 +9,11 @@ region shrink by t; with sequence parallelism everything does; selective recompu
 attention core's 5as^2b; full recomputation keeps only the layer's input. A fused (flash) attention
 kernel keeps no s x s tensor either: it keeps one fp32 softmax statistic per query row and head, and
 regenerates its dropout mask from the random state (flash.py).
+The MLP's terms are its width f's (the paper's 4h for the GPT's): GELU's input and output; a SwiGLU
+MLP's (the Llama's) the input of Megatron-Core's fused SwiGLU (SwiGLUFunction saves it: w1's and w3's
+outputs, 2f) and its output (w2's input, f), and unfused (eager PyTorch) SiLU's output too, which the
+product saves. With grouped-query attention's kv heads taken as they are (model.gqa = "native") the
+attention kernel keeps the kv heads' keys and values, not their repeats.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from simcluster.numerics.tensor import ITEMSIZE
 
 def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
                       dtype: str = "bf16", attention_kernel: str = "unfused", kv: int | None = None,
-                      f: int | None = None) -> dict[str, int]:
+                      f: int | None = None, mlp: str = "gelu", fused: bool = True,
+                      gqa: str = "repeat_kv") -> dict[str, int]:
     """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch; kv, f:
-    a Llama's key/value heads and MLP width (per-op checkpointing only; default a and 4h)."""
+    a Llama's key/value heads and MLP width (default a and 4h); mlp: "gelu" or "swiglu"; fused: the
+    model's fused kernels (model.fused_kernels); gqa: how attention takes the kv heads (model.gqa)."""
     if recompute not in ("none", "selective", "full", "op"):
         raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full, op")
     item = ITEMSIZE[dtype]
@@ -33,17 +40,20 @@ def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = 
     if recompute == "op":
         return op_activations(s=s, b=b, h=h, a=a, kv=a if kv is None else kv, f=4 * h if f is None else f, t=t,
                               sp=sp, item=item)
+    kvh = s * b * (h // a) * (kv if gqa == "native" and kv is not None else a)  # the keys (or values) it keeps
+    sbf = s * b * (4 * h if f is None else f)
     kept = {
         # attention block: 11sbh + 5as^2b
         "qkv input (layer norm output)": item * sbh // outside,
-        "q, k": 2 * item * sbh // t,
-        "v": item * sbh // t,
+        "q, k": item * (sbh + kvh) // t,
+        "v": item * kvh // t,
         "projection input": item * sbh // t,
         "attention dropout mask": sbh // outside,
-        # MLP block: 19sbh
+        # MLP block: 19sbh (f = 4h)
         "mlp input (layer norm output)": item * sbh // outside,
-        "gelu input": 4 * item * sbh // t,
-        "gelu output": 4 * item * sbh // t,
+        **({"gelu input": item * sbf // t, "gelu output": item * sbf // t} if mlp == "gelu" else
+           {"swiglu input (w1 and w3 outputs)": 2 * item * sbf // t, "swiglu output (w2 input)": item * sbf // t}
+           | ({} if fused else {"silu output": item * sbf // t})),
         "mlp dropout mask": sbh // outside,
         # the two layer norms' inputs: 4sbh
         "layer norm inputs": 2 * item * sbh // outside,
@@ -72,6 +82,10 @@ def op_activations(*, s: int, b: int, h: int, a: int, kv: int, f: int, t: int, s
     return kept
 
 
+MLP_KIND = {"gpt": "gelu", "llama": "swiglu"}  # each architecture's MLP
+MLP = ("gelu input", "gelu output", "swiglu input (w1 and w3 outputs)", "swiglu output (w2 input)", "silu output")
+
+
 def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> dict[str, int]:
     """A layer's tensors (layer_activations) with its MLP's replaced by a mixture of experts' (model/moe.py):
     per token the router's scores (E), each of its k routed rows (h), the experts' two products and their
@@ -80,7 +94,7 @@ def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> 
     tokens (`parts`: the ranks sharing them out); the MLP's input stays."""
     item, tokens = ITEMSIZE[m.dtype], m.seq * b // parts
     k, f = m.moe_top_k, m.moe_ffn_hidden or m.ffn_hidden
-    out = {name: v for name, v in kept.items() if name not in ("gelu input", "gelu output")}
+    out = {name: v for name, v in kept.items() if name not in MLP}
     return out | {"router scores": item * tokens * m.moe_experts,
                   "routed rows and weighted outputs": 2 * item * tokens * k * m.hidden,
                   "experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens * k * f,

@@ -28,7 +28,7 @@ from typing import Any, Generator
 import numpy as np
 
 from simcluster.model import flash, fusion
-from simcluster.model.activations import layer_activations, moe_activations
+from simcluster.model.activations import MLP_KIND, layer_activations, moe_activations
 from simcluster.model.gpt import GPT, Slice, narrow_logits, wide_logits
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.moe_shard import Experts
@@ -268,7 +268,8 @@ class TransformerShard(Experts):
         kernel = "unfused" if self.keeps_scores else self.m.attention_kernel
         kept = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
                                  recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel,
-                                 kv=self.m.kv_heads, f=self.m.ffn_hidden)
+                                 kv=self.m.kv_heads, f=self.m.ffn_hidden, mlp=MLP_KIND[self.m.arch],
+                                 fused=self.m.fused_kernels, gqa=self.m.gqa)
         if self.keeps_scores and self.m.recompute.value == "op":  # (the per-op policy keeps the core: RSA's rows)
             core = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t,
                                      sp=self.sp, dtype=self.m.dtype)
