@@ -1,6 +1,7 @@
 """Activation memory per layer, from the engine's accounting in meta mode: Korthikanti et al. 2022,
-Table 2 (16-bit activations, 1-byte dropout masks, the attention core unfused as in the paper), one
-test per row; then the fused (flash) kernel, which keeps softmax statistics instead of s x s tensors."""
+Table 2 (16-bit activations, 1-byte dropout masks, the attention core unfused as in the paper; its
+models drop out), one test per row; then the fused (flash) kernel, which keeps softmax statistics instead
+of s x s tensors; a model without dropout, which keeps no masks; and each MLP kind's width."""
 
 import pytest
 
@@ -25,7 +26,7 @@ def held_per_layer(program, cfg, mesh):
 
 def model(recompute="none", kernel="unfused"):
     return ModelConfig(layers=2, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, recompute=recompute,
-                     dtype="bf16", tied_head=False, attention_kernel=kernel)
+                     dtype="bf16", tied_head=False, attention_kernel=kernel, dropout=0.1)
 
 
 def tp_layer(t, sp=False, recompute="none", kernel="unfused"):
@@ -128,3 +129,24 @@ def test_eager_autograd_keeps_what_the_formula_counts():
     weights = {w.untyped_storage().data_ptr() for w in (w1, w2, w3)}
     assert sorted(n for p, n in gelu.items() if p not in weights) == [tokens * f * 2] * 2
     assert sorted(n for p, n in swiglu.items() if p not in weights) == [tokens * f * 2] * 4
+
+
+@pytest.mark.parametrize("kernel, masks", [("flash", 2 * s * b * h), ("unfused", 2 * s * b * h + 3 * a * s * s * b)])
+def test_a_model_without_dropout_keeps_no_masks(kernel, masks):
+    """Without dropout a layer keeps no dropout mask (the residual branches' two, 1 byte each) and, unfused,
+    neither the softmax's mask nor its dropped-out copy: torch's dropout at p = 0 returns its input and
+    saves nothing (measured below)."""
+    from dataclasses import replace
+    data = TrainingConfig(model=model(kernel=kernel), global_batch=b, steps=1, precision="bf16")
+    dry = replace(data, model=replace(data.model, dropout=0.0))
+    held = [held_per_layer(composed, Parallelism(data=d), DeviceMesh()) for d in (data, dry)]
+    assert held[0] - held[1] == masks
+
+
+def test_torch_saves_no_mask_without_dropout():
+    torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
+    for p, saves in ((0.0, 0), (0.1, 1)):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            torch.nn.functional.dropout(torch.randn(4, 8, requires_grad=True), p=p, training=True)
+        assert len(kept) == saves

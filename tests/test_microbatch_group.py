@@ -114,7 +114,8 @@ def test_the_planners_estimate_holds_the_larger_warm_up():
             "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.dtype=bf16"]
     layout = Layout(tp=1, pp=2, cp=1, dp=1, zero=1, micro_batch=1, recompute="none", schedule="interleaved", virtual=2)
     two, six = (estimate(load(None, args + [f"parallel.microbatch_group={n}"]), layout) for n in (2, 6))
-    per_layer = sum(layer_activations(s=2048, b=1, h=1024, a=8, dtype="bf16", attention_kernel="flash").values())
+    per_layer = sum(layer_activations(s=2048, b=1, h=1024, a=8, dtype="bf16", attention_kernel="flash",
+                                      dropout=False).values())
     assert six.memory_bytes - two.memory_bytes == pytest.approx(2 * 4 * per_layer, rel=1e-9)
 
 

@@ -65,7 +65,8 @@ def test_activations_split_p_ways_scores_included(P, recompute):
     over the ring's ranks: a rank keeps Korthikanti et al.'s sbh(34 + 5as/h) (selective: 34 sbh) / P."""
     s, b, h, a = 16 * P, 2, 32, 4
     model = ModelConfig(layers=1, hidden=h, heads=a, ffn_hidden=4 * h, seq=s, vocab=64, tied_head=False,
-                      recompute=recompute, dtype="bf16")  # (flash, the default kernel, is no matter: RSA keeps scores)
+                      recompute=recompute, dtype="bf16", dropout=0.1)  # (the paper's models drop out; flash, the
+    # default kernel, is no matter: RSA keeps scores)
     _, run = run_composed(TrainingConfig(model=model, global_batch=b, steps=1, precision="bf16"), cp=P, attention="rsa",
                       mode="meta")
     held = [e.bytes for e in run.trace.memory if e.rank == 0 and e.category == "activations"

@@ -120,7 +120,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
     kept = layer_activations(s=model.seq // c, b=layout.micro_batch, h=model.hidden, a=model.heads, t=t,
                              sp=t > 1 and bool(layout.sp), recompute=layout.recompute, dtype=model.dtype,
                              attention_kernel=model.attention_kernel, kv=model.kv_heads, f=model.ffn_hidden,
-                             mlp=MLP_KIND[model.arch], fused=model.fused_kernels, gqa=model.gqa)
+                             mlp=MLP_KIND[model.arch], fused=model.fused_kernels, gqa=model.gqa,
+                             dropout=model.dropout > 0)
     if model.moe_experts and layout.recompute != "full":
         kept = moe_activations(kept, model, b=layout.micro_batch, parts=spread)
     act = sum(kept.values())

@@ -26,10 +26,12 @@ from simcluster.numerics.tensor import ITEMSIZE
 def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
                       dtype: str = "bf16", attention_kernel: str = "unfused", kv: int | None = None,
                       f: int | None = None, mlp: str = "gelu", fused: bool = True,
-                      gqa: str = "repeat_kv") -> dict[str, int]:
+                      gqa: str = "repeat_kv", dropout: bool = True) -> dict[str, int]:
     """Bytes one layer keeps on one rank, by tensor. s, b: this micro-batch's sequence and batch; kv, f:
     a Llama's key/value heads and MLP width (default a and 4h); mlp: "gelu" or "swiglu"; fused: the
-    model's fused kernels (model.fused_kernels); gqa: how attention takes the kv heads (model.gqa)."""
+    model's fused kernels (model.fused_kernels); gqa: how attention takes the kv heads (model.gqa);
+    dropout: whether the model drops out (without, no mask is kept: torch's dropout at p = 0 returns its
+    input and saves nothing)."""
     if recompute not in ("none", "selective", "full", "op"):
         raise ValueError(f"recompute {recompute!r} is not valid; valid: none, selective, full, op")
     item = ITEMSIZE[dtype]
@@ -48,21 +50,22 @@ def layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = 
         "q, k": item * (sbh + kvh) // t,
         "v": item * kvh // t,
         "projection input": item * sbh // t,
-        "attention dropout mask": sbh // outside,
+        **({"attention dropout mask": sbh // outside} if dropout else {}),
         # MLP block: 19sbh (f = 4h)
         "mlp input (layer norm output)": item * sbh // outside,
         **({"gelu input": item * sbf // t, "gelu output": item * sbf // t} if mlp == "gelu" else
            {"swiglu input (w1 and w3 outputs)": 2 * item * sbf // t, "swiglu output (w2 input)": item * sbf // t}
            | ({} if fused else {"silu output": item * sbf // t})),
-        "mlp dropout mask": sbh // outside,
+        **({"mlp dropout mask": sbh // outside} if dropout else {}),
         # the two layer norms' inputs: 4sbh
         "layer norm inputs": 2 * item * sbh // outside,
     }
     if attention_kernel == "flash":
         kept["softmax statistics (flash)"] = 4 * a * s * b // t
     elif recompute == "none":  # the attention core: recomputed under selective recomputation
-        kept |= {"softmax output": item * a * s * s * b // t, "softmax dropout mask": a * s * s * b // t,
-                 "softmax dropout output": item * a * s * s * b // t}
+        kept["softmax output"] = item * a * s * s * b // t
+        if dropout:
+            kept |= {"softmax dropout mask": a * s * s * b // t, "softmax dropout output": item * a * s * s * b // t}
     return kept
 
 

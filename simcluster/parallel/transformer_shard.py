@@ -269,10 +269,10 @@ class TransformerShard(Experts):
         kept = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t, sp=self.sp,
                                  recompute=self.m.recompute.value, dtype=self.m.dtype, attention_kernel=kernel,
                                  kv=self.m.kv_heads, f=self.m.ffn_hidden, mlp=MLP_KIND[self.m.arch],
-                                 fused=self.m.fused_kernels, gqa=self.m.gqa)
+                                 fused=self.m.fused_kernels, gqa=self.m.gqa, dropout=self.m.dropout > 0)
         if self.keeps_scores and self.m.recompute.value == "op":  # (the per-op policy keeps the core: RSA's rows)
             core = layer_activations(s=self.m.seq, b=x.shape[0], h=self.m.hidden, a=self.m.heads, t=self.t,
-                                     sp=self.sp, dtype=self.m.dtype)
+                                     sp=self.sp, dtype=self.m.dtype, dropout=self.m.dropout > 0)
             kept |= {k: v for k, v in core.items() if k.startswith("softmax")}
         if self.m.is_moe(layer) and self.m.recompute.value != "full":
             kept = moe_activations(kept, self.m, b=x.shape[0], parts=self.t if self.sp else 1)
