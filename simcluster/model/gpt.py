@@ -174,7 +174,7 @@ class GPT:
     def attention_backward(self, dout: Any, c_: dict[str, Any], fold: Any = None) -> tuple[Any, Any, Any]:
         """dq, dk, dv (b, a, s, d) of the two-pass core (the FlashAttention backward), or of the fused one.
         `fold`: dk's and dv's partial sums added over each key/value head's query heads before they are
-        rounded (grouped-query attention's heads as they are: llama_shard.py's kv_fold)."""
+        rounded (grouped-query attention's heads as they are: llama_shard.py's fold_kv)."""
         ops, cfg = self.ops, self.cfg
         if "flash" in c_:
             return ops.fused_attention_backward(c_["flash"], dout)

@@ -46,7 +46,7 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
     ops, ctx, cp = model.ops, model.ctx, model.cp
     scale = 1.0 / math.sqrt(model.m.head_dim)
     K, V = model.expand_kv(core["K"]), model.expand_kv(core["V"])
-    fold = model.kv_fold() or (lambda p: p)
+    fold = model.fold_kv
     with flash.backward(ops, model.m, core["q"], K):
         if "lse" in core:
             s = ops.attention_scores(core["q"], K, scale, model.allowed(*core["allowed"]))

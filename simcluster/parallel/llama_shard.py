@@ -110,10 +110,11 @@ class LlamaShard(TransformerShard):
         indexes it: no copy, no kernel); "repeat_kv": x, repeated before attention (`repeat`)."""
         return self.ops.repeat(x, self.group, 1) if self.folds else x
 
-    def kv_fold(self) -> Any:
+    def fold_kv(self, p: Any) -> Any:
         """model.gqa = "native": a key/value gradient's partial sums added over each kv head's query heads,
-        unrounded, inside the kernel, before any exchange; the gradient is rounded once, after."""
-        return (lambda p: self.ops.unrepeat_partial(p, self.group, 1)) if self.folds else None
+        unrounded, inside the kernel, before any exchange; the gradient is rounded once, after. "repeat_kv": p
+        (`unrepeat` sums the repeats' rounded gradients)."""
+        return self.ops.unrepeat_partial(p, self.group, 1) if self.folds else p
 
     def unrepeat(self, dx: Any) -> Generator[Any, Any, Any]:
         """The gradient of `repeat`: each kv head's repeats summed exactly, rounded once. A kv head that

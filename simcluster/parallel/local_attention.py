@@ -16,11 +16,13 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
 
 
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
-    return model.gpt.attention_backward(dout, expanded(model, core), model.kv_fold())
+    return core_backward(model, dout, core)
     yield  # (a generator, as the others)
 
 
-def expanded(model: Any, core: dict[str, Any]) -> dict[str, Any]:
-    """What the backward pass takes: the kept key/value heads as the query heads see them (the shard's
-    expand_kv; the kept ones are the kv heads, with grouped-query attention's heads as they are)."""
-    return core | {"k": model.expand_kv(core["k"]), "v": model.expand_kv(core["v"])}
+def core_backward(model: Any, dout: Any, core: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The core's backward (model.core's, here and in ulysses.py) on the kept key/value heads as the query
+    heads see them (the shard's expand_kv), their gradients folded onto the kv heads where the shard takes
+    them as they are (fold_kv)."""
+    return model.gpt.attention_backward(dout, core | {"k": model.expand_kv(core["k"]), "v": model.expand_kv(core["v"])},
+                                        model.fold_kv if model.folds else None)

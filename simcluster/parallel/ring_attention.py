@@ -128,7 +128,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     """dq, dk, dv for this rank's tokens: dK and dV accumulate as they travel back to their owners."""
     ops, P, r, m, ex = model.ops, model.P, model.r, model.m, model.expand_kv
-    fold = model.kv_fold() or (lambda p: p)
+    fold = model.fold_kv
     scale = 1.0 / math.sqrt(m.head_dim)
     rows = model.positions
     owners = [(r - t) % P for t in range(P)]

@@ -32,7 +32,7 @@ def _own_rows(ops: Any, full: Any, P: int, r: int) -> Any:
 
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     ops, ctx, cp, P, r, ex = model.ops, model.ctx, model.cp, model.P, model.r, model.expand_kv
-    fold = model.kv_fold() or (lambda p: p)  # (grouped-query attention's heads as they are: ring_attention.py)
+    fold = model.fold_kv  # (grouped-query attention's heads as they are: ring_attention.py)
     scale = 1.0 / math.sqrt(model.m.head_dim)
     rows, owners = model.positions, [(r - t) % P for t in range(P)]
     delta = ops.expand_last(ops.sum(ops.mul(dout, core["out"]), -1))

@@ -32,6 +32,7 @@ whole GEMM's, so the numbers are the same bytes as without the overlap."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Callable, Generator
 
 import numpy as np
@@ -119,8 +120,8 @@ def matmul_reduce(ctx: Context, x: Any, w: Any, group: Any, sp: bool, overlap: b
                                      async_op=True)
              for piece in ops.split(w, math.gcd(RS_SPLITS, w.shape[-1]), -1)]
     done = yield works
-    with ops.fused("reduce_scatter_sum" if local_sum else None,
-                   nbytes=(group.size + 1) * sum(math.prod(p.shape) for p in done) * ITEMSIZE[ops.cost_dtype]):
+    moved = (group.size + 1) * sum(math.prod(p.shape) for p in done) * ITEMSIZE[ops.cost_dtype]
+    with ops.fused("reduce_scatter_sum", nbytes=moved) if local_sum else nullcontext():
         pieces = [ops.finalize(p) for p in done]
     with ops.fused(None):
         return ops.concat(pieces, -1)

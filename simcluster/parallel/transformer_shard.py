@@ -195,9 +195,9 @@ class TransformerShard(Experts):
         """Key/value heads as the query heads see them (the identity here: one each)."""
         return x
 
-    def kv_fold(self) -> Any:
-        """None, or what sums a key/value gradient's partials over each kv head's query heads."""
-        return None
+    def fold_kv(self, p: Any) -> Any:
+        """A key/value gradient's partial sums added over each kv head's query heads (here p: one each)."""
+        return p
 
     def attend(self, q: Any, k: Any, v: Any, i: int, step: int, where: Slice) -> Generator[Any, Any, Any]:
         """(b, a/tp, s/cp, d) in and out; and what the backward pass needs."""

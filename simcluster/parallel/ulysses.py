@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
-from simcluster.parallel.local_attention import expanded
+from simcluster.parallel.local_attention import core_backward
 
 
 def to_heads(ctx: Any, x: Any, group: Any) -> Generator[Any, Any, Any]:
@@ -39,6 +39,6 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
 def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any, Any]:
     ctx, group = model.ctx, model.cp
     dout_h = yield from to_heads(ctx, dout, group)
-    dq, dk, dv = model.gpt.attention_backward(dout_h, expanded(model, core), model.kv_fold())
+    dq, dk, dv = core_backward(model, dout_h, core)
     return (yield [ctx.comm.all_to_all(t, group=group, split_dim=2, concat_dim=1, async_op=True)
                    for t in (dq, dk, dv)])
