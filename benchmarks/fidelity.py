@@ -10,6 +10,9 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
                       1T on 512, sequence parallelism and selective recomputation; MFU.
   megatron-core-2024  the Megatron-LM README's Megatron-Core r0.8 weak scaling: GPT 1.7B on 48 H100s to
                       462B on 6,144; model TFLOP/s per GPU.
+  megatron-core-2024-strong  the same README's strong scaling: the 177B GPT on 96 and on 4,608 H100s; MFU.
+                      Its first row is the one the H100 preset's sustained_compute was fitted to: printed,
+                      marked so, and left out of the table's errors.
   torchtitan-2024     torchtitan's December 2024 benchmarks: Llama 3.1 8B, FSDP on 8 and 128 H100s (at
                       a 500 W power limit), eager and torch.compile'd; tokens a second per GPU, and the
                       compiled/eager ratio.
@@ -53,6 +56,7 @@ class Table:
     modern: bool  # held to the goal (a stack of today), or an older stack's, labelled so
     ratios: tuple[tuple[int, int], ...] = ()  # (row a, row b): b's figure over a's, predicted and published
     memory: tuple[float, ...] = ()  # the peak memory a GPU that the publication gives, GiB
+    fitted: tuple[int, ...] = ()  # rows a modelling constant was fitted to: no test of the model, so not counted
 
 
 TABLES = {
@@ -65,6 +69,9 @@ TABLES = {
     # The Megatron-LM README of 2024-07-15 (f2e5db402c), images/model_table.png: Megatron-Core r0.8.0.
     "megatron-core-2024": Table("megatron_core_2024.toml", "model_tflops",
                                 (408.8, 465.9, 489.1, 459.6, 419.7, 420.5, 432.8, 474.4, 459.9), modern=True),
+    # The same README's strong scaling: "a reduction in MFU from 47% to 42%" from 96 to 4,608 GPUs.
+    "megatron-core-2024-strong": Table("megatron_core_2024_strong.toml", "mfu", (47.0, 42.0), modern=True,
+                                       ratios=((1, 2),), fitted=(1,)),
     # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16 rows).
     "torchtitan-2024": Table("torchtitan_2024.toml", "tokens_per_gpu", (5762, 6667, 5605, 6514), modern=True,
                              ratios=((1, 2), (3, 4)), memory=(82.4, 77.0, 67.0, 62.0)),
@@ -109,19 +116,24 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
         m = r["mesh"]
         layout = f"{r['world_size']} ({m['tp']}x{m['pp']}x{m['dp']})"
         got, want = figure(r, table.metric), table.published[i - 1]
-        errors.append(got / want - 1)
+        error = got / want - 1
+        if i not in table.fitted:
+            errors.append(error)
         got_by_row[i] = got
         if table.memory:
             memory.append((i, r["memory"]["peak_bytes"] / 2**30, table.memory[i - 1]))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         fits = "" if r["memory"]["fits"] else " OOM"
-        print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * errors[-1]:>+6.1f}% {100 * r['mfu']:>5.1f}% "
-              f"{r['memory']['peak_bytes'] / 1e9:>8.1f}GB{fits} {wall:>6.1f} {rss:>7.2f}", flush=True)
-    mean = sum(abs(e) for e in errors) / len(errors)
-    worst = max(abs(e) for e in errors)
-    verdict = ("" if not table.modern else
-               "  (goal met)" if mean <= 0.05 and worst <= 0.10 else "  (goal: mean 5 %, max 10 %: not met)")
-    print(f"mean |error| {100 * mean:.1f} %, max |error| {100 * worst:.1f} %{verdict}")
+        fitted = "  (fitted: sustained_compute)" if i in table.fitted else ""
+        print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * error:>+6.1f}% {100 * r['mfu']:>5.1f}% "
+              f"{r['memory']['peak_bytes'] / 1e9:>8.1f}GB{fits} {wall:>6.1f} {rss:>7.2f}{fitted}", flush=True)
+    if errors:
+        mean = sum(abs(e) for e in errors) / len(errors)
+        worst = max(abs(e) for e in errors)
+        verdict = ("" if not table.modern else
+                   "  (goal met)" if mean <= 0.05 and worst <= 0.10 else "  (goal: mean 5 %, max 10 %: not met)")
+        fitted = " (of the rows not fitted)" if table.fitted else ""
+        print(f"mean |error|{fitted} {100 * mean:.1f} %, max |error| {100 * worst:.1f} %{verdict}")
     for i, mine, theirs in memory:
         print(f"row {i} peak memory: predicted {mine:.1f} GiB, published {theirs:.1f} GiB "
               f"({100 * (mine / theirs - 1):+.1f} %)")

@@ -19,7 +19,8 @@ def gemm_ns(spec, m, n, k, batch=1):
 
 def ideal_ns(spec, m, n, k, batch=1):
     """2mnk at the achievable matmul rate, plus the launch gap: what a GEMM costs with no quantisation."""
-    return math.ceil(2 * batch * m * n * k / (spec.peak_tflops * 1e3 * spec.matmul_efficiency)) + spec.kernel_overhead_ns
+    return math.ceil(2 * batch * m * n * k / (spec.peak_tflops * 1e3 * spec.matmul_efficiency * spec.compute_scale)) + \
+        spec.kernel_overhead_ns
 
 
 def test_a_gemm_that_fills_whole_waves_runs_at_the_achievable_rate():

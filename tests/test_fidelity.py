@@ -30,7 +30,8 @@ def test_megatron_2022_rows_stay_within_the_goal(row):
 
 def test_torchtitans_compiled_over_eager_stays_within_5_percent():
     """torchtitan's December 2024 table, 8 H100s: compiled 6,667 tokens/s a GPU, eager 5,762 (1.157);
-    predicted 1.166 when this test was last changed (with its 500 W power limit and FlashAttention-2's rate)."""
+    predicted 1.166 with its 500 W power limit and FlashAttention-2's rate, 1.137 since the H100's
+    compute-bound rates are those a run sustains (the memory-bound kernels, eager's larger share, keep theirs)."""
     table = TABLES["torchtitan-2024"]
     variants = load(str(BENCHMARKS / table.file)).variants
     eager, compiled = (figure(run_scenario(variants[i][1], trace=False).report, table.metric) for i in (0, 1))
@@ -52,8 +53,44 @@ def test_torchtitans_async_tensor_parallel_speedup_stays_within_2_5_percent():
 def test_llama_3s_step_from_8192_to_16384_gpus_stays_within_2_percent():
     """Llama 3 405B (Dubey et al. 2024, Table 4): 430 TFLOP/s a GPU on 8,192 H100s (DP 64), 400 on 16,384 (DP
     128, half the micro-batches a rank: the pipeline's bubble and the data-parallel reduction's share grow):
-    0.930. Predicted 0.939 when this test was written (the rows themselves 23-25 % fast, as the table says)."""
+    0.930. Predicted 0.939 when this test was written (the rows themselves 23-25 % fast then; 7-8 % since the
+    H100's compute-bound rates are those a run sustains, cluster.sustained_compute)."""
     table = TABLES["llama3-2024"]
     variants = load(str(BENCHMARKS / table.file)).variants
     small, large = (figure(run_scenario(variants[i][1], trace=False).report, table.metric) for i in (0, 1))
     assert large / small == pytest.approx(table.published[1] / table.published[0], rel=0.02)
+
+
+def test_the_h100s_sustained_compute_reproduces_the_run_it_was_fitted_to():
+    """Megatron-Core r0.8's 177B GPT on 96 H100s (DP 2, a bubble under 1 %): 47 % MFU, the one figure the
+    H100 preset's sustained_compute (0.82) was fitted to, and 55.1 % without it. A change to the model that
+    moves this row moves what the fit stands on: refit the constant (topology/presets.py) and say so there."""
+    table = TABLES["megatron-core-2024-strong"]
+    assert table.fitted == (1,)
+    report = run_scenario(load(str(BENCHMARKS / table.file)).variants[0][1], trace=False).report
+    assert figure(report, table.metric) == pytest.approx(table.published[0], abs=0.5)  # the README's whole percent
+
+
+def test_megatron_cores_pipeline_from_2304_to_4608_gpus_stays_within_2_percent():
+    """The 177B GPT (TP 8 x PP 6, batch 1,152): 432.8 TFLOP/s a GPU on 2,304 H100s (the weak-scaling table, 24
+    micro-batches a pipeline) and 42 % MFU on 4,608 (the strong-scaling text, 12): 0.960. Interleaved one layer a
+    virtual stage, predicted 0.960 when this test was written; plain 1F1B, whose bubble grows from 5 slots in 29
+    to 5 in 17, predicts 0.82: the schedule the table's files assume is the one these runs had."""
+    weak, strong = TABLES["megatron-core-2024"], TABLES["megatron-core-2024-strong"]
+    at_2304 = run_scenario(load(str(BENCHMARKS / weak.file)).variants[6][1], trace=False).report
+    at_4608 = run_scenario(load(str(BENCHMARKS / strong.file)).variants[1][1], trace=False).report
+    assert at_2304["mesh"]["dp"] == 48 and at_4608["mesh"]["dp"] == 96
+    published = strong.published[1] / (100 * weak.published[6] / 989)
+    assert at_4608["mfu"] / at_2304["mfu"] == pytest.approx(published, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["torchtitan-2024", "torchtitan-2025"])
+def test_torchtitans_tables_stay_within_the_goal(name):
+    """torchtitan's December 2024 (Llama 3.1 8B, FSDP on 8 and 128 H100s, eager and compiled) and June 2025
+    (8B on 64 and 70B on 256, FSDP x TP 8, plain and async TP) tables, every row within issue 40's goal: a
+    mean |error| of 5 %, none over 10 %. Means 2.5 and 3.8 %, worst rows 5.2 and 6.9 % when this test was
+    written; 19.2 and 17.5 % means before the H100's rates were those a run sustains."""
+    table = TABLES[name]
+    errors = [figure(run_scenario(v, trace=False).report, table.metric) / want - 1
+              for (_, v), want in zip(load(str(BENCHMARKS / table.file)).variants, table.published, strict=True)]
+    assert max(abs(e) for e in errors) <= 0.10 and sum(abs(e) for e in errors) / len(errors) <= 0.05

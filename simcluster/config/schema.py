@@ -124,8 +124,7 @@ class ModelSection(Section):
         "gradients back (backward), under expert parallelism's all-to-all (Megatron-Core's "
         "moe_shared_expert_overlap); the same numbers either way")
     moe_groups: int = key(
-        1, "node-limited routing: the experts in this many equal groups, in order (DeepSeek-V3: 8, one a node)",
-        minimum=1)
+        1, "node-limited routing: the experts in this many equal groups, in order (DeepSeek-V3: 8, one a node)", minimum=1)
     moe_group_limit: int = key(
         0, "node-limited routing: a token's experts from at most this many groups, those whose best "
         "top_k / limit scores sum highest (DeepSeek-V3: 4); 0: any", minimum=0)
@@ -366,6 +365,7 @@ UNITS = (("tdp_w", "W: the board's rated power, datasheet; 0 where none is publi
          ("attention_efficiency", "a fraction of the peak, 0 to 1, that FlashAttention's fused forward kernel reaches "
           "(its backward 0.82 of that, as FlashAttention-3's H100 figures have cuDNN's): on an H100 cuDNN's 0.64 (what "
           "Transformer Engine runs), FlashAttention-2's 0.33 (torch's SDPA in 2024)"),
+         ("sustained_compute", "a fraction, 0 to 1, of the compute-bound rates a long run keeps (topology/presets.py)"),
          ("memory_gbyte", "GiB, 2^30 bytes: an '80GB' card is 80 GiB, which the report also shows as 85.9 GB"),
          ("_gbyte_per_s", "GB/s"), ("_gbit_per_s", "Gbit/s"), ("_ns", "ns"), ("tflops", "TFLOP/s"),
          ("_efficiency", "a fraction of the peak, 0 to 1"), ("_tbyte", "TB"), ("gparam_per_s", "10^9 parameters a second"))

@@ -62,8 +62,8 @@ class Cluster:
         self._host_flops_per_ns = ADAM_FLOPS * spec.cpu_adam_gparam_per_s / self.gpus_per_node
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
-        # compute-bound rates, at the clock a power limit leaves (presets.POWER_CLOCK_EXPONENT)
-        clock = spec.clock_scale
+        # compute-bound rates, at the clock a power limit leaves (presets.POWER_CLOCK_EXPONENT) and what a run sustains
+        clock = spec.compute_scale
         self._flops_per_ns = {d: r * spec.compute_efficiency * clock for d, r in peak.items()}
         self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency * clock for d, r in peak.items()}
         self._attention_flops_per_ns = {d: r * spec.attention_efficiency * clock for d, r in peak.items()}

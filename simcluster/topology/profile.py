@@ -35,7 +35,8 @@ preset's (with efficiency 1: they are achieved rates), links inside a node are t
 (the NIC, between nodes, stays the preset's: a calibration on one host sees no NIC), and every GEMM
 is then timed at the rate measured for the nearest measured shape (`gemm_rate`). What the profile
 does not measure (non-GEMM compute-bound kernels: compute_efficiency of the peak, FlashAttention's
-attention_efficiency) stays as it was; a power limit is refused with a profile (it ran under its own).
+attention_efficiency) stays as it was; a power limit is refused with a profile (it ran under its own),
+and a preset's sustained_compute is not applied (its measurements are taken as they are).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def apply(spec: Any, profile: Profile) -> Any:
         device=profile.device, peak_tflops=profile.peak_tflops, peak_tflops_fp32=profile.peak_tflops_fp32,
         matmul_efficiency=min(1.0, best16 / profile.peak_tflops),  # for the planner's one-rate estimate
         hbm_gbyte_per_s=profile.memory_gbyte_per_s, memory_efficiency=1.0,
-        kernel_overhead_ns=profile.kernel_overhead_ns, profile=profile)
+        kernel_overhead_ns=profile.kernel_overhead_ns, sustained_compute=1.0, profile=profile)
     if profile.link_gbyte_per_s is not None:
         figures.update(nvlink_gbyte_per_s=profile.link_gbyte_per_s, nvlink_efficiency=1.0,
                        nvlink_latency_ns=profile.link_latency_ns, collectives="alpha-beta")

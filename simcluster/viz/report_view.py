@@ -69,6 +69,8 @@ class ReportView:
         shape = f", a {c['torus']} {'torus' if c['torus_wraps'] else 'mesh'}" if c.get("torus") else ""
         if c.get("power_limit_w"):  # (a power limit: the clock it leaves)
             shape += f", at {c['power_limit_w']:g} W of {c['tdp_w']:g} (clock x {c['clock_scale']:.3f})"
+        if c.get("sustained_compute", 1.0) != 1.0:  # (what a long run keeps of the benchmark rates)
+            shape += f", compute-bound kernels at {c['sustained_compute']:g} of their benchmark rates through a run"
         t.add_row("cluster", escape(f"{c['preset']}: {c['nodes']} node(s) x {c['gpus_per_node']} {c['device']}{shape}"))
         t.add_row("mesh", f"{mesh} = {r['world_size']} ranks")
         t.add_row("parameters", f"{r['parameters']:,}")
