@@ -60,8 +60,11 @@ def test_a_measured_profile_is_taken_as_it_was_measured(tmp_path):
                     'gemm = [{dtype = "bf16", batch = 1, m = 4096, n = 4096, k = 4096, tflops = 700.0}]\n')
     measured = profile.apply(H100, profile.load(path))
     assert measured.sustained_compute == 1.0
-    # a GEMM of the measured shape at the measured rate, nothing taken off it
+    # a GEMM of the measured shape at the measured rate, nothing taken off it ...
     assert busy_ns(measured, (1, 4096, 4096, 4096)) == pytest.approx(2 * 4096 ** 3 / 700e3, abs=1)
+    # ... unless the scenario sets a share (a calibration is a short run too)
+    derated = measured.with_overrides(sustained_compute=0.5)
+    assert busy_ns(derated, (1, 4096, 4096, 4096)) == pytest.approx(2 * 4096 ** 3 / 350e3, abs=1)
 
 
 def test_the_planners_estimate_and_the_report_carry_it():

@@ -36,7 +36,7 @@ preset's (with efficiency 1: they are achieved rates), links inside a node are t
 is then timed at the rate measured for the nearest measured shape (`gemm_rate`). What the profile
 does not measure (non-GEMM compute-bound kernels: compute_efficiency of the peak, FlashAttention's
 attention_efficiency) stays as it was; a power limit is refused with a profile (it ran under its own),
-and a preset's sustained_compute is not applied (its measurements are taken as they are).
+and a preset's sustained_compute is not applied (the measurements are taken as they are; a scenario may set one).
 """
 
 from __future__ import annotations
