@@ -82,3 +82,11 @@ def test_the_printed_report_says_so_where_a_preset_has_it(capsys):
         assert main(["run", *small, "--set", f"cluster.preset={preset_name}"]) == 0
         out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # (the table's lines joined)
         assert ("at 0.82 of their benchmark rates through a run" in out) is says
+
+
+@pytest.mark.parametrize("value, message", [("1.5", "cluster.sustained_compute must be in (0, 1], got 1.5"),
+                                            ("0", "cluster.sustained_compute must be in (0, 1], got 0.0")])
+def test_a_share_outside_0_to_1_is_one_line_and_exit_2(value, message, capsys):
+    assert main(["run", "--set", "run.numerics=meta", "--set", f"cluster.sustained_compute={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err

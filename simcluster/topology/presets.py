@@ -139,7 +139,7 @@ class ClusterSpec:
                 continue
             if f.name.endswith("_ns") and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"cluster.{f.name} must be a non-negative integer (ns), got {v!r}")
-            if f.name.endswith("efficiency") and not 0 < v <= 1:
+            if f.name.endswith(("efficiency", "sustained_compute")) and not 0 < v <= 1:
                 raise ValueError(f"cluster.{f.name} must be in (0, 1], got {v!r}")
             if f.name == "oversubscription" and v < 1:
                 raise ValueError(f"cluster.oversubscription must be at least 1 (1: a non-blocking fabric), got {v!r}")
