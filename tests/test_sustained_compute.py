@@ -5,6 +5,9 @@ checked in tests/test_fidelity.py."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from simcluster.analysis.estimate import Layout, estimate
@@ -90,3 +93,16 @@ def test_a_share_outside_0_to_1_is_one_line_and_exit_2(value, message, capsys):
     assert main(["run", "--set", "run.numerics=meta", "--set", f"cluster.sustained_compute={value}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_the_benchmark_that_would_measure_it_on_a_gpu_runs_here(capsys):
+    """benchmarks/sustained_gemm.py (in benchmarks/gpu_session.sh): MAMF's figure, then a sustained load a
+    second at a time, and the share kept. On this CPU it proves the script only; its figure is the GPU's."""
+    pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from sustained_gemm import main as sustained_gemm
+
+    share = sustained_gemm(["--device", "cpu", "--size", "64", "--seconds", "2", "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    assert "64 x 64 x 64 fp32 on cpu" in out and out.count("  second ") == 2
+    assert 0 < share and f"kept through the last 1 s: {share:.3f} of the MAMF figure" in out
