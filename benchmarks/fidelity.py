@@ -19,6 +19,9 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
   torchtitan-2025     torchtitan's June 2025 async TP benchmarks: Llama 3.1 8B on 64 H100s (FSDP 8, TP 8) and
                       70B on 256 (FSDP 32, TP 8), torch.compile'd, plain and async TP (500 W); tokens a second
                       per GPU, and async TP's speedup.
+  llm-foundry-2023    LLM Foundry's 2023 MPT benchmarks: 760M to 13B with FSDP on 8 A100s and on 8 H100s, the
+                      same configurations on both; tokens a second per GPU, and each A100 -> H100 speedup (the
+                      rows of a 2023 stack, fast on both GPUs alike: the speedups are what it tests).
   llama3-2024         Dubey et al. 2024, Table 4: Llama 3 405B on 8,192 and 16,384 H100s (TP 8, PP 16, DP 64
                       and 128; CP 16 at 128K tokens), Meta's own stack; model TFLOP/s per GPU.
 
@@ -78,6 +81,10 @@ TABLES = {
     # torchtitan's benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, its bfloat16 rows.
     "torchtitan-2025": Table("torchtitan_2025_async_tp.toml", "tokens_per_gpu", (4378, 4809.4, 597.3, 652.4),
                              modern=True, ratios=((1, 2), (3, 4))),
+    # mosaicml/llm-foundry, scripts/train/benchmarking/README.md: MPT on 8 A100s and 8 H100s, the same configurations.
+    "llm-foundry-2023": Table("llm_foundry_2023.toml", "tokens_per_gpu",
+                              (32434, 63147, 20513, 45455, 4641, 10643, 2262, 4792), modern=False,
+                              ratios=((1, 2), (3, 4), (5, 6), (7, 8))),
     # Dubey et al. 2024 (arXiv 2407.21783), Table 4: Llama 3 405B, TFLOP/s per GPU.
     "llama3-2024": Table("llama3_2024.toml", "model_tflops", (430, 400, 380), modern=True, ratios=((1, 2),)),
 }

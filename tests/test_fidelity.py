@@ -94,3 +94,16 @@ def test_torchtitans_tables_stay_within_the_goal(name):
     errors = [figure(run_scenario(v, trace=False).report, table.metric) / want - 1
               for (_, v), want in zip(load(str(BENCHMARKS / table.file)).variants, table.published, strict=True)]
     assert max(abs(e) for e in errors) <= 0.10 and sum(abs(e) for e in errors) / len(errors) <= 0.05
+
+
+def test_one_stack_on_an_a100_and_an_h100_speeds_up_as_published_within_15_percent():
+    """LLM Foundry's 2023 MPT table: the same configurations (760M to 13B, FSDP on 8 GPUs) on A100s and on
+    H100s, 1.95 to 2.29 times the tokens a second. What one stack does on either GPU cancels; what is left is the
+    hardware, the H100's rates as a run sustains them (cluster.sustained_compute, fitted elsewhere): predicted
+    within +0.4 to +13.8 % when this test was written, and 20 to 33 % over with the benchmark rates alone."""
+    table = TABLES["llm-foundry-2023"]
+    variants = load(str(BENCHMARKS / table.file)).variants
+    for a100, h100 in table.ratios:
+        got = [figure(run_scenario(variants[i - 1][1], trace=False).report, table.metric) for i in (a100, h100)]
+        assert [variants[i - 1][1].cluster.preset for i in (a100, h100)] == ["dgx-a100", "dgx-h100"]
+        assert got[1] / got[0] == pytest.approx(table.published[h100 - 1] / table.published[a100 - 1], rel=0.15)
