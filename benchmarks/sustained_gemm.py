@@ -2,12 +2,12 @@
 
 First MAMF's way (S. Bekman's mamf-finder.py: the fastest of 100 timed runs of one GEMM after 50 warm-ups),
 which is how the presets' matmul_efficiency was measured; then the same GEMM back to back for `--seconds`,
-its rate taken a second at a time. The share is the mean rate of the last half over the MAMF figure: what
+its rate taken a window (a second) at a time. The share is the mean rate of the last half over the MAMF figure: what
 the H100 preset's 0.82 stands for, there fitted to a published run (topology/presets.py), here measured on
 the GPU this runs on. On a GPU each second also shows the SM clock and the board's power (nvidia-smi), which
 say whether the clock is what falls. One GPU alone: a DGX holds eight at full load in one chassis.
 
-    python benchmarks/sustained_gemm.py [--seconds 60] [--size 8192] [--dtype bf16] [--device cuda]
+    python benchmarks/sustained_gemm.py [--seconds 60] [--window 1] [--size 8192] [--dtype bf16] [--device cuda]
 
 Without a GPU it runs on the CPU at a small size, which proves the script and says nothing of a GPU.
 """
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", type=int, help="m = n = k (default: 8192 on a GPU, 512 on a CPU)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--seconds", type=int, default=60, help="how long the sustained load runs")
+    p.add_argument("--seconds", type=float, default=60.0, help="how long the sustained load runs")
+    p.add_argument("--window", type=float, default=1.0, help="the seconds each reading covers")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     n = args.size or (8192 if device.type == "cuda" else 512)
@@ -75,15 +76,16 @@ def main(argv: list[str] | None = None) -> float:
     mamf = flops / fastest / 1e12
     print(f"{n} x {n} x {n} {args.dtype} on {device}: the fastest of 100 after 50 warm-ups (MAMF's way) "
           f"{mamf:.1f} TFLOP/s {board(device)}")
-    per_second = max(1, round(1.0 / fastest))
+    per_window = max(1, round(args.window / fastest))
     rates = []
-    for second in range(1, args.seconds + 1):
-        elapsed = seconds_of(lambda: [gemm() for _ in range(per_second)], device)
-        rates.append(per_second * flops / elapsed / 1e12)
-        print(f"  second {second:>3}: {rates[-1]:8.1f} TFLOP/s ({rates[-1] / mamf:.3f}) {board(device)}", flush=True)
+    for reading in range(1, max(1, round(args.seconds / args.window)) + 1):
+        elapsed = seconds_of(lambda: [gemm() for _ in range(per_window)], device)
+        rates.append(per_window * flops / elapsed / 1e12)
+        print(f"  {reading * args.window:6.1f} s: {rates[-1]:8.1f} TFLOP/s ({rates[-1] / mamf:.3f}) {board(device)}",
+              flush=True)
     late = rates[len(rates) // 2:]
     share = sum(late) / len(late) / mamf
-    print(f"kept through the last {len(late)} s: {share:.3f} of the MAMF figure (the H100 preset's "
+    print(f"kept through the last {len(late) * args.window:g} s: {share:.3f} of the MAMF figure (the H100 preset's "
           f"sustained_compute, fitted to a published run: {PRESET_H100})")
     return share
 
