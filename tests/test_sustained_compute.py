@@ -97,7 +97,7 @@ def test_a_share_outside_0_to_1_is_one_line_and_exit_2(value, message, capsys):
 
 def test_the_benchmark_that_would_measure_it_on_a_gpu_runs_here(capsys):
     """benchmarks/sustained_gemm.py (in benchmarks/gpu_session.sh): MAMF's figure, then a sustained load a
-    second at a time, and the share kept. On this CPU it proves the script only; its figure is the GPU's."""
+    window at a time, and the share kept. On this CPU it proves the script only; its figure is the GPU's."""
     pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from sustained_gemm import main as sustained_gemm

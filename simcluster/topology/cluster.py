@@ -63,15 +63,15 @@ class Cluster:
         peak = {"bf16": spec.peak_tflops * 1e3, "fp16": spec.peak_tflops * 1e3,  # FLOPs per ns
                 "fp32": spec.peak_tflops_fp32 * 1e3, "fp64": spec.peak_tflops_fp32 * 1e3 / 2}
         # compute-bound rates, at the clock a power limit leaves (presets.POWER_CLOCK_EXPONENT) and what a run sustains
-        clock = spec.compute_scale
-        self._flops_per_ns = {d: r * spec.compute_efficiency * clock for d, r in peak.items()}
-        self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency * clock for d, r in peak.items()}
-        self._attention_flops_per_ns = {d: r * spec.attention_efficiency * clock for d, r in peak.items()}
+        scale = spec.compute_scale
+        self._flops_per_ns = {d: r * spec.compute_efficiency * scale for d, r in peak.items()}
+        self._gemm_flops_per_ns = {d: r * spec.matmul_efficiency * scale for d, r in peak.items()}
+        self._attention_flops_per_ns = {d: r * spec.attention_efficiency * scale for d, r in peak.items()}
         self._attention_backward_flops_per_ns = {d: r * ATTENTION_BACKWARD for d, r in self._attention_flops_per_ns.items()}
         self._bytes_per_ns = spec.hbm_gbyte_per_s * spec.memory_efficiency
         self.profile = spec.profile
         # a profile's GEMM rates: TFLOP/s to FLOPs a ns, at the share a run keeps (1 unless a scenario sets one)
-        self._measured = 1e3 * spec.sustained_compute
+        self._profile_gemm_scale = 1e3 * spec.sustained_compute
         sixteen = self.profile and self.profile.memory_gbyte_per_s_16bit  # (measured: efficiency 1)
         self._bytes_per_ns_by_dtype = {"bf16": sixteen, "fp16": sixteen} if sixteen else {}
         # a profile's kernels measured one by one: (name, dtype) -> bytes per ns
@@ -190,7 +190,8 @@ class Cluster:
         if work.__class__ is tuple and self.profile is not None:  # at the rate measured nearest its shape
             batch, m, n, k = work
             partial = name.rpartition("/")[2] in (GEMM_PARTIAL, EINSUM_PARTIAL)
-            flops, rate = 2.0 * batch * m * n * k, self.profile.gemm_rate(batch, m, n, k, dtype, partial) * self._measured
+            rate = self.profile.gemm_rate(batch, m, n, k, dtype, partial) * self._profile_gemm_scale
+            flops = 2.0 * batch * m * n * k
         elif work.__class__ is tuple and 0 in work:  # an empty product (an expert no token chose): its launch
             flops, rate = 0.0, 1.0
         elif work.__class__ is tuple:
