@@ -19,14 +19,10 @@ from simcluster.run.runner import run_scenario
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 
+from kernel_time import A_GEMM, busy_ns
+
 H100 = preset("dgx-h100")
 SXM_W, SXM_TFLOPS, NVL_W, NVL_TFLOPS = 700, 989, 400, 835  # NVIDIA H100 datasheet
-A_GEMM = (1, 2048, 33 * 128, 4096)  # whole waves of 132 SMs: compute-bound, no quantisation
-
-
-def busy_ns(spec, work, nbytes=0.0, name=""):
-    """A kernel's time without its launch gap."""
-    return Cluster(spec).kernel_ns(work, nbytes, "bf16", name) - spec.kernel_overhead_ns
 
 
 def test_at_the_nvl_boards_limit_a_gemm_runs_at_the_nvl_boards_rating():

@@ -18,15 +18,11 @@ from simcluster.topology import profile
 from simcluster.topology.cluster import Cluster
 from simcluster.topology.presets import preset
 
+from kernel_time import A_GEMM, busy_ns
+
 H100, A100 = preset("dgx-h100"), preset("dgx-a100")
-A_GEMM = (1, 2048, 33 * 128, 4096)  # whole waves of 132 SMs: compute-bound, no quantisation
 SMALL = ["run.numerics=meta", "cluster.preset=dgx-h100", "model.hidden=1024", "model.heads=8", "model.ffn_hidden=4096",
          "model.seq=1024", "model.vocab=1024", "model.global_batch=8", "cluster.gpus_per_node=1", "parallel.dp=1"]
-
-
-def busy_ns(spec, work, nbytes=0.0, name=""):
-    """A kernel's time without its launch gap."""
-    return Cluster(spec).kernel_ns(work, nbytes, "bf16", name) - spec.kernel_overhead_ns
 
 
 def test_the_h100_keeps_0_82_of_its_benchmark_rates_and_the_a100_all_of_them():
