@@ -183,7 +183,7 @@ def kernel_rates(device: torch.device, grid: Grid, timed: Callable[[Callable[[],
     time, less a launch), where their rates are far from the mix's: those a step runs on tensors the
     size of the weights -- the fused AdamW (one pass over four fp32 tensors, after the gradient's scaling
     by the clipping coefficient, as a run with run.clip_grad, the default, calls it), the new master weights
-    cast to the working dtype, the gradients flattened into a bucket -- and the weights' initialisation
+    cast to a 16-bit working dtype, the gradients flattened into a bucket -- and the weights' initialisation
     (the counter-based generator: some twenty integer passes for each element it charges one write);
     each at two sizes, a sixteenth of the copy's and the copy's (a run's kernel at the rate between)."""
     charged: list[tuple[str, float]] = []

@@ -167,11 +167,11 @@ class TorchFastOps(FastOps):
                                 weight_decay=weight_decay, grad_scale=grad_scale, donate=donate)
         wide = grad.to(torch.float32)
         if grad_scale is not None:
-            self._cost("adam", tuple(wide.shape), 1, 2)  # (as the emulator charges it: Ops.adam)
+            self._cost("adam", tuple(wide.shape), 1, 2, grad)  # (as the emulator charges it: Ops.adam)
             c = self.xp.const(wide, grad_scale)
             wide = torch.mul(wide, c) if wide is grad else wide.mul_(c)  # (the caller's gradient left as it is)
         grad = wide
-        self._cost("adam", tuple(param.shape), 12, 7)
+        self._cost("adam", tuple(param.shape), 12, 7, param)
         if not donate:
             param = param.clone()
         steps = torch.full((), float(step), dtype=torch.float32, device=param.device)

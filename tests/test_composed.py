@@ -187,8 +187,8 @@ def test_a_norm_counting_replicas_twice_is_caught(monkeypatch):
 
 def test_a_ddp_replica_squares_no_gradient_it_does_not_count():
     """Clipping under DDP: the first rank counts every gradient element, its replica none of them; the
-    replica squares a one-element zero (one einsum) instead of zeroing and squaring every unit's gradient
-    (one where and one einsum a unit), and the result is still the one device's, byte for byte."""
+    replica squares a one-element zero (one norm kernel) instead of zeroing and squaring every unit's gradient
+    (one where and one norm a unit), and the result is still the one device's, byte for byte."""
     from simcluster.run.runner import run_scenario
     from simcluster.config.scenario import load
 
@@ -197,8 +197,8 @@ def test_a_ddp_replica_squares_no_gradient_it_does_not_count():
     assert out.report["verification"]["bit_exact"]
     optimizer = [(e.rank, e.name.rpartition("/")[2]) for e in out.result.trace.events if e.name.startswith("O0/")]
     units = 3  # embed, block0, head
-    assert optimizer.count((0, "einsum_partial")) == units and (0, "where") not in optimizer
-    assert optimizer.count((1, "einsum_partial")) == 1 and optimizer.count((1, "where")) == 1
+    assert optimizer.count((0, "grad_norm")) == units and (0, "where") not in optimizer
+    assert optimizer.count((1, "grad_norm")) == 1 and optimizer.count((1, "where")) == 1
 
 
 @pytest.mark.parametrize("tp,kv_heads,heads,cp,attention", [(2, 1, 2, 1, "ulysses"), (4, 1, 4, 1, "ring"),

@@ -63,7 +63,7 @@ def test_llama_3s_step_from_8192_to_16384_gpus_stays_within_2_percent():
 
 def test_the_h100s_sustained_compute_reproduces_the_run_it_was_fitted_to():
     """Megatron-Core r0.8's 177B GPT on 96 H100s (DP 2, a bubble under 1 %): 47 % MFU, the one figure the
-    H100 preset's sustained_compute (0.82) was fitted to, and 55.1 % without it. A change to the model that
+    H100 preset's sustained_compute (0.76) was fitted to, and 59.9 % without it. A change to the model that
     moves this row moves what the fit stands on: refit the constant (topology/presets.py) and say so there."""
     table = TABLES["megatron-core-2024-strong"]
     assert table.fitted == (1,)
@@ -89,21 +89,23 @@ def test_torchtitans_tables_stay_within_the_goal(name):
     """torchtitan's December 2024 (Llama 3.1 8B, FSDP on 8 and 128 H100s, eager and compiled) and June 2025
     (8B on 64 and 70B on 256, FSDP x TP 8, plain and async TP) tables, every row within issue 40's goal: a
     mean |error| of 5 %, none over 10 %. Means 2.5 and 3.8 %, worst rows 5.2 and 6.9 % when this test was
-    written; 19.2 and 17.5 % means before the H100's rates were those a run sustains."""
+    written; 4.9 and 2.5 %, 7.6 and 5.1 %, once kernels moved their tensors' own bytes (and the share was
+    refitted); 19.2 and 17.5 % means before the H100's rates were those a run sustains."""
     table = TABLES[name]
     errors = [figure(run_scenario(v, trace=False).report, table.metric) / want - 1
               for (_, v), want in zip(load(str(BENCHMARKS / table.file)).variants, table.published, strict=True)]
     assert max(abs(e) for e in errors) <= 0.10 and sum(abs(e) for e in errors) / len(errors) <= 0.05
 
 
-def test_one_stack_on_an_a100_and_an_h100_speeds_up_as_published_within_15_percent():
+def test_one_stack_on_an_a100_and_an_h100_speeds_up_as_published_within_10_percent():
     """LLM Foundry's 2023 MPT table: the same configurations (760M to 13B, FSDP on 8 GPUs) on A100s and on
     H100s, 1.95 to 2.29 times the tokens a second. What one stack does on either GPU cancels; what is left is the
     hardware, the H100's rates as a run sustains them (cluster.sustained_compute, fitted elsewhere): predicted
-    within +0.4 to +13.8 % when this test was written, and 20 to 33 % over with the benchmark rates alone."""
+    within +0.4 to +13.8 % when this test was written (then 15 % was asked), -6.6 to +6.2 % once kernels moved
+    their tensors' own bytes, and 18 to 31 % over with the benchmark rates alone."""
     table = TABLES["llm-foundry-2023"]
     variants = load(str(BENCHMARKS / table.file)).variants
     for a100, h100 in table.ratios:
         got = [figure(run_scenario(variants[i - 1][1], trace=False).report, table.metric) for i in (a100, h100)]
         assert [variants[i - 1][1].cluster.preset for i in (a100, h100)] == ["dgx-a100", "dgx-h100"]
-        assert got[1] / got[0] == pytest.approx(table.published[h100 - 1] / table.published[a100 - 1], rel=0.15)
+        assert got[1] / got[0] == pytest.approx(table.published[h100 - 1] / table.published[a100 - 1], rel=0.10)

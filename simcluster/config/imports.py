@@ -40,12 +40,13 @@ MEGATRON = {
     "microbatch-group-size-per-vp-stage": "parallel.microbatch_group",
     "account-for-embedding-in-pipeline-split": "parallel.embedding_in_split",
     "account-for-loss-in-pipeline-split": "parallel.loss_in_split",
+    "no-gradient-accumulation-fusion": "parallel.grad_accumulation_fusion",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
          "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
          "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather",
          "no-async-tensor-model-parallel-allreduce", "account-for-embedding-in-pipeline-split",
-         "account-for-loss-in-pipeline-split"}
+         "account-for-loss-in-pipeline-split", "no-gradient-accumulation-fusion"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -178,6 +179,7 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
     p["zero"] = 1 if args.get("use-distributed-optimizer") else 0  # (the distributed optimizer shards its states)
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))
     p["overlap_param_gather"] = bool(args.get("overlap-param-gather"))
+    p["grad_accumulation_fusion"] = not args.get("no-gradient-accumulation-fusion")  # (on unless turned off)
     p["tp_comm_overlap"] = bool(args.get("tp-comm-overlap"))  # (at tp = 1 Megatron turns sp off: it does nothing)
     # its column-parallel backward (layers.py), async unless --no-async-tensor-model-parallel-allreduce (2021-23);
     # under --tp-comm-overlap Transformer Engine's bulk overlaps run it so whatever that flag says
@@ -252,7 +254,7 @@ def torchtitan(job: dict[str, Any], *, nodes: int = 1, gpus_per_node: int = 8, p
     m["global_batch"] = int(given.get("training.global_batch_size", int(local or 1) * dp))
     if "parallelism.pipeline_parallel_microbatch_size" in given:
         m["micro_batch"] = int(given["parallelism.pipeline_parallel_microbatch_size"])
-    p: dict[str, Any] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1, "zero": 3,
+    p: dict[str, Any] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "sp": tp > 1, "zero": 3, "grad_accumulation_fusion": False,
                          "recompute": _checkpointing(given, notes),
                          # FSDP2's reduce_dtype (its default, float32): the gradients reduced and kept in fp32
                          "grads_fp32": m["dtype"] != "fp32" and

@@ -199,8 +199,7 @@ class ParallelSection(Section):
         "the reduction after the weight gradients. The same numbers either way")
     attention: Literal["ulysses", "ring", "allgather", "rsa"] = key(
         "ulysses", "context parallelism's attention (cp > 1): ulysses (all-to-all by heads), ring (keys and values "
-        "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys around the ring for"
-        " whole score rows, then values)")
+        "around a ring), allgather (Llama 3), rsa (ColossalAI's ring self-attention: keys, then values, around it)")
     zero: Literal[0, 1, 2, 3] = key(3, "0: DDP; 1, 2, 3: ZeRO stages (3 = FSDP), around whatever a rank holds")
     zero_over: Literal["dp_cp", "dp"] = key(
         "dp_cp", "what ZeRO shards over when cp > 1: dp_cp (the flattened dp x cp group, as Megatron's distributed "
@@ -208,8 +207,7 @@ class ParallelSection(Section):
     prefetch: bool = key(True, "ZeRO-3: gather the next unit's weights while this one computes")
     overlap_grad_reduce: bool = key(
         True, "DDP and ZeRO-1: reduce each unit's gradients as soon as its last micro-batch is done, under the rest"
-        " of the backward pass (Megatron's --overlap-grad-reduce); false: all of them after the backward, as "
-        "Megatron-LM did in 2021")
+        " of the backward pass (Megatron's --overlap-grad-reduce); false: all of them after it (Megatron-LM, 2021)")
     overlap_param_gather: bool = key(
         False, "ZeRO-1 and 2: each unit's new weights all-gathered under the next step's forward pass, each waited "
         "for where its unit is first used (Megatron's --overlap-param-gather); false: all of them at the end of "
@@ -219,17 +217,20 @@ class ParallelSection(Section):
         "over data parallelism at 4 bytes a parameter, and 4 bytes a parameter held: Megatron-LM's bf16 default "
         "(--accumulate-allreduce-grads-in-fp32) and torchtitan's FSDP2 (mixed_precision_reduce = 'float32'); "
         "false: 16-bit gradients (DeepSpeed's bf16 communication, Megatron's --grad-reduce-in-bf16)")
+    grad_accumulation_fusion: bool = key(
+        True, "each micro-batch's weight gradients written into the gradient buffer by their GEMMs, adding to what it "
+        "holds (Megatron-LM's --gradient-accumulation-fusion, on by default); false: the copy into the buffer and the "
+        "sum as kernels of their own, as PyTorch's autograd, DDP and FSDP run them. The same numbers either way")
     offload_optimizer: Literal["none", "cpu", "nvme"] = key(
         "none", "ZeRO-Offload (zero >= 1): keep the fp32 master weights and Adam's moments in the host's memory (cpu)"
-        " or on its NVMe (nvme, ZeRO-Infinity); each rank's reduced gradients go down over PCIe and AdamW "
-        "runs on the host's cores")
+        " or on its NVMe (nvme, ZeRO-Infinity); the reduced gradients go down over PCIe, AdamW runs on its cores")
     offload_params: Literal["none", "cpu", "nvme"] = key(
         "none", "ZeRO-Infinity (zero = 3): keep the 16-bit weight chunks in the host's memory (cpu) or on its NVMe "
         "(nvme) between uses, fetched before each gather")
     delayed_update: bool = key(
         False, "ZeRO-Offload's one-step delayed parameter update: each step computes with the weights from before "
-        "the last step's update, so the host's optimizer step runs under the next forward and backward "
-        "(compared with its own single-device definition)")
+        "the last step's update, so the host's optimizer step runs under the next forward and backward (compared "
+        "with its own single-device definition)")
     recompute: Literal["none", "selective", "full", "op"] = key(
         "none", "activation recomputation: selective (Megatron's: the attention core), full (each block from its "
         "input), op (torchtitan's per-op policy, Llama: every second matmul of a block and the attention kernel's "
@@ -284,8 +285,7 @@ class RunSection(Section):
         None, "AdamW's decoupled weight decay, torch semantics (default: 0.01 for gpt as Megatron-LM, 0.1 for llama"
         " as Llama 3)", minimum=0)
     clip_grad: float = key(
-        1.0, "clip the gradients to this global norm before the optimizer step (torch's clip_grad_norm_; 0: no "
-        "clipping)", minimum=0)
+        1.0, "clip the gradients to this global norm before the optimizer step (clip_grad_norm_; 0: none)", minimum=0)
     save_checkpoint: str | None = key(
         None, "transformer: write a checkpoint to this folder (--save-checkpoint; each rank its own shards and a manifest, "
         "docs/checkpoint.md)")

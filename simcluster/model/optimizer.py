@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from simcluster.numerics.ops import Mode, Ops
-from simcluster.numerics.tensor import MetaTensor
+from simcluster.numerics.tensor import MetaTensor, nbytes
 
 WEIGHT_DECAY = {"gpt": 0.01, "llama": 0.1}  # AdamW's default by architecture: Megatron-LM's; the Llama 3 paper's
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
@@ -48,12 +48,15 @@ def adam_step(ops: Ops, params: dict[str, Any], grads: dict[str, Any], state: Ad
 
 
 def square_sum(ops: Ops, grads: list[Any]) -> Any:
-    """The exact sum of squares of every element (a partial: sum it over ranks, then round once)."""
+    """The exact sum of squares of every element (a partial: sum it over ranks, then round once): one
+    kernel reading each gradient once, as torch's _foreach_norm and apex's multi_tensor_l2norm do (the
+    flattening and the partial sums here are for the numbers' sake)."""
     total = None
     for g in grads:
-        flat = ops.flat([g])
-        part = ops.einsum("i,i->", flat, flat, partial=True)
-        total = part if total is None else ops.add_partial(total, part)
+        with ops.fused("grad_norm", nbytes=nbytes(g)):
+            flat = ops.flat([g])
+            part = ops.einsum("i,i->", flat, flat, partial=True)
+            total = part if total is None else ops.add_partial(total, part)
     return total
 
 

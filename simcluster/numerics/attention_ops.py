@@ -1,6 +1,7 @@
 """The attention core's kernels, as a mixin of Ops (as flat.py and placement.py are): the scores, the
 weights and their sums for the exact two-pass form, and fast mode's flash blocks, each (out, lse),
-merged by their log-sum-exps. Shapes: b batch, a heads, s queries, k keys, d head dim."""
+merged by their log-sum-exps; and the softmax and log-softmax they make. Shapes: b batch, a heads, s queries,
+k keys, d head dim."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from simcluster.numerics.tensor import MetaTensor, dtype_name
 
 
 class AttentionOps:
-    """Needs, of the class it is mixed into: mode, _num, _kernels, _record, _cost, _meta_like, _item."""
+    """Needs, of the class it is mixed into: mode, _num, _kernels, _record, _cost, _meta_like, _item (and max,
+    sum, sub, log_sum_exp, expand_last for the softmaxes)."""
 
     def attention_scores(self, q: Any, k: Any, scale: float, allowed: Any = None) -> Any:
         """(b, a, s, k) scores, -inf where `allowed` is False."""
@@ -22,7 +24,7 @@ class AttentionOps:
         return self._kernels.attention_scores(self._num, q, k, scale, allowed)
 
     def attention_weights(self, s: Any, row_max: Any) -> Any:
-        self._cost("attention_weights", tuple(s.shape), 10, 2)
+        self._cost("attention_weights", tuple(s.shape), 10, 2, s)
         return self._meta_like(s) if self.mode.value == "meta" else self._kernels.attention_weights(self._num, s, row_max)
 
     def attention_output(self, o_sum: Any, l_sum: Any, dtype: Any = "fp32", drop_scale: float = 1.0) -> Any:
@@ -51,11 +53,23 @@ class AttentionOps:
 
     def attention_merge(self, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         """Two blocks' (out, lse) as one (attention_block), in float32."""
-        self._cost("attention_merge", tuple(out_a.shape), 4, 3)
+        self._cost("attention_merge", tuple(out_a.shape), 4, 3, out_a)
         if self.mode.value == "meta":
             return MetaTensor(tuple(out_a.shape), "fp32"), MetaTensor(tuple(lse_a.shape), "fp32")
         return self._kernels.attention_merge(self._num, out_a, lse_a, out_b, lse_b)
 
     def attention_probs(self, e: Any, l_sum: Any) -> Any:
-        self._cost("attention_probs", tuple(e.shape), 1, 2)
+        self._cost("attention_probs", tuple(e.shape), 1, 2, e)
         return self._meta_like(e) if self.mode.value == "meta" else self._kernels.attention_probs(self._num, e, l_sum)
+
+    def softmax(self, x: Any) -> Any:
+        """Over the last dim: exp(x - max) / round(sum), the sum exact."""
+        e = self.attention_weights(x, self.max(x, -1))
+        return self.attention_probs(e, self.sum(e, -1, partial=True))
+
+    def log_softmax(self, x: Any) -> Any:
+        """x - (max + log round(sum exp(x - max))) over the last dim."""
+        m = self.max(x, -1)
+        lse = self.log_sum_exp(m, self.sum(self.attention_weights(x, m), -1, partial=True),
+                               getattr(x, "dtype", "fp32"))
+        return self.sub(x, self.expand_last(lse))

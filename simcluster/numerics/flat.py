@@ -23,7 +23,7 @@ class FlatBuffers:
     def flat(self, xs: list[Any]) -> Any:
         """The tensors (arrays or partials) as one 1-D buffer, in order."""
         total = sum(math.prod(tuple(x.shape)) for x in xs)
-        self._cost("flatten", (total,), 0, 2)
+        self._cost("flatten", (total,), 0, 2, xs[0])
         first = xs[0]
         if isinstance(first, MetaTensor):
             return MetaTensor((total,), first.dtype, first.partial)

@@ -2,7 +2,8 @@
 
 Every op returns its result at once and reports a kernel (name, FLOPs, bytes moved) to `record`,
 which the backend turns into work on the rank's current stream. Bytes are counted in the logical
-`cost_dtype` (what a GPU would move), whatever holds the numbers here.
+`cost_dtype` (what a GPU would move), whatever holds the numbers here, and a tensor a 16-bit run keeps
+in fp32 at 4 bytes an element.
 
 The modes themselves are in modes.py.
 """
@@ -21,7 +22,8 @@ from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.attention_ops import AttentionOps
 from simcluster.numerics.flat import FlatBuffers
 from simcluster.numerics.placement import Placement
-from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name
+from simcluster.numerics.dtypes import is_fp32
+from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, logical_dtype
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape
 Record = Callable[[str, Any, float], None]
@@ -91,9 +93,10 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         if name is not None:
             record(name, float(done[0] if flops is None else flops), float(nbytes))
 
-    def _elementwise_cost(self, name: str, shape: tuple[int, ...], n_in: int, flops_per: float = 1.0) -> None:
-        n = _numel(shape)
-        self._record(name, flops_per * n, (n_in + 1) * n * self._item)
+    def _item_of(self, *tensors: Any) -> int:
+        """Bytes an element of a kernel's tensors: the run's dtype's, or 4 where one of them (a tensor or a
+        dtype's name) is fp32 in a 16-bit run: the cross-entropy's upcast logits, master weights, moments."""
+        return max(self._item, 4) if any(is_fp32(t) for t in tensors) else self._item
 
     # -- the interface -------------------------------------------------------------------------
     def matmul(self, a: Any, b: Any, *, partial: bool = False) -> Any:
@@ -122,35 +125,35 @@ class Ops(FlatBuffers, Placement, AttentionOps):
                 raise ValueError(f"sum over axis {a} of a tensor of shape {shape}")
         axes = tuple(a % len(shape) for a in axes)
         out_shape = tuple(n for i, n in enumerate(shape) if i not in axes)
-        self._record("sum", float(_numel(shape)), (_numel(shape) + _numel(out_shape)) * self._item)
+        self._record("sum", float(_numel(shape)), (_numel(shape) + _numel(out_shape)) * self._item_of(x))
         return self._sum(x, axis, partial, out_shape)
 
     def add(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("add", broadcast_shape(a.shape, b.shape), 2)
+        self._cost("add", broadcast_shape(a.shape, b.shape), 1, 3, a, b)
         return self._binary(self.xp.add, a, b)
 
     def sub(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("sub", broadcast_shape(a.shape, b.shape), 2)
+        self._cost("sub", broadcast_shape(a.shape, b.shape), 1, 3, a, b)
         return self._binary(self.xp.subtract, a, b)
 
     def mul(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("mul", broadcast_shape(a.shape, b.shape), 2)
+        self._cost("mul", broadcast_shape(a.shape, b.shape), 1, 3, a, b)
         return self._binary(self.xp.multiply, a, b)
 
     def scale(self, a: Any, s: Any) -> Any:
         """a * s (a number, or a 0-d value of the kernel set's): exact mode's product with s rounded to a's
         dtype, fast mode's as a GPU kernel computes it, in fp32 for 16-bit a (numerics/modes.py)."""
-        self._elementwise_cost("scale", tuple(a.shape), 1)
+        self._cost("scale", tuple(a.shape), 1, 2, a)
         return self._unary(lambda x: self._num.times(x, s), a)
 
     def relu(self, a: Any) -> Any:
-        self._elementwise_cost("relu", tuple(a.shape), 1)
+        self._cost("relu", tuple(a.shape), 1, 2, a)
         xp = self.xp
         return self._unary(lambda x: xp.maximum(x, xp.const(x, 0)), a)
 
     def relu_backward(self, grad: Any, pre: Any) -> Any:
         """grad where pre > 0, else 0."""
-        self._elementwise_cost("relu_backward", tuple(grad.shape), 2)
+        self._cost("relu_backward", tuple(grad.shape), 1, 3, grad)
         xp = self.xp
         return self._binary(lambda g, p: xp.where(p > 0, g, xp.const(g, 0)), grad, pre)
 
@@ -163,15 +166,16 @@ class Ops(FlatBuffers, Placement, AttentionOps):
     def uniform(self, seed: int, name: str, shape: tuple[int, ...], *, offset: tuple[int, ...] | None = None,
                 full_shape: tuple[int, ...] | None = None, low: float = -1.0, high: float = 1.0) -> Any:
         """The block at `offset` of a counter-based uniform tensor of `full_shape` (float32)."""
-        self._elementwise_cost("uniform", tuple(shape), 0)
+        self._cost("uniform", tuple(shape), 1, 1, "fp32")
         if self.mode is Mode.META:
             return MetaTensor(tuple(shape), "fp32")
         return self.xp.uniform(seed, name, tuple(shape), offset=offset, full_shape=full_shape, low=low, high=high)
 
     # -- the transformer's kernels (numerics/kernels.py), one cost each --------------------------
-    def _cost(self, name: str, shape: tuple[int, ...], flops_per: float, tensors: float) -> None:
+    def _cost(self, name: str, shape: tuple[int, ...], flops_per: float, tensors: float, *like: Any) -> None:
+        """`tensors` passes over `shape`'s elements, at the width of the tensors `like` (_item_of)."""
         n = _numel(tuple(shape))
-        self._record(name, flops_per * n, tensors * n * self._item)
+        self._record(name, flops_per * n, tensors * n * self._item_of(*like))
 
     def einsum(self, spec: str, a: Any, b: Any, *, partial: bool = False) -> Any:
         """Two-operand einsum (letters only); exact over the summed letters in exact mode."""
@@ -190,7 +194,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
     def max(self, x: Any, axis: int = -1) -> Any:
         """Max over one axis, keeping it (size 1): exact in any order."""
         shape = tuple(x.shape)
-        self._cost("max", shape, 1, 1)
+        self._cost("max", shape, 1, 1, x)
         if self.mode is Mode.META:
             out = list(shape)
             out[axis] = 1
@@ -198,11 +202,11 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return self.xp.max(x, axis)
 
     def exp(self, x: Any) -> Any:
-        self._cost("exp", tuple(x.shape), 10, 2)
+        self._cost("exp", tuple(x.shape), 10, 2, x)
         return self._meta_like(x) if self.mode is Mode.META else self._num.exp(x)
 
     def log(self, x: Any) -> Any:
-        self._cost("log", tuple(x.shape), 10, 2)
+        self._cost("log", tuple(x.shape), 10, 2, x)
         return self._meta_like(x) if self.mode is Mode.META else self._num.log(x)
 
     def gelu(self, x: Any) -> Any:
@@ -256,7 +260,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return self._kernels.rms_norm_backward(self._num, dy, x, gamma, rstd)
 
     def log_sum_exp(self, row_max: Any, sum_exp: Any, dtype: Any = "fp32") -> Any:
-        self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2)
+        self._cost("log_sum_exp", tuple(sum_exp.shape), 10, 2, sum_exp)
         if self.mode is Mode.META:
             return MetaTensor(tuple(sum_exp.shape), dtype_name(dtype))
         return self._kernels.log_sum_exp(self._num, row_max, sum_exp, dtype)
@@ -306,13 +310,13 @@ class Ops(FlatBuffers, Placement, AttentionOps):
 
     def zero_where(self, keep: Any, x: Any) -> Any:
         """x where `keep`, else zero of x's dtype (a dropout mask applied)."""
-        self._cost("mask", tuple(x.shape), 1, 2)
+        self._cost("mask", tuple(x.shape), 1, 2, x)
         if self.mode is Mode.META:
             return self._meta_like(x)
         return self.xp.where(keep, x, self.xp.const(x, 0))
 
     def div(self, a: Any, b: Any) -> Any:
-        self._elementwise_cost("div", broadcast_shape(a.shape, b.shape), 2)
+        self._cost("div", broadcast_shape(a.shape, b.shape), 1, 3, a, b)
         return self._binary(self.xp.divide, a, b)
 
     def adam(self, param: Any, grad: Any, m: Any, v: Any, step: int, *, lr: float, beta1: float = 0.9,
@@ -323,9 +327,9 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         `donate`: the caller gives `param` up (nothing else holds it), so a kernel set may write the new
         weights into it; without it the old tensor is left as it was."""
         if grad_scale is not None:  # (named the optimizer's: a weight-sized pass, timed at the rate measured for those)
-            self._cost("adam", tuple(grad.shape), 1, 2)
+            self._cost("adam", tuple(grad.shape), 1, 2, grad)
             grad = self._unary(lambda x, xp=self.xp: x * xp.const(x, grad_scale), grad)
-        self._cost("adam", tuple(param.shape), 12, 7)
+        self._cost("adam", tuple(param.shape), 12, 7, param)
         if self.mode is Mode.META:
             return param, m, v
         new, m, v = _k.adam(self.xp, param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -336,7 +340,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         return param, m, v
 
     def sgd(self, param: Any, grad: Any, *, lr: float) -> Any:
-        self._cost("sgd", tuple(param.shape), 2, 3)
+        self._cost("sgd", tuple(param.shape), 2, 3, param)
         return param if self.mode is Mode.META else _k.sgd(self.xp, param, grad, lr=lr)
 
     def concat(self, xs: list[Any], dim: int) -> Any:
@@ -355,14 +359,14 @@ class Ops(FlatBuffers, Placement, AttentionOps):
 
     def gather_last(self, x: Any, index: Any) -> Any:
         """x[..., index] along the last dim, index shaped like x without it."""
-        self._cost("gather", tuple(index.shape), 0, 2)
+        self._cost("gather", tuple(index.shape), 0, 2, x)
         if self.mode is Mode.META:
             return MetaTensor(tuple(index.shape), x.dtype)
         return self.xp.take_last(x, self.xp.asarray(index))
 
     def sub_one_hot(self, x: Any, index: Any, keep: Any = None) -> Any:
         """x - one_hot(index) on the last axis, byte for byte (rows where `keep`, if given), with no one-hot made."""
-        self._cost("sub_one_hot", tuple(x.shape), 0, 2)
+        self._cost("sub_one_hot", tuple(x.shape), 0, 2, x)
         if self.mode is Mode.META:
             return self._meta_like(x)
         xp = self.xp
@@ -380,7 +384,7 @@ class Ops(FlatBuffers, Placement, AttentionOps):
 
     def add_partial(self, a: Any, b: Any) -> Any:
         """Sum of two partials (exact in exact mode)."""
-        self._elementwise_cost("add", tuple(a.shape), 2)
+        self._cost("add", tuple(a.shape), 1, 3, a, b)
         if self.mode is Mode.META:
             return a
         total = a + b
@@ -400,22 +404,13 @@ class Ops(FlatBuffers, Placement, AttentionOps):
         n = _numel(tuple(x.shape)) // max(1, _numel(tuple(total.shape)))
         return self._meta_like(total) if self.mode is Mode.META else total / self.xp.const(total, n)
 
-    def softmax(self, x: Any) -> Any:
-        """Over the last dim: exp(x - max) / round(sum), the sum exact."""
-        e = self.attention_weights(x, self.max(x, -1))
-        return self.attention_probs(e, self.sum(e, -1, partial=True))
-
-    def log_softmax(self, x: Any) -> Any:
-        """x - (max + log round(sum exp(x - max))) over the last dim."""
-        m = self.max(x, -1)
-        lse = self.log_sum_exp(m, self.sum(self.attention_weights(x, m), -1, partial=True),
-                               getattr(x, "dtype", "fp32"))
-        return self.sub(x, self.expand_last(lse))
-
     def cast(self, x: Any, dtype: str, *, out: Any = None) -> Any:
         """x rounded to a storage dtype ('bf16', 'fp16', 'fp32'). `out`: a tensor of that shape and dtype
         that the caller gives up, which then holds the result (no new tensor)."""
-        self._cost("cast", tuple(x.shape), 1, 2)
+        if out is None and logical_dtype(x) == dtype_name(dtype):
+            return x  # (no kernel: torch's .float() of an fp32 tensor is the tensor)
+        n = _numel(tuple(x.shape))
+        self._record("cast", float(n), n * (self._item_of(x) + self._item_of(dtype)))  # (x read, the dtype written)
         if self.mode is Mode.META:
             return MetaTensor(tuple(x.shape), dtype_name(dtype))
         if out is not None:

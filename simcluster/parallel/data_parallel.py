@@ -40,6 +40,9 @@ class TrainingConfig:
     # mixed precision's gradients summed and kept in fp32, not 16-bit (Megatron-LM's bf16 default,
     # --accumulate-allreduce-grads-in-fp32; torchtitan's FSDP2 reduce_dtype, mixed_precision_reduce = "float32")
     grads_fp32: bool = False
+    # each micro-batch's weight gradients written into the gradient buffer by their GEMMs, adding to it (Megatron-LM's
+    # --gradient-accumulation-fusion); False: the copy and the sum as kernels of their own (PyTorch's). Times only
+    grad_accumulation_fusion: bool = True
     zero: int = 0  # 0: DDP; 1, 2, 3: ZeRO stages
     prefetch: bool = True  # ZeRO-3: gather the next unit while this one computes
     overlap_grad_reduce: bool = True  # DDP, ZeRO-1: reduce a unit's gradients under the rest of the backward

@@ -203,14 +203,23 @@ class DPWrap:
             self.ctx.memory.hold("gradients", "grads", self.per["gradients"] * self.owned_count, "cpu")
 
     def gradients(self, unit: str, grads: dict[str, Any], micro_batches: int) -> Generator[Any, Any, None]:
-        """One micro-batch's complete gradients (exact partials) of `unit`."""
-        ops = self.ops
-        flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision, self.data.grads_fp32))
-                                 for k in self.names[unit]]),
-                       self.ns[unit])
+        """One micro-batch's complete gradients (exact partials) of `unit`, into its flat buffer and, below
+        ZeRO-2, added to the micro-batches' before. With `grad_accumulation_fusion` the weight-gradient GEMMs
+        write them there, adding to what it holds (Megatron-LM's: no kernels of their own). Without, the sum is
+        a kernel each micro-batch after the first (autograd's accumulation), and so is the copy into the buffer
+        when it is reduced (DDP's into its bucket after the last micro-batch, FSDP's before each reduce-scatter)."""
+        ops, fused = self.ops, self.data.grad_accumulation_fusion
         self.seen[unit] = self.seen.get(unit, 0) + 1
+        reduced = self.stage >= 2 or self.seen[unit] == micro_batches
+        with ops.fused(None) if fused or not reduced else nullcontext():
+            flat = ops.pad(ops.flat([ops.retag(grads[k], grad_dtype(self.data.precision, self.data.grads_fp32))
+                                     for k in self.names[unit]]),
+                           self.ns[unit])
+        if self.stage < 2 and unit in self.acc:
+            with ops.fused(None) if fused else nullcontext():
+                flat = ops.add_partial(self.acc[unit], flat)
         if self.stage < 2:
-            self.acc[unit] = flat if unit not in self.acc else ops.add_partial(self.acc[unit], flat)
+            self.acc[unit] = flat
             if self.seen[unit] < micro_batches:
                 return
             flat = self.acc.pop(unit)
