@@ -123,7 +123,7 @@ SHARED = ["model.layers=3", "model.hidden=128", "model.heads=8", "model.ffn_hidd
           "parallel.schedule=gpipe", "parallel.zero_over=dp", "parallel.scatter_gather=true",
           "parallel.dualpipe_overlap=false", "parallel.embedding_in_split=true", "parallel.loss_in_split=true",
           "parallel.microbatch_group=2",
-          "parallel.tp_comm_overlap=true", "parallel.tp_async_backward=true", "parallel.overlap_param_gather=true", "parallel.grads_fp32=true", "parallel.grad_accumulation_fusion=false", "parallel.recompute=full", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_hidden=64",
+          "parallel.tp_comm_overlap=true", "parallel.tp_async_backward=true", "parallel.overlap_param_gather=true", "parallel.grads_fp32=true", "parallel.grad_accumulation_fusion=false", "model.loss_kernel=fused", "parallel.recompute=full", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_hidden=64",
           "model.moe_first_dense=1", "model.moe_aux_coeff=0.001", "model.moe_capacity_factor=1.5",
           "model.moe_scores=sigmoid", "model.moe_normalize=true", "model.moe_route_scale=2.5", "model.moe_skew=0.5",
           "parallel.ep=2", "model.moe_shared_experts=1", "model.moe_bias_rate=0.001", "model.moe_groups=2",
@@ -149,7 +149,7 @@ def test_the_programs_configurations_take_every_key_they_share_by_name():
                     assert _value(getattr(target, f.name)) == getattr(section, f.name), f.name
                     assert _value(f.default) != getattr(section, f.name), f"{f.name}: set it away from the default"
                     shared += 1
-    assert shared == 55  # 31 of ModelConfig (15 of them the mixture of experts), 12 of TrainingConfig, 12 of Parallelism
+    assert shared == 56  # 32 of ModelConfig (15 of them the mixture of experts), 12 of TrainingConfig, 12 of Parallelism
     assert got.model.seed == sc.run.seed and got.data.precision == "fp16" and got.virtual == 1
 
 

@@ -125,3 +125,50 @@ def test_meta_mode_charges_what_fast_mode_charges_where_the_widths_differ(fusion
     (meta, _), (fast, _) = _kernels(fusion, "meta", "run.clip_grad=0"), _kernels(fusion, "fast", "run.clip_grad=0")
     assert [(e.rank, e.name, e.start, e.end) for e in meta.result.trace.events] == \
         [(e.rank, e.name, e.start, e.end) for e in fast.result.trace.events]
+
+
+LOSS = ["parallel.dp=1", "parallel.tp=2", "parallel.sp=true", "cluster.gpus_per_node=2", "run.steps=1", "model.layers=1",
+        "model.vocab=4096", "model.hidden=64", "model.heads=4", "model.seq=32", "model.dtype=bf16", "model.global_batch=2",
+        "model.micro_batch=1"]
+SHARE = 32 * 4096 // 2  # a micro-batch's logits on a tp rank: 32 tokens x half the vocabulary
+
+
+def _loss(kernel, mode="meta"):
+    return run_scenario(load(None, LOSS + [f"model.loss_kernel={kernel}", f"run.numerics={mode}"]), fold=False)
+
+
+def test_a_fused_cross_entropy_keeps_the_16_bit_logits_and_reads_them_once_a_pass():
+    """flash-attn's cross-entropy (LLM Foundry's default loss), Liger's and Megatron-LM's fused one: a kernel reads
+    the 16-bit logits for the row maxima, one again for the exponentials' sums (a tensor-parallel sum between
+    them), and one reads them a third time and writes their gradient; the backward makes the exponentials again,
+    so the head keeps the 16-bit logits (2 bytes each) and a row maximum (4 bytes a token), not the fp32
+    exponentials (4 bytes each), and no fp32 buffer is ever held: unfused, 13 bytes a logit at once."""
+    unfused, fused = _loss("unfused"), _loss("fused")
+    names = {kernel: collections.Counter(e.name.rpartition("/")[2] for e in run.result.trace.events
+                                         if e.rank == 0 and ":head" in e.name) for kernel, run in
+             (("unfused", unfused), ("fused", fused))}
+    assert all(names["fused"][k] == 2 for k in ("cross_entropy_max", "cross_entropy", "cross_entropy_backward"))
+    for unfused_only in ("cast", "max", "attention_weights", "attention_probs", "sub_one_hot", "scale"):
+        assert names["unfused"][unfused_only] > 0 and unfused_only not in names["fused"], unfused_only
+    peaks = {k: run.report["memory_peak_bytes"]["0"] for k, run in (("unfused", unfused), ("fused", fused))}
+    assert peaks["unfused"]["activations"] - peaks["fused"]["activations"] == SHARE * (4 - 2) - 32 * 4
+    assert peaks["unfused"]["temporaries"] == 13 * SHARE > peaks["fused"]["temporaries"]
+    assert fused.report["step_time_ns"] < unfused.report["step_time_ns"]
+
+
+def test_a_fused_cross_entropy_computes_the_same_bytes():
+    unfused, fused = _loss("unfused", "exact"), _loss("fused", "exact")
+    assert unfused.report["verification"]["bit_exact"] and fused.report["verification"]["bit_exact"]
+    for a, b in zip(unfused.result.results, fused.result.results, strict=True):
+        assert [np.asarray(x).tobytes() for x in a["loss"]] == [np.asarray(x).tobytes() for x in b["loss"]]
+        for unit, states in a["units"].items():
+            for kind, tensor in states.items():
+                assert np.asarray(tensor).tobytes() == np.asarray(b["units"][unit][kind]).tobytes(), (unit, kind)
+
+
+@pytest.mark.parametrize("flags,kernel", [([], "unfused"), (["--cross-entropy-loss-fusion"], "fused")])
+def test_a_megatron_command_line_keeps_its_cross_entropy(flags, kernel):
+    doc, _ = megatron(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                       "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16", *flags], nodes=1,
+                      gpus_per_node=8)
+    assert doc["model"]["loss_kernel"] == kernel

@@ -129,9 +129,10 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         place = placement(parallelism.schedule, parallelism.shape(p))
         sizes = [len(r) for r in partition(model.layers, place.pieces, parallelism.embedding_in_split,
                                            parallelism.loss_in_split)]
-        # the LM head's cache: its logits' exponentials (b, s/c, V/t; fp32, the cross-entropy's) and its input
-        # before and after the norm
-        head = layout.micro_batch * model.seq / c * (4 * model.vocab / t + 2 * model.hidden * ITEMSIZE[model.dtype])
+        # the LM head's cache: its logits' exponentials (b, s/c, V/t; fp32, the cross-entropy's; a fused one's: the
+        # logits as they are) and its input before and after the norm
+        logit = ITEMSIZE[model.dtype] if model.loss_kernel == "fused" else 4
+        head = layout.micro_batch * model.seq / c * (logit * model.vocab / t + 2 * model.hidden * ITEMSIZE[model.dtype])
         held = max(sum(count * (sizes[piece] * act + (head if piece == place.pieces - 1 else 0.0))
                        for piece, count in stage) for stage in _held(parallelism.schedule, parallelism.shape(p)))
     else:

@@ -41,12 +41,13 @@ MEGATRON = {
     "account-for-embedding-in-pipeline-split": "parallel.embedding_in_split",
     "account-for-loss-in-pipeline-split": "parallel.loss_in_split",
     "no-gradient-accumulation-fusion": "parallel.grad_accumulation_fusion",
+    "cross-entropy-loss-fusion": "model.loss_kernel",
 }
 FLAGS = {"sequence-parallel", "recompute-activations", "use-distributed-optimizer", "overlap-grad-reduce", "bf16",
          "fp16", "swiglu", "untie-embeddings-and-output-weights", "group-query-attention", "use-flash-attn",
          "accumulate-allreduce-grads-in-fp32", "grad-reduce-in-bf16", "tp-comm-overlap", "overlap-param-gather",
          "no-async-tensor-model-parallel-allreduce", "account-for-embedding-in-pipeline-split",
-         "account-for-loss-in-pipeline-split", "no-gradient-accumulation-fusion"}
+         "account-for-loss-in-pipeline-split", "no-gradient-accumulation-fusion", "cross-entropy-loss-fusion"}
 CHOICES = {"recompute-granularity", "cp-comm-type", "normalization", "position-embedding-type",
            "num-layers-per-virtual-pipeline-stage"}  # (read below, each its own way)
 NUMBERS = {flag: key for flag, key in MEGATRON.items() if flag not in FLAGS | CHOICES}  # a number: the key's value
@@ -175,6 +176,7 @@ def megatron(argv: list[str], *, nodes: int = 1, gpus_per_node: int = 8, preset:
         m["gqa"] = "native"
     if "dropout" not in m:
         m["dropout"] = 0.1  # (Megatron's --hidden-dropout default)
+    m["loss_kernel"] = "fused" if args.get("cross-entropy-loss-fusion") else "unfused"
     p["sp"] = bool(args.get("sequence-parallel"))
     p["zero"] = 1 if args.get("use-distributed-optimizer") else 0  # (the distributed optimizer shards its states)
     p["overlap_grad_reduce"] = bool(args.get("overlap-grad-reduce"))

@@ -79,13 +79,15 @@ class ModelSection(Section):
         "static loss scale of 4096); fp32: everything fp32. Kernels and communication are timed in it")
     causal: bool = key(True, "causal attention")
     attention_kernel: Literal["flash", "unfused"] = key(
-        "flash", "what the attention core costs in time and memory: one fused FlashAttention kernel, or each step as "
-        "its own kernel with the s x s scores in memory")
+        "flash", "the attention core's time and memory: one FlashAttention kernel, or a kernel a step, the s x s in memory")
     fused_kernels: bool = key(
-        True, "cost a block's elementwise work as the fused kernels of Megatron-LM (bias in the GEMM; bias+GELU; "
-        "bias+dropout+residual; scale+mask+softmax) and torch.compile (RMSNorm in one kernel); false: as eager "
-        "PyTorch launches it, one kernel an op (the Llama's RMSNorm and rotary embedding with torchtitan's fp32 "
-        "upcasts, model/eager.py)")
+        True, "cost a block's elementwise work as the fused kernels of Megatron-LM (bias in the GEMM; bias+GELU; bias+"
+        "dropout+residual; scale+mask+softmax) and torch.compile (RMSNorm in one kernel); false: as eager PyTorch "
+        "launches it, a kernel an op (the Llama's RMSNorm and rotary embedding with fp32 upcasts, model/eager.py)")
+    loss_kernel: Literal["unfused", "fused"] = key(
+        "unfused", "the cross-entropy: unfused, passes over the logits upcast to fp32 and kept (Megatron-LM's, torch's); "
+        "fused, a kernel a pass over the 16-bit logits, which it keeps with a log-sum-exp a row (flash-attn's, LLM "
+        "Foundry's; Liger's; Megatron-LM's --cross-entropy-loss-fusion). The same numbers either way")
     tied_head: bool | None = key(None, "LM head tied to the token embedding (default: gpt yes, llama no)")
     arch: Literal["gpt", "llama"] = key(
         "gpt", "gpt (layer norm, learned positions, GELU MLP, biases) or llama (RMSNorm, rotary positions, SwiGLU "
@@ -94,10 +96,9 @@ class ModelSection(Section):
         None, "llama: key/value heads for grouped-query attention (must divide heads; default: heads)", minimum=1)
     gqa: Literal["repeat_kv", "native"] = key(
         "repeat_kv", "llama, kv_heads < heads: repeat_kv repeats each key/value head for its query heads before attention "
-        "(Llama's reference code, torchtitan's SDPA: context parallelism exchanges the repeats, each repeat's gradient "
-        "rounded before they are summed); native takes them as they are (FlashAttention's, cuDNN's and Transformer "
-        "Engine's kernels; Megatron-LM, Llama 3): context parallelism exchanges the kv heads only, each one's gradient "
-        "summed over its query heads and rounded once")
+        "(Llama's reference code, torchtitan's SDPA: context parallelism exchanges the repeats, each one's gradient "
+        "rounded, then summed); native takes them as they are (FlashAttention, cuDNN, Transformer Engine; Megatron-LM, "
+        "Llama 3): context parallelism exchanges the kv heads only, each one's gradient summed and rounded once")
     dropout: float = key(0.0, "dropout probability", minimum=0)
     moe_experts: int = key(
         0, "a mixture of experts in place of the MLP, this many routed experts (SwiGLU for llama, GELU for gpt; "
@@ -282,8 +283,7 @@ class RunSection(Section):
     seed: int = key(0, "seed of weights and data", minimum=0)
     lr: float = key(1e-3, "learning rate (AdamW for transformer, SGD for mlp)", minimum=0)
     weight_decay: float | None = key(
-        None, "AdamW's decoupled weight decay, torch semantics (default: 0.01 for gpt as Megatron-LM, 0.1 for llama"
-        " as Llama 3)", minimum=0)
+        None, "AdamW's decoupled weight decay (default 0.01 for gpt, Megatron-LM's; 0.1 for llama, Llama 3's)", minimum=0)
     clip_grad: float = key(
         1.0, "clip the gradients to this global norm before the optimizer step (clip_grad_norm_; 0: none)", minimum=0)
     save_checkpoint: str | None = key(

@@ -59,6 +59,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
     attention_kernel: str = "flash"  # what the attention core costs: one fused kernel, or each step (flash.py)
     fused_kernels: bool = True  # bias+GELU, bias+dropout+residual, softmax as single kernels (fusion.py)
+    loss_kernel: str = "unfused"  # the cross-entropy's passes over fp32 logits, or one kernel a pass over 16-bit ones
     # a mixture of experts in place of the MLP (model/moe.py): experts (0: dense), each token's, their FFN
     # size (None: ffn_hidden), dense layers first (DeepSeek-V3: 3), and the router (moe.MoE's fields)
     moe_experts: int = 0
@@ -104,6 +105,8 @@ class ModelConfig:
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         if self.attention_kernel not in ("flash", "unfused"):
             raise ValueError(f"model.attention_kernel {self.attention_kernel!r} is not valid; valid: flash, unfused")
+        if self.loss_kernel not in ("unfused", "fused"):
+            raise ValueError(f"model.loss_kernel {self.loss_kernel!r} is not valid; valid: unfused, fused")
         if self.moe_experts:
             self.moe  # (checks the router's fields)
         if self.recompute is Recompute.OP and not takes_per_op(self.arch, self.attention_kernel, self.moe_experts):

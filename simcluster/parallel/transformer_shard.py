@@ -23,7 +23,8 @@ collectives included). All partial sums are exact, so any layout gives the singl
 from __future__ import annotations
 
 import math
-from typing import Any, Generator
+from contextlib import nullcontext
+from typing import Any, ContextManager, Generator
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from simcluster.parallel import allgather_attention, local_attention, ring_atten
 from simcluster.parallel.moe_shard import Experts
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.positions import layout, runs
+from simcluster.numerics.tensor import ITEMSIZE, logical_dtype, nbytes
 from simcluster.program.context import Context
 
 ATTENTION = {
@@ -294,19 +296,28 @@ class TransformerShard(Experts):
         xf_mine, stats = self.norm(x, p, "lnf")
         xf = yield from self.gather(xf_mine)
         w = ops.transpose(p["wte"]) if m.tied_head else p["head"]  # (h, V/tp)
-        self._working(xf, 13, "forward")  # fp32 logits; two fp32 steps to e at a time, and a boolean mask
-        logits, low = wide_logits(ops, ops.matmul(xf, w))  # (b, s/cp, V/tp): fp32 for the cross-entropy
-        row_max = yield from self.tp_sum(ops.max(logits, -1), "max")
-        e = ops.attention_weights(logits, row_max)
-        sum_e = yield from self.tp_sum(ops.sum(e, -1, partial=True))
+        fused = m.loss_kernel == "fused"
+        if not fused:
+            self._working(xf, 13, "forward")  # fp32 logits; two fp32 steps to e at a time, and a boolean mask
+        raw = ops.matmul(xf, w)  # (b, s/cp, V/tp)
+        with self._pass("cross_entropy_max", raw):
+            logits, low = wide_logits(ops, raw)  # fp32 for the cross-entropy
+            local_max = ops.max(logits, -1)
+        row_max = yield from self.tp_sum(local_max, "max")
+        with self._pass("cross_entropy", raw):
+            e = ops.attention_weights(logits, row_max)
+            local_sum = ops.sum(e, -1, partial=True)
+        sum_e = yield from self.tp_sum(local_sum)
         lse = ops.log_sum_exp(row_max, sum_e, logits.dtype)
         local = targets - self.tr * self.vocab
         mine = (local >= 0) & (local < self.vocab)
         picked = ops.zero_where(mine, ops.gather_last(logits, local * mine))  # (an index of 0 where not mine)
         picked = yield from self.tp_sum(picked)  # one owner, zeros elsewhere
         loss_sum = ops.sum(ops.sub(lse, picked), None, partial=True)
-        self.ctx.memory.release("temporaries", "cross-entropy forward")
-        return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, "e": e,
+        if not fused:
+            self.ctx.memory.release("temporaries", "cross-entropy forward")
+        kept = {"raw": raw, "row_max": row_max} if fused else {"e": e}  # (a fused kernel's backward makes e again)
+        return loss_sum, {"targets": local, "mine": mine, "x_final": x, "xf": xf, "stats": stats, **kept,
                           "sum_e": sum_e, "low": low}  # (not w: a weight, which the backward takes again, not an activation)
 
     # -- backward -----------------------------------------------------------------------------------
@@ -315,12 +326,15 @@ class TransformerShard(Experts):
         """dx into the last block; gradients into `grads` (a tied head's share of the embedding's as
         "wte"). With `defer`, an untied head's weight gradient waits for the W pass (ZB-H1)."""
         ops, m = self.ops, self.m
-        self._working(hc["xf"], 4, "backward")  # beside e: the softmax, then each result from the one before
+        raw = hc.pop("raw", None)  # (fused: the 16-bit logits, which its kernel reads again for e)
+        # unfused, beside e: the softmax, then each result from the one before; fused, the gradient it writes
+        self._working(hc["xf"], 4 if raw is None else ITEMSIZE[logical_dtype(raw)], "backward")
         # softmax - one_hot(targets) (their columns on this rank), scaled: two vocabulary-wide fp32 buffers at
         # a time (the exponentials are let go once the softmax has them)
-        dlogits = ops.sub_one_hot(ops.attention_probs(hc.pop("e"), hc["sum_e"]), hc["targets"] * hc["mine"],
-                                  hc["mine"])
-        dlogits = narrow_logits(ops, ops.scale(dlogits, scale / tokens), hc["low"])
+        with self._pass("cross_entropy_backward", raw, writes=True):
+            e = hc.pop("e") if raw is None else ops.attention_weights(wide_logits(ops, raw)[0], hc["row_max"])
+            dlogits = ops.sub_one_hot(ops.attention_probs(e, hc["sum_e"]), hc["targets"] * hc["mine"], hc["mine"])
+            dlogits = narrow_logits(ops, ops.scale(dlogits, scale / tokens), hc["low"])
         w_grad = lambda: ops.einsum("bsh,bsv->hv", hc["xf"], dlogits, partial=True)  # noqa: E731  (h, V/tp)
         if m.tied_head:
             grads["wte"] = ops.transpose_partial(w_grad())
@@ -332,6 +346,13 @@ class TransformerShard(Experts):
         self.ctx.memory.release("temporaries", "cross-entropy backward")
         dxf = yield from self.reduce(ops.matmul(dlogits, ops.transpose(w), partial=True))
         return self.norm_backward(dxf, hc["x_final"], p, "lnf", hc["stats"], grads)
+
+    def _pass(self, name: str, logits: Any, writes: bool = False) -> ContextManager:
+        """model.loss_kernel = "fused" (given the 16-bit logits): the enclosed ops as one kernel that reads them
+        once, upcast on chip (and writes their gradient in their dtype); unfused, each op a kernel of its own."""
+        if self.m.loss_kernel != "fused" or logits is None:
+            return nullcontext()
+        return self.ops.fused(name, nbytes=(2 if writes else 1) * nbytes(logits))
 
     def _working(self, xf: Any, per_logit: int, way: str) -> None:
         """The cross-entropy's vocabulary-wide buffers beyond the head's cache while it runs, in bytes a logit

@@ -275,7 +275,7 @@ PRESETS: dict[str, ClusterSpec] = {
                             # torchtitan's two tables come within -8 to +1 %, where they were 14 to 25 % fast, Llama 3's
                             # 8K-token rows within 1 % (its 128K-token row, attention's, -11 %), Megatron-Core's pipelined
                             # rows within -1 to +6 %, and one stack's speedup from A100s to H100s on the same
-                            # configurations (LLM Foundry's 2023 MPT table) within -7 to +6 %
+                            # configurations (LLM Foundry's 2023 MPT table) within -7 to +8 %
                             # (benchmarks/fidelity.py). The likely cause, not measured here: the clock under a long
                             # load. bf16 GEMMs on random data draw the most power and throttle at the board's limit (H.
                             # He, "Strangely, Matrix Multiplications on GPUs Run Faster When Given 'Predictable' Data",
