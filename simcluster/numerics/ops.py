@@ -20,9 +20,9 @@ import numpy as np
 from simcluster.numerics import kernels as _k
 from simcluster.numerics.arrays import NUMPY
 from simcluster.numerics.attention_ops import AttentionOps
+from simcluster.numerics.dtypes import is_fp32
 from simcluster.numerics.flat import FlatBuffers
 from simcluster.numerics.placement import Placement
-from simcluster.numerics.dtypes import is_fp32
 from simcluster.numerics.tensor import ITEMSIZE, MetaTensor, Partial, dtype_name, logical_dtype
 
 # (name, work, bytes): work is FLOPs, or a GEMM's (batch, m, n, k), which the cluster times by shape

@@ -31,11 +31,11 @@ import numpy as np
 from simcluster.model import flash, fusion
 from simcluster.model.activations import MLP_KIND, layer_activations, moe_activations
 from simcluster.model.gpt import GPT, Slice, narrow_logits, wide_logits
+from simcluster.numerics.tensor import ITEMSIZE, logical_dtype, nbytes
 from simcluster.parallel import allgather_attention, local_attention, ring_attention, rsa, tensor_parallel, ulysses
 from simcluster.parallel.moe_shard import Experts
 from simcluster.parallel.parallelism import Parallelism
 from simcluster.parallel.positions import layout, runs
-from simcluster.numerics.tensor import ITEMSIZE, logical_dtype, nbytes
 from simcluster.program.context import Context
 
 ATTENTION = {
@@ -348,8 +348,9 @@ class TransformerShard(Experts):
         return self.norm_backward(dxf, hc["x_final"], p, "lnf", hc["stats"], grads)
 
     def _pass(self, name: str, logits: Any, writes: bool = False) -> ContextManager:
-        """model.loss_kernel = "fused" (given the 16-bit logits): the enclosed ops as one kernel that reads them
-        once, upcast on chip (and writes their gradient in their dtype); unfused, each op a kernel of its own."""
+        """model.loss_kernel = "fused" (given the logits as the head's GEMM wrote them): the enclosed ops as one
+        kernel that reads them once, upcast on chip (and writes their gradient in their dtype); unfused, each op
+        a kernel of its own."""
         if self.m.loss_kernel != "fused" or logits is None:
             return nullcontext()
         return self.ops.fused(name, nbytes=(2 if writes else 1) * nbytes(logits))
