@@ -36,6 +36,7 @@ OPTIONS = {
     "weight_decay": [0.0, 0.1], "clip_grad": [None, 0.05], "arch": ["gpt", "llama"], "kv_group": [1, 2],
     "offload": ["none", "cpu", "nvme"], "offload_params": [False, True], "delayed_update": [False, True],
     "tp_comm_overlap": [False, True], "ends": ["none", "embedding", "loss", "both"], "gqa": ["repeat_kv", "native"],
+    "loss_kernel": ["unfused", "fused"],
 }
 
 
@@ -65,12 +66,13 @@ ROWS, PAIRS = covering_rows(OPTIONS, valid, seed=3)  # (seed 3: 36 rows, the few
 ROWS += [dict(dp=2, pp=2, cp=2, tp=2, schedule="interleaved", sp=True, attention="ring", zero=3, zero_over="dp_cp",
               scatter_gather=True, micro_batches=1, recompute="selective", dropout=0.1, precision="bf16",
               tied_head=False, causal=True, weight_decay=0.1, clip_grad=0.05, arch="llama", kv_group=2, offload="cpu",
-              offload_params=True, delayed_update=True, tp_comm_overlap=True, ends="both", gqa="native"),
+              offload_params=True, delayed_update=True, tp_comm_overlap=True, ends="both", gqa="native",
+              loss_kernel="fused"),
          dict(dp=2, pp=2, cp=2, tp=2, schedule="zb-h1", sp=False, scatter_gather=True, attention="ulysses", zero=1,
               zero_over="dp",
               micro_batches=2, recompute="full", dropout=0.0, precision="fp16", tied_head=False, causal=False,
               weight_decay=0.0, clip_grad=None, arch="gpt", kv_group=1, offload="nvme", offload_params=False,
-              delayed_update=False, tp_comm_overlap=False, ends="none", gqa="repeat_kv")]
+              delayed_update=False, tp_comm_overlap=False, ends="none", gqa="repeat_kv", loss_kernel="unfused")]
 
 
 def layout(row):
@@ -96,7 +98,7 @@ def test_bit_exact_against_one_device(row, seed, extra_layers):
     model = ModelConfig(layers=pp * chunks + extra_layers, hidden=2 * heads, heads=heads, ffn_hidden=2 * tp,
                       seq=2 * cp * tp, vocab=3 * tp, tied_head=row["tied_head"], causal=row["causal"],
                       dropout=row["dropout"], recompute=row["recompute"], seed=seed, arch=row["arch"],
-                      kv_heads=heads // row["kv_group"], gqa=row["gqa"])
+                      kv_heads=heads // row["kv_group"], gqa=row["gqa"], loss_kernel=row["loss_kernel"])
     data = TrainingConfig(model=model, global_batch=dp * m, micro_batches=m, steps=2, precision=row["precision"],
                     zero=row["zero"], weight_decay=row["weight_decay"], clip_grad=row["clip_grad"],
                     offload_optimizer=row["offload"], delayed_update=row["delayed_update"],
