@@ -18,6 +18,7 @@ HOST_SIDE = {  # (module, function): why it may call numpy
     "model/config.py:batch": "the data loader: token ids made on the host, moved by ops.from_host",
     "model/moe.py:top_k": "the experts a token chooses, from its scores read back (as Megatron-Core reads its counts)",
     "model/flash.py:causal_share": "the share of a causal kernel's tiles it runs, from shapes",
+    "model/flash.py:causal_share_at": "the same at a context-parallel rank's positions, from their runs",
     "model/moe.py:choose": "the node-limited choice among the same scores read back, host indices",
     "parallel/moe_shard.py:Experts.whole_sequences": "a count's shape, and the summed counts read back as host integers",
     "model/moe.py:route": "the dispatch's integer indices, from those choices; the kernel set moves them",

@@ -26,12 +26,12 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int,
     scale, drop_scale = 1.0 / math.sqrt(model.m.head_dim), 1.0 / (1.0 - model.m.dropout)
     if ops.mode is Mode.FAST:  # one block: the output and lse, the scores again in the backward pass
         b, a, sq, _ = q.shape
-        with flash.forward(ops, model.m, q, K):
+        with flash.forward(ops, model.m, q, K, at=(rows, cols)):
             keep = model.block_keep(f"attn.{layer}", (b, a, sq, K.shape[2]), step, where, rows, cols)
             out, lse = ops.attention_block(q, K, V, scale, model.allowed(rows, cols), keep, drop_scale)
         out = ops.cast(out, q.dtype)
         return out, {"lse": lse, "allowed": (rows, cols), "keep": keep, "q": q, "K": Kh, "V": Vh, "out": out}
-    with flash.forward(ops, model.m, q, K):
+    with flash.forward(ops, model.m, q, K, at=(rows, cols)):
         s = ops.attention_scores(q, K, 1.0 / math.sqrt(model.m.head_dim), model.allowed(rows, cols))
         row_max = ops.max(s, -1)
         e = ops.attention_weights(s, row_max)
@@ -47,7 +47,7 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
     scale = 1.0 / math.sqrt(model.m.head_dim)
     K, V = model.expand_kv(core["K"]), model.expand_kv(core["V"])
     fold = model.fold_kv
-    with flash.backward(ops, model.m, core["q"], K):
+    with flash.backward(ops, model.m, core["q"], K, at=(model.positions, every_position(model))):
         if "lse" in core:
             s = ops.attention_scores(core["q"], K, scale, model.allowed(*core["allowed"]))
             probs = ops.attention_weights(s, ops.expand_last(core["lse"]))

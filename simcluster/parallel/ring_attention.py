@@ -57,7 +57,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
                 sends += [sk, sv]
             cols = positions_of(model, o)
             ek = ex(kv[0])
-            with flash.forward(ops, model.m, q, ek):
+            with flash.forward(ops, model.m, q, ek, at=(rows, cols)):
                 keep = model.block_keep(f"attn.{layer}", (b, a, sq, ek.shape[2]), step, where, rows, cols)
                 block = ops.attention_block(q, ek, ex(kv[1]), scale, model.allowed(rows, cols), keep,
                                             1.0 / (1.0 - model.m.dropout))
@@ -78,7 +78,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
     # is what such a kernel's output update does); RSA's go round in pass 2 (RingAV).
     k_cur, v_cur = k, v
     maxes, values = [], []
-    fused = (lambda *a: flash.forward(ops, model.m, *a)) if ring else (lambda *a: nullcontext())
+    fused = (lambda *a, **at: flash.forward(ops, model.m, *a, **at)) if ring else (lambda *a, **at: nullcontext())
     for t, o in enumerate(owners):
         if t < P - 1:
             send, recv = rotate(model, k_cur, tag + 1)
@@ -87,7 +87,7 @@ def forward(model: Any, q: Any, k: Any, v: Any, layer: int, step: int, where: An
                 send_v, recv_v = rotate(model, v_cur, tag + 2)
                 sends.append(send_v)
         ek = ex(k_cur)
-        with fused(q, ek):
+        with fused(q, ek, at=(rows, positions_of(model, o))):
             s = ops.attention_scores(q, ek, scale, model.allowed(rows, positions_of(model, o)))
             scores.append(s)
             maxes.append(ops.max(s, -1))
@@ -144,8 +144,8 @@ def backward(model: Any, dout: Any, core: dict[str, Any]) -> Generator[Any, Any,
             sv, rv = rotate(model, kv[1], tag + 2)
             sends += [sk, sv]
         ek, ev = ex(kv[0]), ex(kv[1])
-        with flash.backward(ops, m, core["q"], ek):  # (a block's backward as one fused kernel, with flash)
-            cols = positions_of(model, o)
+        cols = positions_of(model, o)
+        with flash.backward(ops, m, core["q"], ek, at=(rows, cols)):  # (a block's backward as one fused kernel)
             if lse is None:
                 probs = ops.attention_probs(ops.attention_weights(core["scores"][t], core["max"]), core["l"])
             else:
