@@ -102,3 +102,9 @@ def test_the_benchmark_that_would_measure_it_on_a_gpu_runs_here(capsys):
     out = capsys.readouterr().out
     assert "64 x 64 x 64 fp32 on cpu" in out and out.count(" TFLOP/s (") == 4  # four readings
     assert 0 < share and f"kept through the last 0.1 s: {share:.3f} of the MAMF figure" in out
+    assert "fitted to a published run: 0.76)" in out  # (the preset's own figure, read from it)
+    share = sustained_gemm(["--kernel", "attention", "--device", "cpu", "--size", "128", "--seconds", "0.2", "--window",
+                            "0.05", "--dtype", "fp32"])  # (does attention throttle as GEMMs do? the same, for SDPA)
+    out = capsys.readouterr().out
+    assert "causal attention, 128 tokens x 32 heads of 128, fp32 on cpu" in out and out.count(" TFLOP/s (") == 4
+    assert 0 < share and f"kept through the last 0.1 s: {share:.3f} of the MAMF figure" in out
