@@ -75,25 +75,25 @@ def main(argv: list[str] | None = None) -> float:
         out = torch.empty(n, n, dtype=dtype, device=device)
         flops, shape = 2.0 * n ** 3, f"{n} x {n} x {n}"
 
-        def gemm() -> None:
+        def kernel() -> None:
             torch.mm(a, b, out=out)
     else:  # the causal half of QK^T and PV: 2 x 2 s^2 d a head, halved
         q, k, v = (torch.randn(1, 32, n, 128, generator=gen, device=device).to(dtype) for _ in range(3))
         flops, shape = 2.0 * 32 * n * n * 128, f"causal attention, {n} tokens x 32 heads of 128,"
 
-        def gemm() -> None:
+        def kernel() -> None:
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     for _ in range(50):
-        gemm()
-    fastest = min(seconds_of(gemm, device) for _ in range(100))
+        kernel()
+    fastest = min(seconds_of(kernel, device) for _ in range(100))
     mamf = flops / fastest / 1e12
     print(f"{shape} {args.dtype} on {device}: the fastest of 100 after 50 warm-ups (MAMF's way) "
           f"{mamf:.1f} TFLOP/s {board(device)}")
     per_window = max(1, round(args.window / fastest))
     rates = []
     for reading in range(1, max(1, round(args.seconds / args.window)) + 1):
-        elapsed = seconds_of(lambda: [gemm() for _ in range(per_window)], device)
+        elapsed = seconds_of(lambda: [kernel() for _ in range(per_window)], device)
         rates.append(per_window * flops / elapsed / 1e12)
         print(f"  {reading * args.window:6.1f} s: {rates[-1]:8.1f} TFLOP/s ({rates[-1] / mamf:.3f}) {board(device)}",
               flush=True)

@@ -36,7 +36,9 @@ def test_a_ranks_share_is_the_tiles_its_positions_reach(seq, P):
             theirs = layout(seq, P, o, True)
             assert causal_share_at(mine.runs, theirs.runs) == pytest.approx(_tiles_with_an_allowed_pair(mine, theirs))
     whole = Positions([(0, seq)])
-    assert causal_share_at(whole.runs, whole.runs) == causal_share(seq, seq)
+    assert causal_share(seq, seq) == pytest.approx(_tiles_with_an_allowed_pair(whole, whole))
+    last = Positions([(seq - seq // P, seq // P)])  # FlashAttention's alignment: the queries the keys' last
+    assert causal_share(seq // P, seq) == pytest.approx(_tiles_with_an_allowed_pair(last, whole))
 
 
 def _attention_ns(attention, cp):

@@ -93,10 +93,10 @@ def test_without_gradient_accumulation_fusion_each_micro_batch_adds_its_gradient
     assert plain.report["step_time_ns"] > fused.report["step_time_ns"]
 
 
-def test_gradient_accumulation_fusion_changes_times_not_numbers():
-    (fused, _), (plain, _) = _kernels("true", "exact"), _kernels("false", "exact")
-    assert fused.report["verification"]["bit_exact"] and plain.report["verification"]["bit_exact"]
-    for a, b in zip(fused.result.results, plain.result.results, strict=True):  # each rank's loss and model states
+def assert_same_bytes(one, other):
+    """Both runs bit-exact against one device, and each rank's losses and model states byte for byte alike."""
+    assert one.report["verification"]["bit_exact"] and other.report["verification"]["bit_exact"]
+    for a, b in zip(one.result.results, other.result.results, strict=True):
         assert [np.asarray(x).tobytes() for x in a["loss"]] == [np.asarray(x).tobytes() for x in b["loss"]]
         assert a["units"].keys() == b["units"].keys()
         for unit, states in a["units"].items():  # (params, grads, first_grads, adam_m, adam_v: a unit's flat buffers)
@@ -104,12 +104,20 @@ def test_gradient_accumulation_fusion_changes_times_not_numbers():
                 assert np.asarray(tensor).tobytes() == np.asarray(b["units"][unit][kind]).tobytes(), (unit, kind)
 
 
-@pytest.mark.parametrize("flags,fused", [([], True), (["--no-gradient-accumulation-fusion"], False)])
-def test_a_megatron_command_line_keeps_its_gradient_accumulation_fusion(flags, fused):
+def _megatron(*flags):
     doc, _ = megatron(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
                        "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16", *flags], nodes=1,
                       gpus_per_node=8)
-    assert doc["parallel"]["grad_accumulation_fusion"] is fused
+    return doc
+
+
+def test_gradient_accumulation_fusion_changes_times_not_numbers():
+    assert_same_bytes(_kernels("true", "exact")[0], _kernels("false", "exact")[0])
+
+
+@pytest.mark.parametrize("flags,fused", [([], True), (["--no-gradient-accumulation-fusion"], False)])
+def test_a_megatron_command_line_keeps_its_gradient_accumulation_fusion(flags, fused):
+    assert _megatron(*flags)["parallel"]["grad_accumulation_fusion"] is fused
 
 
 def test_a_torchtitan_job_runs_pytorchs_accumulation():
@@ -157,18 +165,9 @@ def test_a_fused_cross_entropy_keeps_the_16_bit_logits_and_reads_them_once_a_pas
 
 
 def test_a_fused_cross_entropy_computes_the_same_bytes():
-    unfused, fused = _loss("unfused", "exact"), _loss("fused", "exact")
-    assert unfused.report["verification"]["bit_exact"] and fused.report["verification"]["bit_exact"]
-    for a, b in zip(unfused.result.results, fused.result.results, strict=True):
-        assert [np.asarray(x).tobytes() for x in a["loss"]] == [np.asarray(x).tobytes() for x in b["loss"]]
-        for unit, states in a["units"].items():
-            for kind, tensor in states.items():
-                assert np.asarray(tensor).tobytes() == np.asarray(b["units"][unit][kind]).tobytes(), (unit, kind)
+    assert_same_bytes(_loss("unfused", "exact"), _loss("fused", "exact"))
 
 
 @pytest.mark.parametrize("flags,kernel", [([], "unfused"), (["--cross-entropy-loss-fusion"], "fused")])
 def test_a_megatron_command_line_keeps_its_cross_entropy(flags, kernel):
-    doc, _ = megatron(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-                       "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16", *flags], nodes=1,
-                      gpus_per_node=8)
-    assert doc["model"]["loss_kernel"] == kernel
+    assert _megatron(*flags)["model"]["loss_kernel"] == kernel

@@ -34,10 +34,7 @@ def causal_share(sq: int, sk: int, tile: int = TILE) -> float:
     sq = sk = n tiles: 0.53 at 2K tokens, 0.504 at 16K."""
     if sq <= 0 or sk <= 0:
         return 1.0
-    ends = np.minimum(np.arange(tile, sq + tile, tile), sq)  # each query block's last row, + 1
-    keys = np.minimum(-(-(sk - sq + ends) // tile) * tile, sk)  # the keys its blocks reach
-    rows = np.diff(np.concatenate([[0], ends]))
-    return float(np.dot(rows, np.maximum(keys, 0))) / (sq * sk)
+    return causal_share_at(((sk - sq, sq),), ((0, sk),), tile)
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,7 +47,7 @@ def dtype_name(dtype: Any) -> str:
 def is_fp32(x: Any) -> bool:
     """Whether x, a tensor or a dtype's name, is fp32 (its logical dtype: a partial's, a meta tensor's)."""
     d = x if x.__class__ is str else getattr(x, "dtype", None)
-    return d is not None and (d if d.__class__ is str else dtype_name(d)) == "fp32"
+    return d is not None and dtype_name(d) == "fp32"
 
 
 def numpy_dtype(name: str) -> np.dtype:
