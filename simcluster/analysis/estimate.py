@@ -12,7 +12,8 @@ layers, the last one's LM head too) at the device's achievable rate, stretched b
 (Qi et al. 2023; tests/test_pipeline.py checks those bubbles on the simulator), plus the
 tensor-parallel collectives on the critical path, the context-parallel exchanges (Ulysses'
 all-to-alls, all-gather KV's gathers, the ring's transfers beyond what each block's attention hides),
-ZeRO-3's gathers and what the data-parallel gradient reduction leaves exposed after the backward pass.
+ZeRO-3's gathers, the gradients' sums and copies where no GEMM accumulates them, and what the
+data-parallel gradient reduction leaves exposed after the backward pass.
 A mixture of experts: its experts' states an ep-th a rank, sharded by ZeRO over the dp/ep ranks holding
 them, its routed activations (activations.moe_activations), and expert parallelism's all-to-all (or
 all-gather and reduce-scatter).
@@ -187,7 +188,7 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         rows = tokens * (e - 1) if layout.dispatcher == "allgather" else tokens * model.moe_top_k * (e - 1) / e
         link = nvlink if e * p * c * t <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
         exchange += passes * 2 * rows * model.hidden * 2 / link * math.ceil(model.layers / p) * m
-    return Estimate(layout, memory, compute + tp_comm + exchange + gathers
+    return Estimate(layout, memory, compute + tp_comm + exchange + gathers + _accumulation(lsc, layout, psi, m)
                     + _reduction(sc, layout, psi - expert_psi, n, m, across, compute)
                     + _reduction(sc, layout, expert_psi, edp, m, across, compute))
 
@@ -310,6 +311,19 @@ def _rings_rate(spec: Any, nvlink: float, g: int) -> float:
     if g == 1 or spec.collectives != "nccl":
         return nic
     return 1 / max((g - 1) / g / nvlink, 1 / (g * nic))
+
+
+def _accumulation(sc: Scenario, layout: Layout, psi: float, m: int) -> float:
+    """The memory-bound kernels a step spends on the busiest stage's gradients without
+    `grad_accumulation_fusion` (dp_wrap.gradients; with it, the weight-gradient GEMMs add into the buffer): a
+    sum each micro-batch after the first, two gradients read and one written, below ZeRO-2, and a copy into
+    the flat buffer each time it is reduced (once a step below ZeRO-2, every micro-batch from it)."""
+    if sc.parallel.grad_accumulation_fusion:
+        return 0.0
+    item = model_state_bytes(1, sc.model.dtype, sc.parallel.grads_fp32)["gradients"]  # a gradient's bytes
+    sums, copies = (m - 1, 1) if layout.zero < 2 else (0, m)
+    bandwidth = sc.cluster_spec().hbm_gbyte_per_s * 1e9 * sc.cluster_spec().memory_efficiency
+    return psi * item * (3 * sums + 2 * copies) / bandwidth
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:
