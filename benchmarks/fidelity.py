@@ -58,7 +58,7 @@ class Table:
     published: tuple[float, ...]
     modern: bool  # held to the goal (a stack of today), or an older stack's, labelled so
     ratios: tuple[tuple[int, int], ...] = ()  # (row a, row b): b's figure over a's, predicted and published
-    memory: tuple[float, ...] = ()  # the peak memory a GPU that the publication gives, GiB
+    memory: tuple[float, ...] = ()  # the peak memory a GPU that the publication gives, GiB (torchtitan's: reserved)
     fitted: tuple[int, ...] = ()  # rows a modelling constant was fitted to: no test of the model, so not counted
 
 
@@ -142,7 +142,7 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
         fitted = " (of the rows not fitted)" if table.fitted else ""
         print(f"mean |error|{fitted} {100 * mean:.1f} %, max |error| {100 * worst:.1f} %{verdict}")
     for i, mine, theirs in memory:
-        print(f"row {i} peak memory: predicted {mine:.1f} GiB, published {theirs:.1f} GiB "
+        print(f"row {i} peak memory: predicted {mine:.1f} GiB of tensors, published {theirs:.1f} GiB reserved "
               f"({100 * (mine / theirs - 1):+.1f} %)")
     for a, b in table.ratios:
         if a in got_by_row and b in got_by_row:
