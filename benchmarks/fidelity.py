@@ -30,10 +30,12 @@ published one, with the simulation's own wall time and peak memory (this process
 which only grows: a row's figure is the most any row so far needed). Each table ends with its mean and
 largest |error|; the goal for a table of today's stacks is a mean within 5 %, every row within 10 %.
 
-    python benchmarks/fidelity.py [--table megatron-2022] [--rows 1-4] [--set cluster.profile=a100.toml]
+    python benchmarks/fidelity.py [--table megatron-2022] [--rows 1-4] [--set cluster.profile=a100.toml] [--unstated]
 
 `--set` overrides a key in every row: with a profile that `simcluster calibrate` measured on the
 table's GPU, the kernels run at the measured rates instead of the preset's datasheet-and-MAMF figures.
+`--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
+names them; the file says how it reads each), read the other way: what the errors hinge on, in one line each.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from simcluster.config.scenario import ScenarioError, load
+from simcluster.config.scenario import Scenario, ScenarioError, build, load
 from simcluster.run.runner import run_scenario
 from table1 import rows as pick_rows
 
@@ -60,6 +64,9 @@ class Table:
     ratios: tuple[tuple[int, int], ...] = ()  # (row a, row b): b's figure over a's, predicted and published
     memory: tuple[float, ...] = ()  # the peak memory a GPU that the publication gives, GiB (torchtitan's: reserved)
     fitted: tuple[int, ...] = ()  # rows a modelling constant was fitted to: no test of the model, so not counted
+    # what the source leaves unstated that moves the table most, read the other way (its file says which way it is
+    # read): (what, {key: value}), a value in place of the file's in every row, None for the key's default
+    unstated: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 TABLES = {
@@ -71,7 +78,8 @@ TABLES = {
     "megatron-2022": Table("megatron_2022.toml", "mfu", (41.5, 51.4, 56.0, 56.3), modern=True),
     # The Megatron-LM README of 2024-07-15 (f2e5db402c), images/model_table.png: Megatron-Core r0.8.0.
     "megatron-core-2024": Table("megatron_core_2024.toml", "model_tflops",
-                                (408.8, 465.9, 489.1, 459.6, 419.7, 420.5, 432.8, 474.4, 459.9), modern=True),
+                                (408.8, 465.9, 489.1, 459.6, 419.7, 420.5, 432.8, 474.4, 459.9), modern=True,
+                                unstated=(("micro-batch 1 on every row", {"model.micro_batch": 1}),)),
     # The same README's strong scaling: "a reduction in MFU from 47% to 42%" from 96 to 4,608 GPUs.
     "megatron-core-2024-strong": Table("megatron_core_2024_strong.toml", "mfu", (47.0, 42.0), modern=True,
                                        ratios=((1, 2),), fitted=(1,)),
@@ -86,7 +94,10 @@ TABLES = {
                               (32434, 63147, 20513, 45455, 4641, 10643, 2262, 4792), modern=False,
                               ratios=((1, 2), (3, 4), (5, 6), (7, 8))),
     # Dubey et al. 2024 (arXiv 2407.21783), Table 4: Llama 3 405B, TFLOP/s per GPU.
-    "llama3-2024": Table("llama3_2024.toml", "model_tflops", (430, 400, 380), modern=True, ratios=((1, 2),)),
+    "llama3-2024": Table("llama3_2024.toml", "model_tflops", (430, 400, 380), modern=True, ratios=((1, 2),),
+                         unstated=(("the gradients summed by the weight-gradient GEMMs (Megatron-LM's fusion)",
+                                    {"parallel.grad_accumulation_fusion": True}),
+                                   ("cuDNN's attention (the preset's rate)", {"cluster.attention_efficiency": None}))),
 }
 
 
@@ -101,9 +112,43 @@ def figure(report: dict, metric: str) -> float:
     return report[metric]
 
 
+def table_scenario(table: Table, overrides: list[str], unstated: dict[str, Any] | None = None) -> Scenario:
+    """The table's file with `--set` overrides, and with `unstated` values in place of the file's: a key the
+    rows vary gets the value in every row, any other is set in its section (None: left to its default)."""
+    path = HERE / table.file
+    if not unstated:
+        return load(str(path), overrides)
+    doc = tomllib.loads(path.read_text())
+    doc.setdefault("name", path.stem)
+    compare = doc.get("compare", {})
+    for key, value in unstated.items():
+        section, _, name = key.partition(".")
+        if key in compare:
+            compare[key] = [value] * len(table.published)
+        elif value is None:
+            doc.get(section, {}).pop(name, None)
+        else:
+            doc.setdefault(section, {})[name] = value
+    return build(doc, overrides, source=str(path))
+
+
+def run_unstated(table: Table, rows: str | None, overrides: list[str]) -> None:
+    """One line for each unstated choice read the other way: its rows' errors, mean and largest."""
+    for what, values in table.unstated:
+        sc = table_scenario(table, overrides, values)
+        chosen = pick_rows(rows, len(sc.variants), "fidelity.py") if rows else range(1, len(sc.variants) + 1)
+        errors = [figure(run_scenario(sc.variants[i - 1][1], trace=False).report, table.metric) / table.published[i - 1]
+                  - 1 for i in chosen]
+        counted = [e for i, e in zip(chosen, errors) if i not in table.fitted]
+        listed = ", ".join(f"{100 * e:+.1f}" for e in errors)
+        summary = f": mean {100 * sum(map(abs, counted)) / len(counted):.1f} %, max {100 * max(map(abs, counted)):.1f} %" \
+            if counted else ""
+        print(f"with {what}: {listed} %{summary}", flush=True)
+
+
 def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -> list[float]:
     try:
-        sc = load(str(HERE / table.file), overrides)
+        sc = table_scenario(table, overrides)
     except ScenarioError as e:
         raise SystemExit(f"fidelity.py: {e}") from None
     if len(sc.variants) != len(table.published):
@@ -158,6 +203,9 @@ def main() -> None:
     p.add_argument("--rows", help="rows to run, e.g. 4-7 or 5,10 (with one --table)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key in every row, e.g. cluster.profile=a100.toml or model.attention_kernel=flash")
+    p.add_argument("--unstated", action="store_true",
+                   help="also run each table with what its source leaves unstated read the other way (each such choice "
+                        "named in its file and in this script's TABLES), one line each")
     args = p.parse_args()
     names = args.table or list(TABLES)
     if args.rows and len(names) != 1:
@@ -166,6 +214,11 @@ def main() -> None:
         print("with " + ", ".join(args.set))
     for name in names:
         run_table(name, TABLES[name], args.rows, args.set)
+        if args.unstated:
+            try:
+                run_unstated(TABLES[name], args.rows, args.set)
+            except ScenarioError as e:
+                raise SystemExit(f"fidelity.py: {e}") from None
 
 
 if __name__ == "__main__":

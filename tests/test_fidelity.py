@@ -14,7 +14,7 @@ from simcluster.run.runner import run_scenario
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from fidelity import TABLES, figure  # noqa: E402
+from fidelity import TABLES, figure, table_scenario  # noqa: E402
 
 
 @pytest.mark.parametrize("row", [1, 2])
@@ -83,6 +83,27 @@ def test_megatron_cores_pipeline_from_2304_to_4608_gpus_stays_within_2_percent()
     assert at_2304["mesh"]["dp"] == 48 and at_4608["mesh"]["dp"] == 96
     published = strong.published[1] / (100 * weak.published[6] / 989)
     assert at_4608["mfu"] / at_2304["mfu"] == pytest.approx(published, rel=0.02)
+
+
+def test_an_unstated_choice_read_the_other_way_changes_that_key_in_every_row_and_nothing_else():
+    """fidelity.py --unstated runs a table again for each choice its source leaves unstated (TABLES names them):
+    every row the file's, with that key's value in its place, in the rows that vary it too, or its default
+    (None). Nothing else in any row changes."""
+    declared = 0
+    for table in TABLES.values():
+        base = [v for _, v in table_scenario(table, []).variants]
+        for _, values in table.unstated:
+            declared += 1
+            other = [v for _, v in table_scenario(table, [], values).variants]
+            assert len(other) == len(base) == len(table.published)
+            for mine, theirs in zip(base, other, strict=True):
+                for key, value in values.items():
+                    section, _, name = key.partition(".")
+                    assert getattr(getattr(theirs, section), name) == value
+                    theirs = replace(theirs, **{section: replace(getattr(theirs, section),
+                                                                 **{name: getattr(getattr(mine, section), name)})})
+                assert replace(theirs, overrides=mine.overrides) == mine  # (the row's own --set list names the value)
+    assert declared == 3
 
 
 def test_megatron_cores_32b_row_runs_a_ranks_batch_as_one_micro_batch():

@@ -227,7 +227,8 @@ def test_the_estimate_charges_unfused_gradient_accumulation_as_the_simulator_tim
         lay = Layout(tp=1, pp=1, cp=1, dp=8, zero=zero, micro_batch=1, recompute="none", schedule="1f1b", virtual=1)
         for fp32 in ("true", "false"):
             sc = {fused: load(None, base + [f"parallel.zero={zero}", f"parallel.grads_fp32={fp32}",
-                                            f"parallel.grad_accumulation_fusion={fused}"]) for fused in ("true", "false")}
+                                            f"parallel.grad_accumulation_fusion={fused}"])
+                  for fused in ("true", "false")}
             charged = estimate(sc["false"], lay).seconds - estimate(sc["true"], lay).seconds
             busy = {fused: run_scenario(lay.scenario(s), trace=False).report["busy_ns"]["0"]["compute"] / 1e9
                     for fused, s in sc.items()}
