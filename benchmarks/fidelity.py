@@ -137,13 +137,13 @@ def run_unstated(table: Table, rows: str | None, overrides: list[str]) -> None:
     for what, values in table.unstated:
         sc = table_scenario(table, overrides, values)
         chosen = pick_rows(rows, len(sc.variants), "fidelity.py") if rows else range(1, len(sc.variants) + 1)
-        errors = [figure(run_scenario(sc.variants[i - 1][1], trace=False).report, table.metric) / table.published[i - 1]
-                  - 1 for i in chosen]
-        counted = [e for i, e in zip(chosen, errors) if i not in table.fitted]
-        listed = ", ".join(f"{100 * e:+.1f}" for e in errors)
-        summary = f": mean {100 * sum(map(abs, counted)) / len(counted):.1f} %, max {100 * max(map(abs, counted)):.1f} %" \
-            if counted else ""
-        print(f"with {what}: {listed} %{summary}", flush=True)
+        errors = {}
+        for i in chosen:
+            report = run_scenario(sc.variants[i - 1][1], trace=False).report
+            errors[i] = figure(report, table.metric) / table.published[i - 1] - 1
+        counted = [abs(e) for i, e in errors.items() if i not in table.fitted]
+        summary = f": mean {100 * sum(counted) / len(counted):.1f} %, max {100 * max(counted):.1f} %" if counted else ""
+        print(f"with {what}: {', '.join(f'{100 * e:+.1f}' for e in errors.values())} %{summary}", flush=True)
 
 
 def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -> list[float]:

@@ -188,7 +188,8 @@ def estimate(sc: Scenario, layout: Layout) -> Estimate | None:
         rows = tokens * (e - 1) if layout.dispatcher == "allgather" else tokens * model.moe_top_k * (e - 1) / e
         link = nvlink if e * p * c * t <= spec.gpus_per_node else spec.nic_bytes_per_ns * 1e9
         exchange += passes * 2 * rows * model.hidden * 2 / link * math.ceil(model.layers / p) * m
-    return Estimate(layout, memory, compute + tp_comm + exchange + gathers + _accumulation(lsc, layout, psi, m)
+    accumulation = _accumulation(lsc, layout, psi, m) / (spec.hbm_gbyte_per_s * 1e9 * spec.memory_efficiency)
+    return Estimate(layout, memory, compute + tp_comm + exchange + gathers + accumulation
                     + _reduction(sc, layout, psi - expert_psi, n, m, across, compute)
                     + _reduction(sc, layout, expert_psi, edp, m, across, compute))
 
@@ -314,7 +315,7 @@ def _rings_rate(spec: Any, nvlink: float, g: int) -> float:
 
 
 def _accumulation(sc: Scenario, layout: Layout, psi: float, m: int) -> float:
-    """The memory-bound kernels a step spends on the busiest stage's gradients without
+    """The bytes a step's memory-bound kernels move for the busiest stage's gradients without
     `grad_accumulation_fusion` (dp_wrap.gradients; with it, the weight-gradient GEMMs add into the buffer): a
     sum each micro-batch after the first, two gradients read and one written, below ZeRO-2, and a copy into
     the flat buffer each time it is reduced (once a step below ZeRO-2, every micro-batch from it)."""
@@ -322,8 +323,7 @@ def _accumulation(sc: Scenario, layout: Layout, psi: float, m: int) -> float:
         return 0.0
     item = model_state_bytes(1, sc.model.dtype, sc.parallel.grads_fp32)["gradients"]  # a gradient's bytes
     sums, copies = (m - 1, 1) if layout.zero < 2 else (0, m)
-    bandwidth = sc.cluster_spec().hbm_gbyte_per_s * 1e9 * sc.cluster_spec().memory_efficiency
-    return psi * item * (3 * sums + 2 * copies) / bandwidth
+    return psi * item * (3 * sums + 2 * copies)
 
 
 def _reduction(sc: Scenario, layout: Layout, psi: float, n: int, m: int, across: float, compute: float) -> float:
