@@ -26,7 +26,9 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
                       and 128; CP 16 at 128K tokens), Meta's own stack; model TFLOP/s per GPU.
 
 Every row runs in meta mode, folded, for the report only, and prints the predicted figure beside the
-published one, with the simulation's own wall time and peak memory (this process's resident set,
+published one, the milliseconds a step their difference comes to (`gap ms`: the published step less the
+predicted one, as each figure is a step's work over its time; an error that is one cost the model leaves
+out shows as the same gap in rows of different steps), with the simulation's own wall time and peak memory (this process's resident set,
 which only grows: a row's figure is the most any row so far needed). Each table ends with its mean and
 largest |error|; the goal for a table of today's stacks is a mean within 5 %, every row within 10 %.
 
@@ -159,7 +161,7 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
     unit = {"mfu": "MFU %", "model_tflops": "TFLOP/s", "tflops_per_gpu": "TFLOP/s",
             "tokens_per_gpu": "tokens/s"}[table.metric]
     print(f"\n{name} ({table.file}; {unit} per GPU{'' if table.modern else '; an older stack'}): {sc.description}")
-    print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'published':>9} {'error':>7} {'MFU':>6} "
+    print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'published':>9} {'error':>7} {'gap ms':>7} {'MFU':>6} "
           f"{'memory/GPU':>10} {'sim s':>6} {'sim GB':>7}")
     errors, got_by_row, memory = [], {}, []
     for i in chosen:
@@ -179,7 +181,9 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         fits = "" if r["memory"]["fits"] else " OOM"
         fitted = "  (fitted: sustained_compute)" if i in table.fitted else ""
-        print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * error:>+6.1f}% {100 * r['mfu']:>5.1f}% "
+        # the published step less the predicted one: every figure is a step's work over its time
+        gap = r["step_time_ns"] * error / 1e6
+        print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * error:>+6.1f}% {gap:>7.0f} {100 * r['mfu']:>5.1f}% "
               f"{r['memory']['peak_bytes'] / 1e9:>8.1f}GB{fits} {wall:>6.1f} {rss:>7.2f}{fitted}", flush=True)
     if errors:
         mean = sum(abs(e) for e in errors) / len(errors)

@@ -162,3 +162,20 @@ def test_one_stack_on_an_a100_and_an_h100_speeds_up_as_published_within_10_perce
         got = [figure(run_scenario(variants[i - 1][1], trace=False).report, table.metric) for i in (a100, h100)]
         assert [variants[i - 1][1].cluster.preset for i in (a100, h100)] == ["dgx-a100", "dgx-h100"]
         assert got[1] / got[0] == pytest.approx(table.published[h100 - 1] / table.published[a100 - 1], rel=0.10)
+
+
+def test_the_gap_column_is_the_published_step_less_the_predicted_one(capsys):
+    """fidelity.py's `gap ms`: Megatron-Core's 1.7B row published 408.8 TFLOP/s a GPU; its step, by
+    Megatron's own FLOPs formula (72 B s l h^2 (1 + s/6h + V/12lh), 192 sequences on 48 GPUs), took 451.9 ms.
+    The column is that step less the one predicted (a sign flipped, or the predicted step taken as the
+    published one, prints something else)."""
+    from fidelity import run_table
+
+    table = TABLES["megatron-core-2024"]
+    run_table("megatron-core-2024", table, "1", [])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("1 48"))
+    gap_ms = float(line.split("%")[1].split()[0])
+    published_s = 72 * 192 * 4096 * 24 * 2048**2 * (1 + 4096 / (6 * 2048) + 131072 / (12 * 24 * 2048)) / 48 / 408.8e12
+    report = run_scenario(load(str(BENCHMARKS / table.file)).variants[0][1], trace=False).report
+    assert gap_ms == pytest.approx(1e3 * published_s - report["step_time_ns"] / 1e6, abs=1.0)
+    assert gap_ms > 0  # (the row is predicted fast: its published step is the longer)
