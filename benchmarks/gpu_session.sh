@@ -21,6 +21,9 @@ GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 timeout 100 python3 benchmarks/sustained_gemm.py --seconds 60 > "$OUT/sustained.log" 2>&1; tail -12 "$OUT/sustained.log"
 timeout 100 python3 benchmarks/sustained_gemm.py --kernel attention --seconds 60 > "$OUT/sustained_attention.log" 2>&1
 tail -6 "$OUT/sustained_attention.log"
+# the fused attention kernels (FlashAttention-2, cuDNN, memory-efficient) causal and not, forward and backward,
+# beside the preset's figures: does a causal kernel run its blocks at the non-causal rate, as the preset charges?
+timeout 90 python3 benchmarks/attention_rates.py > "$OUT/attention.log" 2>&1; cat "$OUT/attention.log"
 # exact and fast mode on NCCL against the emulator (one rank a GPU, at most 2)
 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/tests.log"
 # a DeepSeek-V3-like mixture of experts on one GPU in exact mode (routing read back, sigmoid scores, a shared
