@@ -32,10 +32,13 @@ out shows as the same gap in rows of different steps), with the simulation's own
 which only grows: a row's figure is the most any row so far needed). Each table ends with its mean and
 largest |error|; the goal for a table of today's stacks is a mean within 5 %, every row within 10 %.
 
-    python benchmarks/fidelity.py [--table megatron-2022] [--rows 1-4] [--set cluster.profile=a100.toml] [--unstated]
+    python benchmarks/fidelity.py [--table megatron-2022] [--rows 1-4] [--set cluster.profile=a100.toml] [--breakdown]
+                                  [--unstated]
 
 `--set` overrides a key in every row: with a profile that `simcluster calibrate` measured on the
 table's GPU, the kernels run at the measured rates instead of the preset's datasheet-and-MAMF figures.
+`--breakdown` prints under each row what the busiest rank's predicted step is made of (GEMMs, fused attention,
+other kernels, the communication left exposed; ms a step), to hold beside a published profile.
 `--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
 names them; the file says how it reads each), read the other way: what the errors hinge on, in one line each.
 """
@@ -150,7 +153,20 @@ def run_unstated(table: Table, rows: str | None, overrides: list[str]) -> None:
         print(f"with {what}: {', '.join(f'{100 * e:+.1f}' for e in errors.values())} %{summary}", flush=True)
 
 
-def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -> list[float]:
+def breakdown(report: dict) -> str:
+    """What the busiest rank's predicted step is made of: its compute stream's kernels by kind, and the communication
+    left exposed, in ms a step (the run's sums over its steps)."""
+    kinds = report["compute_ns_by_kind"]
+    rank = max(kinds, key=lambda r: (sum(kinds[r].values()), -int(r)))
+    per_step = {k: v / report["steps"] / 1e6 for k, v in kinds[rank].items()}
+    comm = report["communication_overlap"]["per_rank"].get(rank, {"communication_ns": 0, "hidden_ns": 0})
+    exposed = (comm["communication_ns"] - comm["hidden_ns"]) / report["steps"] / 1e6
+    return (f"      rank {rank}, ms a step: GEMMs {per_step['gemm']:.1f}, fused attention {per_step['attention']:.1f}, "
+            f"other kernels {per_step['other']:.1f}; communication exposed {exposed:.1f}; "
+            f"step {report['step_time_ns'] / 1e6:.1f}")
+
+
+def run_table(name: str, table: Table, rows: str | None, overrides: list[str], details: bool = False) -> list[float]:
     try:
         sc = table_scenario(table, overrides)
     except ScenarioError as e:
@@ -185,6 +201,8 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str]) -
         gap = r["step_time_ns"] * error / 1e6
         print(f"{i:>3} {layout:<20} {got:>9.1f} {want:>9.1f} {100 * error:>+6.1f}% {gap:>7.0f} {100 * r['mfu']:>5.1f}% "
               f"{r['memory']['peak_bytes'] / 1e9:>8.1f}GB{fits} {wall:>6.1f} {rss:>7.2f}{fitted}", flush=True)
+        if details:
+            print(breakdown(r), flush=True)
     if errors:
         mean = sum(abs(e) for e in errors) / len(errors)
         worst = max(abs(e) for e in errors)
@@ -209,6 +227,9 @@ def main() -> None:
     p.add_argument("--rows", help="rows to run, e.g. 4-7 or 5,10 (with one --table)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key in every row, e.g. cluster.profile=a100.toml or model.attention_kernel=flash")
+    p.add_argument("--breakdown", action="store_true",
+                   help="under each row, what the busiest rank's predicted step is made of: GEMMs, fused attention, "
+                        "other kernels and the communication left exposed, in ms (the report's compute_ns_by_kind)")
     p.add_argument("--unstated", action="store_true",
                    help="also run each table with what its source leaves unstated read the other way (each such choice "
                         "named in its file and in this script's TABLES), one line each")
@@ -219,7 +240,7 @@ def main() -> None:
     if args.set:
         print("with " + ", ".join(args.set))
     for name in names:
-        run_table(name, TABLES[name], args.rows, args.set)
+        run_table(name, TABLES[name], args.rows, args.set, args.breakdown)
         if args.unstated:
             try:
                 run_unstated(TABLES[name], args.rows, args.set)

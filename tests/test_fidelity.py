@@ -179,3 +179,22 @@ def test_the_gap_column_is_the_published_step_less_the_predicted_one(capsys):
     report = run_scenario(load(str(BENCHMARKS / table.file)).variants[0][1], trace=False).report
     assert gap_ms == pytest.approx(1e3 * published_s - report["step_time_ns"] / 1e6, abs=1.0)
     assert gap_ms > 0  # (the row is predicted fast: its published step is the longer)
+
+
+def test_the_breakdown_under_a_row_is_its_busiest_ranks_compute_by_kind_and_exposed_communication(capsys):
+    """fidelity.py --breakdown: under the 1.7B row, rank 0's step as GEMMs, fused attention and other kernels (which
+    add up to its compute stream's busy time a step) and the communication left exposed (communication less what
+    runs under compute)."""
+    from fidelity import run_table
+
+    table = TABLES["megatron-core-2024"]
+    run_table("megatron-core-2024", table, "1", [], details=True)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "ms a step" in x)
+    figures = [float(part.split()[-1]) for part in line.split(":", 1)[1].replace(";", ",").split(",")]
+    gemm, attention, other, exposed, step = figures
+    report = run_scenario(load(str(BENCHMARKS / table.file)).variants[0][1], trace=False).report
+    busy = report["busy_ns"]["0"]["compute"] / report["steps"] / 1e6
+    comm = report["communication_overlap"]["per_rank"]["0"]
+    assert gemm + attention + other == pytest.approx(busy, abs=0.2) and gemm > attention > 0 and other > 0
+    assert exposed == pytest.approx((comm["communication_ns"] - comm["hidden_ns"]) / report["steps"] / 1e6, abs=0.1)
+    assert step == pytest.approx(report["step_time_ns"] / 1e6, abs=0.1)

@@ -28,7 +28,7 @@ from simcluster.engine.network import Network
 from simcluster.engine.routes import routes
 from simcluster.engine.steps import marks
 from simcluster.engine.streams import COMM, KERNEL, KERNELS, MEMORY, WAIT, RankState, Stream
-from simcluster.engine.totals import LaneSums, Totals
+from simcluster.engine.totals import LaneSums, Totals, kind_of
 from simcluster.engine.trace import MemoryEvent, Trace, TraceEvent
 from simcluster.topology.cluster import HOST, NIC_IN, NIC_OUT, NVLINK_IN, NVLINK_OUT, Cluster
 
@@ -158,7 +158,9 @@ class Replay:
         kernel_ns = self.cluster.host_kernel_ns if name == HOST else self.cluster.kernel_ns
         named = name != HOST and self.cluster.named_rates  # (a profile's rates by kernel: keyed by name too)
         durations: dict[tuple, int] = {}
-        runs: dict[int, int] = {}  # a run of kernels' total, by the run's id
+        runs: dict[int, tuple[int, int, int, int]] = {}  # a run of kernels' total and its ns by kind, by the run's id
+        kind_by_name: dict[str, int] = {}
+        kinds = sums.kinds
         new, event, append, end_times = tuple.__new__, TraceEvent, events.append, s.end_times
         memory, runnable, waiters = self.memory, self.runnable, s.waiters
         keep = self.keep
@@ -178,11 +180,22 @@ class Replay:
                         n, total = 1, durations.get(key)
                         if total is None:
                             total = durations[key] = kernel_ns(item[3], item[4], dtype, item[1])
+                        which = kind_by_name.get(item[1])
+                        if which is None:
+                            which = kind_by_name[item[1]] = kind_of(item[1])
+                        kinds[which] += total
                     else:
                         run = item[3]  # (the tape's: one object, alive while items hold it, so its id is its own)
-                        n, total = len(run), runs.get(id(run))
-                        if total is None:
-                            total = runs[id(run)] = sum(kernel_ns(flops, nb, dtype, op) for op, flops, nb in run)
+                        n, sums_of_run = len(run), runs.get(id(run))
+                        if sums_of_run is None:
+                            by_kind = [0, 0, 0]
+                            for op, flops, nb in run:
+                                by_kind[kind_of(op)] += kernel_ns(flops, nb, dtype, op)
+                            sums_of_run = runs[id(run)] = (sum(by_kind), *by_kind)
+                        total = sums_of_run[0]
+                        kinds[0] += sums_of_run[1]
+                        kinds[1] += sums_of_run[2]
+                        kinds[2] += sums_of_run[3]
                     busy += total
                     count += n
                     if total:
@@ -206,6 +219,10 @@ class Replay:
                         d = durations[key] = kernel_ns(flops, nb, dtype, op)
                     if slow is not None and t >= slow[1]:
                         d = math.ceil(d * slow[0])
+                    which = kind_by_name.get(op)
+                    if which is None:
+                        which = kind_by_name[op] = kind_of(op)
+                    kinds[which] += d
                     if label:
                         op = f"{label}/{op}"
                     if dies is not None and t + d > dies:

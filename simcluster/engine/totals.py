@@ -15,18 +15,34 @@ from itertools import chain
 import numpy as np
 
 from simcluster.engine.trace import Trace, pass_label
+from simcluster.numerics.ops import EINSUM_PARTIAL, GEMM_PARTIAL
+from simcluster.topology.cluster import ATTENTION_KERNELS
+
+# A kernel's kind, by its name past its label: what the cluster times it as (topology/cluster.py). GEMMs by
+# their shape (every matmul and einsum, an unfused attention's batched products too), the fused attention
+# kernels at attention's rate, the rest (elementwise, norms, the loss, the optimizer) by their FLOPs and bytes.
+KINDS = ("gemm", "attention", "other")
+GEMMS = frozenset(("matmul", GEMM_PARTIAL, "einsum", EINSUM_PARTIAL, "attention_scores"))
+
+
+def kind_of(name: str) -> int:
+    """The index in KINDS of a kernel named `name` (labelled or not)."""
+    bare = name.rpartition("/")[2]
+    return 0 if bare in GEMMS else 1 if bare.endswith(ATTENTION_KERNELS) else 2
 
 
 @dataclass
 class LaneSums:
     """One lane's sums: busy ns, events, when its last event ends, communication by (group, operation)
-    as [calls, bytes, ns], and its busy spans ([start, end], back-to-back events joined)."""
+    as [calls, bytes, ns], its busy spans ([start, end], back-to-back events joined), and its kernels' ns
+    by kind (KINDS)."""
 
     busy: int = 0
     count: int = 0
     end: int = 0
     comm: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     spans: list[list[int]] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=lambda: [0, 0, 0])
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,7 @@ class Totals:
     busy: dict[int, dict[str, int]]  # rank -> stream -> ns (ranks in order, streams by first event)
     compute: dict[int, int]  # rank -> compute-stream ns, every rank with a lane
     overlap: dict[int, tuple[int, int]]  # rank -> (ns some communication runs, ns of it under compute)
+    kinds: dict[int, tuple[int, int, int]]  # rank -> its compute stream's kernel ns by kind (KINDS)
     first_pass: int | None = None  # when the first forward pass starts (after initialisation; steps.py)
     first_step_end: int | None = None  # when step 0's optimizer ends (None: no optimizer)
     last_step_end: int | None = None  # when the last step's optimizer ends
@@ -69,6 +86,8 @@ class Totals:
                 acc[0] += 1
                 acc[1] += e.bytes
                 acc[2] += d
+            else:
+                lane.kinds[kind_of(e.name)] += d
             if d:
                 lane.spans.append([e.start, e.end])
         marks = (first, optimizers.get(0), optimizers[max(optimizers)] if optimizers else None)
@@ -83,6 +102,7 @@ class Totals:
         busy: dict[int, dict[str, int]] = {}
         ranks = sorted({r for r, _ in lanes})
         compute = {r: 0 for r in ranks}
+        kinds = {r: (0, 0, 0) for r in ranks}
         spans: dict[int, tuple[list, list]] = {r: ([], []) for r in ranks}
         for (rank, stream), lane in zip(lanes, sums):
             if not lane.count:
@@ -90,6 +110,7 @@ class Totals:
             busy.setdefault(rank, {})[stream] = lane.busy
             if stream == "compute":
                 compute[rank] += lane.busy
+                kinds[rank] = tuple(a + b for a, b in zip(kinds[rank], lane.kinds))
             for (where, kind), (calls, nbytes, ns) in lane.comm.items():
                 acc = comm.setdefault((where.split("[", 1)[0], kind), {}).setdefault(rank, [0, 0, 0])
                 acc[0] += calls
@@ -98,7 +119,7 @@ class Totals:
             spans[rank][0 if stream == "compute" else 1].extend(lane.spans)
         return cls(max((lane.end for lane in sums), default=0), sum(lane.count for lane in sums),
                    {k: {r: tuple(v) for r, v in ranks.items()} for k, ranks in comm.items()}, busy, compute,
-                   {r: covered(*spans[r]) for r in spans}, *marks)
+                   {r: covered(*spans[r]) for r in spans}, kinds, *marks)
 
     def extended(self, before: "Totals", steps: int) -> "Totals":
         """These totals plus `steps` more of the increment from `before` (one step less)."""
@@ -111,11 +132,12 @@ class Totals:
                 for r, streams in self.busy.items()}
         overlap = {r: tuple(more(x, y) for x, y in zip(v, before.overlap.get(r, (0, 0))))
                    for r, v in self.overlap.items()}
+        kinds = {r: tuple(more(x, y) for x, y in zip(v, before.kinds.get(r, (0, 0, 0)))) for r, v in self.kinds.items()}
         def mark(a: int | None, b: int | None) -> int | None:
             return None if a is None or b is None else more(a, b)
 
         return Totals(more(self.end, before.end), more(self.events, before.events), comm, busy,
-                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap,
+                      {r: more(ns, before.compute.get(r, 0)) for r, ns in self.compute.items()}, overlap, kinds,
                       self.first_pass, mark(self.first_step_end, before.first_step_end),
                       mark(self.last_step_end, before.last_step_end))
 

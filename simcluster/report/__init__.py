@@ -14,7 +14,7 @@ import numpy as np
 from simcluster.config.scenario import Scenario
 from simcluster.engine import RunResult
 from simcluster.engine.fold import Fold
-from simcluster.engine.totals import Totals
+from simcluster.engine.totals import KINDS, Totals
 from simcluster.report.schema import REPORT_VERSION
 
 
@@ -54,6 +54,12 @@ def busy(totals: Totals, fold: Fold | None = None) -> dict[str, dict[str, int]]:
     if fold is not None:
         per = fold.by_rank(per, rename=True)
     return {str(rank): streams for rank, streams in per.items()}
+
+
+def by_kind(totals: Totals, fold: Fold | None = None) -> dict[str, dict[str, int]]:
+    """Per rank, its compute stream's kernel time by kind: GEMMs, fused attention, every other kernel."""
+    per = totals.kinds if fold is None else fold.by_rank(totals.kinds)
+    return {str(rank): dict(zip(KINDS, ns)) for rank, ns in sorted(per.items())}
 
 
 def first_mismatches(expected: dict[str, Any], got: dict[str, Any], limit: int = 5) -> list[dict[str, Any]]:
@@ -211,6 +217,7 @@ def build(scenario: Scenario, result: RunResult, *, parameters: int, flops: tupl
         "tflops_per_gpu": round(flops[1] / steps / (seconds * world) / 1e12, 3) if step else 0.0,
         "compute_idle_fraction": round(idle_fraction(totals, fold), 6),
         "busy_ns": busy(totals, fold),
+        "compute_ns_by_kind": by_kind(totals, fold),
         "communication_overlap": overlap(totals, fold),
         "communication": communication(totals),
         "memory_peak_bytes": {str(r): v for r, v in sorted(peaks.items())},

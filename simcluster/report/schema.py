@@ -65,6 +65,12 @@ def report_schema() -> dict[str, Any]:
         "cluster": {"type": "object", "description": "the cluster's figures, as the run used them"},
         **timing, **rates,
         "busy_ns": _by_rank({"type": "object", "additionalProperties": NS}, "busy time per stream (ns)"),
+        "compute_ns_by_kind": _by_rank(
+            _object({"gemm": NS, "attention": NS, "other": NS},
+                    "the compute stream's kernel time by kind: GEMMs (timed by their shape: every matmul and einsum, "
+                    "an unfused attention's batched products), the fused attention kernels, every other kernel "
+                    "(elementwise, norms, the loss, the optimizer)"),
+            "the compute stream's kernel time by kind (ns)"),
         "communication": {"type": "array", "description": "per group and collective"},
         "communication_overlap": {"type": "object"},
         "memory_peak_bytes": _by_rank({"type": "object", "additionalProperties": INT}, "peak bytes per category"),

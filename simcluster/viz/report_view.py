@@ -115,8 +115,15 @@ class ReportView:
                 s = P2P.get(s[:6], s)  # one row per direction, not one per peer
                 streams[s] = max(streams.get(s, 0), v)
         total = max(self.report["total_time_ns"], 1)
+        kinds = self.report.get("compute_ns_by_kind") or {}
+        # the busiest rank's compute stream, by kind of kernel (the JSON's compute_ns_by_kind)
+        busiest = max(kinds.values(), key=lambda k: (sum(k.values()), k["gemm"]), default={})
         for s, v in streams.items():
             t.add_row(s, format_ns(v), f"{100 * v / total:.0f} %")
+            if s == "compute" and sum(1 for v in busiest.values() if v) > 1:
+                for kind, label in (("gemm", "GEMMs"), ("attention", "fused attention"), ("other", "other kernels")):
+                    if busiest.get(kind):
+                        t.add_row(f"  {label}", format_ns(busiest[kind]), f"{100 * busiest[kind] / total:.0f} %")
         return t
 
     def _memory(self) -> Table | None:
