@@ -120,7 +120,7 @@ class ReportView:
         busiest = max(kinds.values(), key=lambda k: (sum(k.values()), k["gemm"]), default={})
         for s, v in streams.items():
             t.add_row(s, format_ns(v), f"{100 * v / total:.0f} %")
-            if s == "compute" and sum(1 for v in busiest.values() if v) > 1:
+            if s == "compute" and sum(1 for ns in busiest.values() if ns) > 1:
                 for kind, label in (("gemm", "GEMMs"), ("attention", "fused attention"), ("other", "other kernels")):
                     if busiest.get(kind):
                         t.add_row(f"  {label}", format_ns(busiest[kind]), f"{100 * busiest[kind] / total:.0f} %")
