@@ -104,7 +104,9 @@ TABLES = {
                                     {"parallel.grad_accumulation_fusion": True}),
                                    ("FlashAttention-2 at its own package's rate (370 TFLOP/s, Shah et al. 2024)",
                                     {"cluster.attention_efficiency": 0.3741}),
-                                   ("cuDNN's attention (the preset's rate)", {"cluster.attention_efficiency": None}))),
+                                   ("cuDNN's attention (the preset's rate)", {"cluster.attention_efficiency": None}),
+                                   ("each input gradient's reduce-scatter under its weight gradient (Megatron-LM's "
+                                    "column-parallel backward)", {"parallel.tp_async_backward": True}))),
 }
 
 

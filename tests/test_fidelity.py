@@ -103,7 +103,7 @@ def test_an_unstated_choice_read_the_other_way_changes_that_key_in_every_row_and
                     theirs = replace(theirs, **{section: replace(getattr(theirs, section),
                                                                  **{name: getattr(getattr(mine, section), name)})})
                 assert replace(theirs, overrides=mine.overrides) == mine  # (the row's own --set list names the value)
-    assert declared == 4
+    assert declared == 5
 
 
 def test_megatron_cores_32b_row_runs_a_ranks_batch_as_one_micro_batch():
