@@ -51,6 +51,7 @@ def test_torchtitans_async_tensor_parallel_speedup_stays_within_2_5_percent():
     assert overlapped / plain == pytest.approx(table.published[1] / table.published[0], rel=0.025)
 
 
+@pytest.mark.slow  # (a pipeline at scale, 7-24 s: the default suite's time; the tables' other tests run by default)
 def test_llama_3s_step_from_8192_to_16384_gpus_stays_within_2_percent():
     """Llama 3 405B (Dubey et al. 2024, Table 4): 430 TFLOP/s a GPU on 8,192 H100s (DP 64), 400 on 16,384 (DP
     128, half the micro-batches a rank: the pipeline's bubble and the data-parallel reduction's share grow):
@@ -62,6 +63,7 @@ def test_llama_3s_step_from_8192_to_16384_gpus_stays_within_2_percent():
     assert large / small == pytest.approx(table.published[1] / table.published[0], rel=0.02)
 
 
+@pytest.mark.slow  # (a pipeline at scale, 7-24 s: the default suite's time; the tables' other tests run by default)
 def test_the_h100s_sustained_compute_reproduces_the_run_it_was_fitted_to():
     """Megatron-Core r0.8's 177B GPT on 96 H100s (DP 2, a bubble under 1 %): 47 % MFU, the one figure the
     H100 preset's sustained_compute (0.76) was fitted to, and 59.9 % without it. A change to the model that
@@ -72,6 +74,7 @@ def test_the_h100s_sustained_compute_reproduces_the_run_it_was_fitted_to():
     assert figure(report, table.metric) == pytest.approx(table.published[0], abs=0.5)  # the README's whole percent
 
 
+@pytest.mark.slow  # (a pipeline at scale, 7-24 s: the default suite's time; the tables' other tests run by default)
 def test_megatron_cores_pipeline_from_2304_to_4608_gpus_stays_within_2_percent():
     """The 177B GPT (TP 8 x PP 6, batch 1,152): 432.8 TFLOP/s a GPU on 2,304 H100s (the weak-scaling table, 24
     micro-batches a pipeline) and 42 % MFU on 4,608 (the strong-scaling text, 12): 0.960. Interleaved one layer a
