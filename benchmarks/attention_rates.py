@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from simcluster.model.flash import causal_share
 from simcluster.topology.cluster import ATTENTION_BACKWARD
 from simcluster.topology.presets import PRESETS
+from sustained_gemm import seconds_of  # (one call's seconds: CUDA events, or the host's clock)
 
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
 BACKENDS = (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -54,21 +54,12 @@ def preset_rates(seq: int, causal: bool) -> tuple[float, float]:
 
 def seconds(run: Callable[[], None], device: torch.device, repeats: int,
             before: Callable[[], None] | None = None) -> float:
-    """The median seconds of `run()` over `repeats` calls (after two untimed), `before()` untimed ahead of each."""
+    """The median seconds of `run()` over `repeats` calls (after two untimed), `before()` untimed ahead of each (on a
+    GPU its kernels are queued ahead of the start event, so they are not counted either)."""
     def once() -> float:
         if before is not None:
             before()
-        if device.type != "cuda":
-            start = time.perf_counter()
-            run()
-            return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        begin.record()
-        run()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        return seconds_of(run, device)
     once(), once()
     return statistics.median(once() for _ in range(repeats))
 

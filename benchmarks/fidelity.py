@@ -28,9 +28,10 @@ configurations it states (what it leaves out is taken as the stack's defaults, a
 Every row runs in meta mode, folded, for the report only, and prints the predicted figure beside the
 published one, the milliseconds a step their difference comes to (`gap ms`: the published step less the
 predicted one, as each figure is a step's work over its time; an error that is one cost the model leaves
-out shows as the same gap in rows of different steps), with the simulation's own wall time and peak memory (this process's resident set,
-which only grows: a row's figure is the most any row so far needed). Each table ends with its mean and
-largest |error|; the goal for a table of today's stacks is a mean within 5 %, every row within 10 %.
+out shows as the same gap in rows of different steps), with the simulation's own wall time and peak memory
+(this process's resident set, which only grows: a row's figure is the most any row so far needed). Each
+table ends with its mean and largest |error|; the goal for a table of today's stacks is a mean within 5 %,
+every row within 10 %.
 
     python benchmarks/fidelity.py [--table megatron-2022] [--rows 1-4] [--set cluster.profile=a100.toml] [--breakdown]
                                   [--unstated]
