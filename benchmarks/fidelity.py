@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simcluster.config.scenario import Scenario, ScenarioError, build, load
+from simcluster.config.scenario import Scenario, ScenarioError, build, parse_override
 from simcluster.run.runner import run_scenario
 from table1 import rows as pick_rows
 
@@ -124,14 +124,22 @@ def figure(report: dict, metric: str) -> float:
 
 def table_scenario(table: Table, overrides: list[str], unstated: dict[str, Any] | None = None) -> Scenario:
     """The table's file with `--set` overrides, and with `unstated` values in place of the file's: a key the
-    rows vary gets the value in every row, any other is set in its section (None: left to its default)."""
+    rows vary gets the value in every row, any other is set in its section (None: left to its default). So
+    does an override of a key the rows vary (on the command line, `--set` of such a key picks the rows that
+    have its value instead)."""
     path = HERE / table.file
-    if not unstated:
-        return load(str(path), overrides)
     doc = tomllib.loads(path.read_text())
     doc.setdefault("name", path.stem)
     compare = doc.get("compare", {})
-    for key, value in unstated.items():
+    values = dict(unstated or {})
+    rest = []
+    for text in overrides:
+        key, value = parse_override(text)
+        if key in compare:
+            values[key] = value
+        else:
+            rest.append(text)
+    for key, value in values.items():
         section, _, name = key.partition(".")
         if key in compare:
             compare[key] = [value] * len(table.published)
@@ -139,7 +147,7 @@ def table_scenario(table: Table, overrides: list[str], unstated: dict[str, Any] 
             doc.get(section, {}).pop(name, None)
         else:
             doc.setdefault(section, {})[name] = value
-    return build(doc, overrides, source=str(path))
+    return build(doc, rest, source=str(path))
 
 
 def run_unstated(table: Table, rows: str | None, overrides: list[str]) -> None:

@@ -109,6 +109,16 @@ def test_an_unstated_choice_read_the_other_way_changes_that_key_in_every_row_and
     assert declared == 5
 
 
+def test_a_set_of_a_key_the_rows_vary_sets_it_in_every_row():
+    """fidelity.py --set overrides a key in every row, one the rows vary too (where `simcluster run --set` of
+    such a key picks the rows with that value: here it would leave Megatron-Core's 5 pipelined rows only)."""
+    table = TABLES["megatron-core-2024"]
+    rows = [v for _, v in table_scenario(table, ["model.micro_batch=2", "model.dropout=0.0"]).variants]
+    assert len(rows) == len(table.published) == 9
+    assert {v.model.micro_batch for v in rows} == {2} and {v.model.dropout for v in rows} == {0.0}
+    assert [v.model.layers for v in rows] == [24, 30, 32, 48, 84, 92, 96, 96, 112]  # (the rest as the file has it)
+
+
 def test_megatron_cores_32b_row_runs_a_ranks_batch_as_one_micro_batch():
     """Megatron-Core r0.8's 32B GPT on 384 H100s (TP 8, DP 48, 4 sequences a rank): 459.6 TFLOP/s a GPU, a
     0.89 s step. Each data-parallel group has one GPU a node, and a step's fp32 gradients (reduce-scattered)
