@@ -1,6 +1,7 @@
 """All-pairs covering arrays: a few rows in which every pair of option values that some valid row can
 hold appears at least once, built greedily from a seeded pool (the same rows on every run)."""
 
+import heapq
 import itertools
 import random
 
@@ -20,10 +21,9 @@ def covering_rows(options, valid, *, seed=0, pool=400):
             if valid(row):
                 return row
 
-    feasible = set()
     candidates = [draw() for _ in range(5 * pool)]
-    for row in candidates:
-        feasible |= pairs(row)
+    covers = [pairs(row) for row in candidates]
+    feasible = set().union(*covers)
     # pairs no random valid row holds may still be feasible: look for each with its two values fixed
     for (a, b) in itertools.combinations(names, 2):
         for va, vb in itertools.product(options[a], options[b]):
@@ -33,12 +33,20 @@ def covering_rows(options, valid, *, seed=0, pool=400):
                 row = {n: rng.choice(options[n]) for n in names} | {a: va, b: vb}
                 if valid(row):
                     candidates.append(row)
-                    feasible |= pairs(row)
+                    covers.append(pairs(row))
+                    feasible |= covers[-1]
                     break
+    # greedy: each time the row that covers the most pairs still uncovered (the first such), found lazily: a row's
+    # count only falls as pairs are covered, so one whose fresh count still leads every other's older one leads
     uncovered, rows = set(feasible), []
-    covers = [(row, pairs(row)) for row in candidates]
+    heap = [(-len(got), i) for i, got in enumerate(covers)]
+    heapq.heapify(heap)
     while uncovered:
-        row, got = max(covers, key=lambda c: len(c[1] & uncovered))
-        rows.append(row)
-        uncovered -= got
+        _, i = heapq.heappop(heap)
+        fresh = (-len(covers[i] & uncovered), i)
+        if heap and fresh > heap[0]:
+            heapq.heappush(heap, fresh)
+            continue
+        rows.append(candidates[i])
+        uncovered -= covers[i]
     return rows, feasible
