@@ -88,6 +88,7 @@ class TorchArrays:
     def __init__(self, device: torch.device | str = "cpu", *, correctly_rounded: bool = False) -> None:
         self.device = torch.device(device)
         self.correctly_rounded = correctly_rounded  # exact mode: every elementwise result IEEE's
+        self.cheap_truth = self.device.type == "cpu"  # (truth() on a GPU waits for it: arrays.py)
 
     # -- elementwise ------------------------------------------------------------------------------
     add = staticmethod(torch.add)

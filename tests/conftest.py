@@ -4,10 +4,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 # Derandomized everywhere: the same examples on every run, so a failure is never a lucky draw.
-# "thorough" draws ten times as many (HYPOTHESIS_PROFILE=thorough) for long runs.
+# "thorough" draws ten times as many (HYPOTHESIS_PROFILE=thorough) for long runs. "explore" is for hunting
+# bugs: other examples for each `--hypothesis-seed=N` (the same ones again for the same N), none saved.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=250, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", max_examples=100, deadline=None, derandomize=False, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

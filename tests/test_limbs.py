@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simcluster.numerics import limbs
+from simcluster.numerics.arrays import NumpyArrays
 from simcluster.numerics.tensor import Partial, reduce, ReduceOp
 
 floats32 = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
@@ -83,7 +84,8 @@ def test_rounding_is_correct_down_to_the_lowest_digit(name, digits, top, keep):
     """Normalized limbs with only their lowest `keep` + 1 digits (a value as small as 2**-160, below
     float32's least subnormal) round as the exact rational does: to nearest, ties to even. Values in the
     lowest digit alone were rounded 32 times too large (the leading pair taken as (that digit, 0))."""
-    row = digits[:keep + 1] + [0] * (limbs.LIMBS - 1 - keep) + ([top] if keep == limbs.LIMBS - 1 else [0])
+    row = digits[:keep + 1] + [0] * (limbs.LIMBS - 2 - keep) + ([top] if keep == limbs.LIMBS - 1 else [0])
+    assert len(row) == limbs.LIMBS
     value = sum(Fraction(d) * Fraction(2) ** (limbs.WINDOW_LO + limbs.LIMB_BITS * i) for i, d in enumerate(row))
     got = limbs.to_float(np.array([row], np.int64), FORMATS[name][2])[0]
     assert float(got) == _nearest(value, name)
@@ -110,3 +112,33 @@ def test_ties_and_what_lies_a_digit_beside_them_round_as_the_rational_does(name,
     for r, g in zip(row, got):
         value = sum(Fraction(int(d)) * Fraction(2) ** (limbs.WINDOW_LO + limbs.LIMB_BITS * i) for i, d in enumerate(r))
         assert float(g) == _nearest(value, name)
+
+
+class _OneDigitAtATime(NumpyArrays):
+    cheap_truth = False  # as on a GPU, where a check would wait for it: carries digit by digit, no check
+
+
+digits = st.integers(-2**40, 2**40) | st.sampled_from([-1, 0, 1, 2**32 - 1, 2**32, -2**32])
+
+
+@given(st.lists(st.lists(digits, min_size=limbs.LIMBS, max_size=limbs.LIMBS), min_size=1, max_size=8))
+def test_normalize_on_the_host_gives_the_digits_of_one_digit_at_a_time(rows):
+    """The host carries all digits at once, round after round (a run of 2**32 - 1 digits ripples one digit a
+    round); a device one digit at a time. The same value, so the same digits, each in range but the top."""
+    x = np.array(rows, dtype=np.int64)
+    got = limbs.normalize(x)
+    assert got.tobytes() == limbs.normalize(x, _OneDigitAtATime()).tobytes()
+    assert ((got[:, :-1] >= 0) & (got[:, :-1] < 2**limbs.LIMB_BITS)).all()
+    weights = [2**(limbs.LIMB_BITS * i) for i in range(limbs.LIMBS)]
+    assert [sum(int(d) * w for d, w in zip(r, weights)) for r in got] == \
+           [sum(d * w for d, w in zip(r, weights)) for r in rows]
+
+
+def test_a_negative_sum_ripples_its_carry_through_every_digit():
+    x = np.array([[2**32, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, -1]], dtype=np.int64)  # 2**32 - 1 more = 0
+    assert limbs.normalize(x).tolist() == [[0, 0, 0, 0, 0, 0]]
+
+
+def test_limbs_of_another_width_are_refused():
+    with pytest.raises(ValueError, match="the last dimension holds 6 digits"):
+        limbs.to_float(np.zeros((2, limbs.LIMBS + 1), np.int64))

@@ -22,6 +22,7 @@ kernels use, with dtypes named by their logical names: 'fp32', 'bf16', 'fp16', '
   to_host(x)                                     a numpy array (verification, checkpoints, MoE routing)
   floor trunc abs isnan clip stack ldexp frexp full_like flip_last argmax_last any truth gather_last arange
                                                  exact mode's limbs, slices and transcendentals
+  cheap_truth                                    whether truth() is free (on the host) or waits for a device
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ class NumpyArrays:
     def truth(x: Any) -> bool:
         """A 0-d boolean's value on the host (exact mode's data-dependent checks)."""
         return bool(x)
+
+    cheap_truth = True  # truth() waits for nothing: exact mode may check for work left rather than do all of it
 
     @staticmethod
     def gather_last(x: Any, index: Any) -> np.ndarray:

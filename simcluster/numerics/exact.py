@@ -59,25 +59,22 @@ def slices(x: Any, beta: int, lo: int, xp: Any = NUMPY) -> list[tuple[int, Any]]
     if not math.prod(x64.shape):
         return []
     mag = xp.abs(x64)
-    e = xp.frexp(mag)[1]  # mag < 2**e
-    lowest = xp.where(mag > 0, xp.astype(e, "fp64"), math.inf).min()
-    top, lowest = (float(v) for v in xp.to_host(xp.stack([mag.max(), lowest], 0)))
+    top, least = (float(v) for v in xp.to_host(xp.stack([mag.max(), xp.where(mag > 0, mag, math.inf).min()], 0)))
     if top == 0.0:
         return []
-    lo = max(lo, int(lowest) - bits)
+    lo = max(lo, math.frexp(least)[1] - bits)  # (the least non-zero magnitude has the least exponent)
     n = -(-(math.frexp(top)[1] - lo) // beta)  # slices up to top's leading bit (top < 2**frexp(top)[1])
     if n <= 0:
         return []  # every element truncates to zero
-    mag = xp.trunc(xp.ldexp(mag, -lo))  # exact: a power-of-two scaling, truncating only below 2**lo
-    sign = xp.where(x64 < 0, -1.0, 1.0)
+    v = xp.trunc(xp.ldexp(x64, -lo))  # exact: a power-of-two scaling, truncating toward zero only below 2**lo
     radix = float(2**beta)
     lows = []
-    for _ in range(n):
-        high = xp.floor(mag / radix)
-        lows.append(mag - high * radix)  # exact: the low beta bits of an exact integer
-        mag = high
+    for _ in range(n):  # signed: each slice the low beta bits of the magnitude, with the element's sign
+        high = xp.trunc(v / radix)
+        lows.append(v - high * radix)  # exact: integers
+        v = high
     nonzero = [True] if n == 1 else xp.to_host(xp.any(xp.stack(lows, 0).reshape(n, -1), 1))
-    return [(lo + s * beta, sign * low) for s, low in enumerate(lows) if nonzero[s]]
+    return [(lo + s * beta, low) for s, low in enumerate(lows) if nonzero[s]]
 
 
 def _beta(terms: int, operands: int) -> int:

@@ -66,7 +66,18 @@ def from_float64(x: Any, xp: Any = NUMPY) -> Any:
 
 def normalize(limbs: Any, xp: Any = NUMPY) -> Any:
     """Propagate carries so that all limbs but the top lie in [0, 2**LIMB_BITS). Returns a new array."""
+    if limbs.shape[-1] != LIMBS:
+        raise ValueError(f"limbs of shape {tuple(limbs.shape)}: the last dimension holds {LIMBS} digits")
     out = xp.astype(limbs, "int64", copy=True)
+    if xp.cheap_truth:  # every digit's carry at once, while any digit is out of range: at most LIMBS - 1 rounds
+        # (after round k the k lowest are in range), and on small arrays far fewer calls than a digit at a time
+        low = out[..., :-1]
+        carry = low >> LIMB_BITS
+        while xp.truth(xp.any(carry)):
+            low &= _MASK
+            out[..., 1:] += carry
+            carry = low >> LIMB_BITS
+        return out
     for i in range(LIMBS - 1):
         carry = out[..., i] >> LIMB_BITS  # arithmetic shift: floor division, also for negatives
         out[..., i] &= _MASK
