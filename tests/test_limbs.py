@@ -114,20 +114,21 @@ def test_ties_and_what_lies_a_digit_beside_them_round_as_the_rational_does(name,
         assert float(g) == _nearest(value, name)
 
 
-class _OneDigitAtATime(NumpyArrays):
-    cheap_truth = False  # as on a GPU, where a check would wait for it: carries digit by digit, no check
+class _Unlooking(NumpyArrays):
+    cheap_truth = False  # as on a GPU, where a check would wait for it: every round, none skipped
 
 
 digits = st.integers(-2**40, 2**40) | st.sampled_from([-1, 0, 1, 2**32 - 1, 2**32, -2**32])
 
 
 @given(st.lists(st.lists(digits, min_size=limbs.LIMBS, max_size=limbs.LIMBS), min_size=1, max_size=8))
-def test_normalize_on_the_host_gives_the_digits_of_one_digit_at_a_time(rows):
-    """The host carries all digits at once, round after round (a run of 2**32 - 1 digits ripples one digit a
-    round); a device one digit at a time. The same value, so the same digits, each in range but the top."""
+def test_normalize_on_the_host_stops_when_done_with_the_digits_of_every_round(rows):
+    """Carries go up all digits at once, a round at a time (a run of 2**32 - 1 digits ripples one digit a
+    round): on the host until none is left, on a device every round. The same digits, each in range but the
+    top, and the same value."""
     x = np.array(rows, dtype=np.int64)
     got = limbs.normalize(x)
-    assert got.tobytes() == limbs.normalize(x, _OneDigitAtATime()).tobytes()
+    assert got.tobytes() == limbs.normalize(x, _Unlooking()).tobytes()
     assert ((got[:, :-1] >= 0) & (got[:, :-1] < 2**limbs.LIMB_BITS)).all()
     weights = [2**(limbs.LIMB_BITS * i) for i in range(limbs.LIMBS)]
     assert [sum(int(d) * w for d, w in zip(r, weights)) for r in got] == \

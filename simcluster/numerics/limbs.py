@@ -69,19 +69,13 @@ def normalize(limbs: Any, xp: Any = NUMPY) -> Any:
     if limbs.shape[-1] != LIMBS:
         raise ValueError(f"limbs of shape {tuple(limbs.shape)}: the last dimension holds {LIMBS} digits")
     out = xp.astype(limbs, "int64", copy=True)
-    if xp.cheap_truth:  # every digit's carry at once, while any digit is out of range: at most LIMBS - 1 rounds
-        # (after round k the k lowest are in range), and on small arrays far fewer calls than a digit at a time
-        low = out[..., :-1]
-        carry = low >> LIMB_BITS
-        while xp.truth(xp.any(carry)):
-            low &= _MASK
-            out[..., 1:] += carry
-            carry = low >> LIMB_BITS
-        return out
-    for i in range(LIMBS - 1):
-        carry = out[..., i] >> LIMB_BITS  # arithmetic shift: floor division, also for negatives
-        out[..., i] &= _MASK
-        out[..., i + 1] += carry
+    low = out[..., :-1]
+    for _ in range(LIMBS - 1):  # every digit's carry at once; after k rounds the k lowest digits are in range
+        carry = low >> LIMB_BITS  # arithmetic shift: floor division, also for negatives
+        if xp.cheap_truth and not xp.truth(xp.any(carry)):
+            break  # (on the host, where looking costs nothing: most sums are done after a round or two)
+        low &= _MASK
+        out[..., 1:] += carry
     return out
 
 
