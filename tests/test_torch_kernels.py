@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 torch = pytest.importorskip("torch", reason="torch is the gpu_backend extra; the test set-up installs it")
 
 from gpu_backend.torch_ops import TorchExactOps, TorchFastOps, torch_to_host  # noqa: E402
+from simcluster.numerics.limbs import normalize  # noqa: E402
 from simcluster.numerics.modes import make_ops  # noqa: E402
 from simcluster.numerics.tensor import Partial  # noqa: E402
 from simcluster.numerics.tolerance import bound  # noqa: E402
@@ -227,6 +228,10 @@ def test_exact_mode_on_torch_is_the_emulators_byte_for_byte(dtype, looks):
     device.xp.cheap_truth = looks
     for name, (want, got, _) in every_operation(make_ops("exact"), device, dtype).items():
         assert host_bytes(got) == host_bytes(want), name
+    # (a carry that ripples up every digit, one a round: the operations above take a round or two)
+    ripple = np.array([[2**32, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, -1], [5, -1, 0, 0, 0, 0]], np.int64)
+    want = np.array([[0, 0, 0, 0, 0, 0], [5] + [2**32 - 1] * 4 + [-1]], np.int64)  # (the same values, in range)
+    assert host_bytes(normalize(device.xp.asarray(ripple), device.xp)) == normalize(ripple).tobytes() == want.tobytes()
 
 
 def test_a_sqrt_that_is_not_correctly_rounded_is_caught():
