@@ -211,3 +211,17 @@ def test_the_breakdown_under_a_row_is_its_busiest_ranks_compute_by_kind_and_expo
     assert gemm + attention + other == pytest.approx(busy, abs=0.2) and gemm > attention > 0 and other > 0
     assert exposed == pytest.approx((comm["communication_ns"] - comm["hidden_ns"]) / report["steps"] / 1e6, abs=0.1)
     assert step == pytest.approx(report["step_time_ns"] / 1e6, abs=0.1)
+
+
+def test_an_override_a_row_refuses_when_it_runs_ends_the_script_with_one_line():
+    """An override that builds but that a row refuses when it runs (Llama 3's interleaved pipeline takes a micro-batch
+    group of 16 to 32) ends fidelity.py with the reason, as one refused when the table is built does: no traceback."""
+    from fidelity import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--table", "llama3-2024", "--rows", "1", "--set", "parallel.microbatch_group=2"])
+    assert str(refused.value) == ("fidelity.py: the interleaved schedule's micro-batch group N=2 must lie in "
+                                  "[p, m] = [16, 32]")
+    with pytest.raises(SystemExit) as unknown:
+        main(["--table", "llama3-2024", "--set", "parallel.nosuch=2"])
+    assert str(unknown.value).startswith("fidelity.py: unknown key 'parallel.nosuch'")
