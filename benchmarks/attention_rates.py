@@ -8,14 +8,16 @@ forward: cuDNN 518 causal against 609, FlashAttention-2 319 against 368). Which 
 is what two fidelity tables hinge on (benchmarks/fidelity.py: Megatron-Core's smallest rows, Llama 3's 128K
 row). This measures it: torch's scaled_dot_product_attention with each backend the device has (FlashAttention-2,
 cuDNN, memory-efficient; on a CPU its own kernels), causal and not, forward and backward, at 16,384 tokens a call
-(batch x sequence) and 16 heads of 128.
+(batch x sequence) and 16 heads of 128; then each causal with dropout drawn inside it (Megatron-LM's default
+attention dropout, 0.1, which Megatron-Core's table runs: a kernel draws a random number a probability, which
+the preset charges nothing for).
 
 Figures in FlashAttention's convention: the forward 4 b h s^2 d FLOPs, half of it when causal; the backward 2.5
 times the forward's. `per block` is a causal rate over the same kernel's non-causal one, each taken over the
 blocks the kernel runs (flash.causal_share): 1 where the preset is right about causal kernels. `preset` is the
 dgx-h100 preset's figure for the same row before its sustained share (a benchmark's rate, as these are).
 
-    python benchmarks/attention_rates.py [--seqs 2048,4096,8192] [--repeats 20] [--device cuda]
+    python benchmarks/attention_rates.py [--seqs 2048,4096,8192] [--repeats 20] [--device cuda] [--dropout 0.1]
 
 Without a GPU it runs on the CPU at small sizes, which proves the script and says nothing of a GPU.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -65,8 +68,9 @@ def seconds(run: Callable[[], None], device: torch.device, repeats: int,
 
 
 def measure(backend: SDPBackend, device: torch.device, dtype: torch.dtype, seq: int, tokens: int, heads: int,
-            dim: int, causal: bool, repeats: int) -> tuple[float, float] | None:
-    """(forward, backward) TFLOP/s of one backend, or None where it cannot run this shape on this device."""
+            dim: int, causal: bool, repeats: int, dropout: float = 0.0) -> tuple[float, float] | None:
+    """(forward, backward) TFLOP/s of one backend, or None where it cannot run this shape on this device (or drop
+    out: `dropout`, the share of the probabilities it drops, drawn inside the kernel)."""
     batch = max(1, tokens // seq)
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seq, dim, generator=gen, device=device).to(dtype).requires_grad_()
@@ -75,16 +79,17 @@ def measure(backend: SDPBackend, device: torch.device, dtype: torch.dtype, seq: 
     held: list[torch.Tensor] = []
 
     def forward() -> None:
-        held[:] = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)]
+        held[:] = [torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)]
 
     def backward() -> None:
         held[0].backward(grad)
 
     try:
-        with sdpa_kernel([backend]):
+        with sdpa_kernel([backend]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (torch says why a kernel it was not allowed was not used)
             fwd = seconds(forward, device, repeats)
             bwd = seconds(backward, device, repeats, before=forward)
-    except RuntimeError:  # ("No viable backend": not on this device, dtype or shape)
+    except RuntimeError:  # ("No viable backend": not on this device, dtype or shape, or not with dropout)
         return None
     flops = forward_flops(batch, heads, seq, dim, causal)
     return flops / fwd / 1e12, 2.5 * flops / bwd / 1e12
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--seqs", help="sequence lengths, comma-separated (default: 2048,4096,8192 on a GPU, 128,256 on a CPU)")
     p.add_argument("--repeats", type=int, default=20, help="timings each figure is the median of")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="the dropout measured inside each kernel, causal, against none (default: 0.1, Megatron-LM's "
+                        "--attention-dropout; 0: not measured)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -124,6 +132,29 @@ def main(argv: list[str] | None = None) -> list[tuple]:
                 print(f"{label:<10} {seq:>6} {'yes' if causal else 'no':>6} {fwd:8.4g} {bwd:8.4g} {bwd / fwd:7.3f} "
                       f"{per_block:>9} {model[0]:10.1f} {model[1]:10.1f}", flush=True)
                 rows.append((label, seq, causal, fwd, bwd))
+    if args.dropout:
+        dropped(args, device, dtype, seqs, (tokens, heads, dim), {(r[0], r[1]): r[3:] for r in rows if r[2]})
+    return rows
+
+
+def dropped(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, seqs: list[int],
+            shape: tuple[int, int, int], without: dict[tuple[str, int], tuple[float, float]]) -> list[tuple]:
+    """Each kernel's causal rates with `args.dropout` drawn inside it over its rates without (`without`, measured
+    above), forward and backward: the preset charges a fused kernel nothing for dropout (1). On a CPU torch's own
+    unfused kernels (math) are the ones that drop out, so they are measured there, with and without."""
+    print(f"\nwith dropout {args.dropout} inside the kernel, causal: each rate over the same kernel's without "
+          f"(the preset: 1)")
+    print(f"{'backend':<10} {'seq':>6} {'forward':>8} {'backward':>8}")
+    rows = []
+    for label, backend in BACKENDS + (() if device.type == "cuda" else (("math", SDPBackend.MATH),)):
+        for seq in seqs:
+            plain = without.get((label, seq)) or measure(backend, device, dtype, seq, *shape, True, args.repeats)
+            got = measure(backend, device, dtype, seq, *shape, True, args.repeats, dropout=args.dropout)
+            if plain is None or got is None:
+                continue
+            fwd, bwd = got[0] / plain[0], got[1] / plain[1]
+            print(f"{label:<10} {seq:>6} {fwd:8.3f} {bwd:8.3f}", flush=True)
+            rows.append((label, seq, fwd, bwd))
     return rows
 
 

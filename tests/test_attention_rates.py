@@ -32,3 +32,17 @@ def test_it_runs_on_the_cpu_and_measures_each_kernel_causal_and_not(capsys):
     assert {(label, causal) for label, _, causal, _, _ in rows} >= {("flash", False), ("flash", True)}
     assert all(fwd > 0 and bwd > 0 for *_, fwd, bwd in rows)
     assert "per block" in capsys.readouterr().out
+
+
+def test_it_measures_dropout_inside_each_kernel_that_can_draw_it_against_the_same_kernel_without(capsys):
+    """--dropout (Megatron-LM's 0.1 by default): each kernel's causal rates with the dropout over its rates without.
+    On a CPU only torch's unfused kernels drop out (its flash kernel refuses), so those are the row; 0 measures none."""
+    rows = attention_rates.main(["--device", "cpu", "--seqs", "128", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "with dropout 0.1 inside the kernel" in out
+    measured = [line.split() for line in out.split("with dropout")[1].splitlines()[2:]]
+    assert [(label, int(seq)) for label, seq, *_ in measured] == [("math", 128)]
+    assert all(float(x) > 0 for *_, fwd, bwd in measured for x in (fwd, bwd))
+    assert {label for label, *_ in rows} == {"flash"}  # (the rows without dropout: the CPU's fused kernel only)
+    attention_rates.main(["--device", "cpu", "--seqs", "128", "--repeats", "1", "--dropout", "0"])
+    assert "with dropout" not in capsys.readouterr().out
