@@ -4,7 +4,10 @@ The preset times attention at one measured forward rate, non-causal (cuDNN 9.1's
 may set FlashAttention-2's), the backward at 0.82 of it, and a causal kernel as the blocks it runs at that same
 rate (model/flash.py: the diagonal's blocks whole, about half the square). Published figures say a causal kernel
 runs its blocks slower than that (Shah et al. 2024, "FlashAttention-3", H100 SXM5, head dim 128, 4K tokens,
-forward: cuDNN 518 causal against 609, FlashAttention-2 319 against 368). Which of them holds, kernel by kernel,
+forward: cuDNN 518 causal against 609, FlashAttention-2 319 against 368; cuDNN 9.1.0 itself on an H200 at locked
+clocks, 4 x 4,096 tokens of 16 heads: 542 against 654 forward, 444 against 517 backward, and PyTorch's
+FlashAttention-2 314 against 354 and 249 against 287: cudnn-frontend's benchmark/benchmark_results.csv,
+2024-05-07). Which of them holds, kernel by kernel,
 is what two fidelity tables hinge on (benchmarks/fidelity.py: Megatron-Core's smallest rows, Llama 3's 128K
 row). This measures it: torch's scaled_dot_product_attention with each backend the device has (FlashAttention-2,
 cuDNN, memory-efficient; on a CPU its own kernels), causal and not, forward and backward, at 16,384 tokens a call
