@@ -86,8 +86,9 @@ TABLES = {
     "megatron-core-2024": Table("megatron_core_2024.toml", "model_tflops",
                                 (408.8, 465.9, 489.1, 459.6, 419.7, 420.5, 432.8, 474.4, 459.9), modern=True,
                                 unstated=(("micro-batch 1 on every row", {"model.micro_batch": 1}),
-                                          ("attention at FlashAttention-2's rate (370 TFLOP/s, Shah et al. 2024: Transformer "
-                                           "Engine's flash-attn backend), not cuDNN's", {"cluster.attention_efficiency": 0.3741}))),
+                                          ("attention at FlashAttention-2's rate (370 TFLOP/s, Shah et al. 2024: "
+                                           "Transformer Engine's flash-attn backend), not cuDNN's",
+                                           {"cluster.attention_efficiency": 0.3741}))),
     # The same README's strong scaling: "a reduction in MFU from 47% to 42%" from 96 to 4,608 GPUs.
     "megatron-core-2024-strong": Table("megatron_core_2024_strong.toml", "mfu", (47.0, 42.0), modern=True,
                                        ratios=((1, 2),), fitted=(1,)),
