@@ -249,7 +249,7 @@ def test_calibrate_on_this_cpu_writes_a_profile_that_times_a_run(tmp_path):
     # and every kernel of a GPT's and a Llama's step as the program calls it, the fused attention's included
     assert {(k.name, k.dtype) for k in measured.kernels} >= {
         (name, dtype) for dtype in ("fp32", "bf16") for name in
-        ("flash_attention", "flash_attention_backward", "gelu_backward", "layer_norm", "rms_norm_backward", "silu")}
+        ("flash_attention", "flash_attention_backward", "gelu_backward", "layer_norm", "rms_norm_backward", "swiglu")}
     assert measured.shares_cores  # (2 ranks on the CPU)
     assert {k for k, _ in measured.collective_rates} == {"all_gather", "reduce_scatter"}
     run = subprocess.run([sys.executable, "-m", "simcluster.cli", "run", "--json", "--set", f"cluster.profile={out}",

@@ -83,3 +83,33 @@ def test_an_eager_norms_backward_is_autograds_sixteen_kernels():
     norm = [k for k in backward if k.startswith("rms_norm_backward.")]
     assert len(norm) == 2 * 16 and backward.count("rope_backward.complex_mul") == 2
     assert out.report["layer"]["kernels"]["forward"] == len(LAYER)
+
+
+def backward_kernels(extra: list[str]) -> list:
+    out = run_scenario(load(None, SETS + extra), trace=True)
+    return [e for e in out.result.trace.events if e.rank == 0 and e.name.startswith("B0:block0/")]
+
+
+def test_swiglu_is_one_kernel_each_way_when_fused_and_autograds_kernels_when_not():
+    """Fused (Megatron-Core's fused_bias_swiglu.py, on by default: --no-bias-swiglu-fusion turns it off;
+    torch.compile fuses the pointwise ops alike): silu(f1) * f3 one kernel, and its backward one kernel that
+    makes silu(f1) again on chip. Eager: silu and the product forward; backward, autograd's two products and
+    silu's backward, silu's output read where the forward kept it (no silu again)."""
+    fused = names(forward_kernels(["model.dtype=bf16"]))
+    assert fused[-6:] == ["rms_norm", "matmul", "matmul", "swiglu", "matmul_partial", "add"]
+    assert "silu" not in fused
+    back = names(backward_kernels(["model.dtype=bf16"]))
+    assert back.count("swiglu_backward") == 1 and not {"silu", "silu_backward"} & set(back)
+    eager = names(backward_kernels(["model.dtype=bf16", "model.fused_kernels=false"]))
+    assert eager[:5] == ["einsum_partial", "matmul", "mul", "mul", "silu_backward"] and "silu" not in eager
+
+
+def test_the_fused_swiglu_moves_its_inputs_and_outputs_once():
+    """Forward: reads f1 and f3, writes the product (3 x S x F bf16 elements); backward: reads the product's
+    gradient, f1 and f3, writes df1 and df3 (5 x). Read back from the kernels' times, as above."""
+    spec = preset("dgx-h100")
+    rate = spec.hbm_gbyte_per_s * spec.memory_efficiency  # bytes a ns
+    moved = {e.name.split("/", 1)[1]: round((e.duration - spec.kernel_overhead_ns) * rate)
+             for e in forward_kernels(["model.dtype=bf16"]) + backward_kernels(["model.dtype=bf16"])}
+    assert moved["swiglu"] == pytest.approx(3 * S * F * 2, abs=rate + 1)
+    assert moved["swiglu_backward"] == pytest.approx(5 * S * F * 2, abs=rate + 1)

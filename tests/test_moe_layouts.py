@@ -2,6 +2,8 @@
 to one device in exact mode; a routing rule that depends on the split is caught; what it refuses; its FLOPs
 and activation memory in closed form."""
 
+from dataclasses import replace
+
 import pytest
 
 import simcluster.model.moe as moe_module
@@ -139,6 +141,21 @@ def test_an_moe_layers_activations_replace_the_mlps():
     want = (sum(dense.values()) - 2 * 4 * 2 * tokens * 16  # the MLP's GELU input and output (4h each)
             + 2 * tokens * 6 + 2 * 2 * tokens * 2 * 16 + 2 * 3 * tokens * 2 * 12)
     assert sum(kept.values()) == want
+    # unfused (eager PyTorch), each expert's SiLU output is kept too: a fourth F_e a routed token
+    eager = moe_activations(dense, replace(m, fused_kernels=False), b=3)
+    assert sum(eager.values()) == want + 2 * tokens * 2 * 12
+
+
+def test_the_experts_swiglu_is_one_kernel_each_way_when_fused():
+    """Megatron-Core's grouped experts run the same fused SwiGLU as its dense MLP (fusion.swiglu): one kernel
+    forward and one backward an expert; unfused, silu and the product forward."""
+    def kernels(*sets: str) -> list[str]:
+        out = run_scenario(load(None, MOE + ["run.numerics=meta", "parallel.dp=1", "cluster.gpus_per_node=1",
+                                             *sets]), trace=True)
+        return [e.name.rsplit("/", 1)[1] for e in out.result.trace.events if e.rank == 0 and "block" in e.name]
+    fused, eager = kernels(), kernels("model.fused_kernels=false")
+    assert fused.count("swiglu") > 0 and fused.count("swiglu_backward") == fused.count("swiglu")
+    assert "silu" not in fused and "silu" in eager and "swiglu" not in eager
 
 
 def _experts(*sets: str) -> dict:

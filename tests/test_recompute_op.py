@@ -69,11 +69,12 @@ SETS = ["model.arch=llama", "model.layers=1", "model.hidden=256", "model.heads=4
 def test_the_recomputation_runs_what_was_not_kept():
     """The backward's recomputation of the block, kernel by kernel: the attention norm, wk and the two
     rotations (wq's output is kept), wo (the attention kernel's output is kept) and its residual add,
-    the MLP's norm, w3 (w1's output is kept), SiLU and its product; not w2, nor what follows it."""
+    the MLP's norm, w3 (w1's output is kept), and SiLU with its product (one fused kernel); not w2, nor what
+    follows it."""
     out = run_scenario(load(None, SETS + ["parallel.recompute=op"]), trace=True)
     again = [e.name.split("/", 1)[1] for e in out.result.trace.events if e.rank == 0 and e.name.startswith("R0/")]
     rope = ["mul", "scale", "concat", "mul", "add"]  # q cos + rot(q) sin, as this model rotates
-    assert again == ["rms_norm"] + rope + ["matmul"] + rope + ["matmul_partial", "add", "rms_norm", "matmul", "silu", "mul"]
+    assert again == ["rms_norm"] + rope + ["matmul"] + rope + ["matmul_partial", "add", "rms_norm", "matmul", "swiglu"]
     assert out.report["layer"]["kernels"]["recompute"] == len(again)
 
 

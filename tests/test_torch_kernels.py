@@ -481,7 +481,7 @@ def test_a_step_profile_charges_a_16_bit_step_as_the_emulator_charges_it():
     # for the cross-entropy and its gradient back; an fp32 step's calls of cast change nothing and launch nothing)
     assert "cast" not in fp32.calls and "<cast>" in fp32.calls and bf16.calls["cast"] > 0
     assert {k: n for k, n in fp32.calls.items() if k != "<cast>"} == {k: n for k, n in bf16.calls.items() if k != "cast"}
-    for name in ("layer_norm", "layer_norm_backward", "rms_norm", "gelu_backward", "silu_backward", "add"):
+    for name in ("layer_norm", "layer_norm_backward", "rms_norm", "gelu_backward", "swiglu_backward", "add"):
         assert bf16.nbytes[name] * 2 == fp32.nbytes[name], name
     assert bf16.nbytes["sub_one_hot"] == fp32.nbytes["sub_one_hot"]  # (on the fp32 logits in both)
 

@@ -92,17 +92,17 @@ MLP = ("gelu input", "gelu output", "swiglu input (w1 and w3 outputs)", "swiglu 
 def moe_activations(kept: dict[str, int], m: Any, *, b: int, parts: int = 1) -> dict[str, int]:
     """A layer's tensors (layer_activations) with its MLP's replaced by a mixture of experts' (model/moe.py):
     per token the router's scores (E), each of its k routed rows (h), the experts' two products and their
-    SwiGLU (3 F_e each; GELU experts, gpt's: the product and its GELU, 2 F_e), the k weighted outputs (h),
-    and the shared experts' the same way (3 or 2 F_e each), for the rank's share of the sequence's
-    tokens (`parts`: the ranks sharing them out); the MLP's input stays."""
+    SwiGLU (3 F_e each, 4 unfused: SiLU's output too; GELU experts, gpt's: the product and its GELU, 2 F_e),
+    the k weighted outputs (h), and the shared experts' the same way, for the rank's share of the
+    sequence's tokens (`parts`: the ranks sharing them out); the MLP's input stays."""
     item, tokens = ITEMSIZE[m.dtype], m.seq * b // parts
     k, f = m.moe_top_k, m.moe_ffn_hidden or m.ffn_hidden
+    per = (3 + (not m.fused_kernels)) if m.moe.activation == "swiglu" else 2  # (unfused, SiLU's output too)
     out = {name: v for name, v in kept.items() if name not in MLP}
     return out | {"router scores": item * tokens * m.moe_experts,
                   "routed rows and weighted outputs": 2 * item * tokens * k * m.hidden,
-                  "experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens * k * f,
-                  "shared experts' products and activation": (3 if m.moe.activation == "swiglu" else 2) * item * tokens
-                  * m.moe_shared_experts * f}
+                  "experts' products and activation": per * item * tokens * k * f,
+                  "shared experts' products and activation": per * item * tokens * m.moe_shared_experts * f}
 
 
 def layer_bytes(**kw: object) -> int:

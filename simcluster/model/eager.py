@@ -29,9 +29,10 @@ repeat_kv, `x.unsqueeze(3).expand(...).reshape(...)` on k and on v with n_rep = 
 Pieces charged as the model's own ops already launch them (the same kernels eager torch runs):
 the GEMMs, scaled_dot_product_attention (one flash kernel each way; the transposes around it are
 views, and its output transposed back and `.contiguous()` is no copy: the kernel wrote it in that
-layout), SwiGLU's silu and product, the residual adds. With `fused_kernels = true` (the
-default: torch.compile's, and Megatron-Core's fused kernels) RMSNorm is one kernel each way and the
-rest as the model's ops are charged.
+layout), SwiGLU's silu and product (backward: autograd's two products and silu's backward, silu's
+output kept from the forward: fusion.swiglu_backward), the residual adds. With `fused_kernels = true`
+(the default: torch.compile's, and Megatron-Core's fused kernels) RMSNorm and SwiGLU are one kernel
+each way (fusion.py) and the rest as the model's ops are charged.
 """
 
 from __future__ import annotations

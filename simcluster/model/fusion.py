@@ -19,6 +19,12 @@ transformer.py, since 2020; Megatron-core and torch.compile'd torchtitan fuse th
 The probabilities that backward reads are what the fused forward wrote (kept, or recomputed with
 the block): the two-pass core's division e / l that makes them again, and their dropout, are no
 pass of their own there.
+A Llama's SwiGLU, silu(x w1) * (x w3), is one kernel each way: Megatron-Core's fused_bias_swiglu.py (on
+unless --no-bias-swiglu-fusion; r0.8) reads both products and writes theirs, and its backward reads the
+gradient and both products and writes both gradients, making silu again on chip; torch.compile fuses the
+same pointwise ops (torchtitan's compiled runs). Its rotary embedding stays the model's own ops: Inductor
+generates no code for torchtitan's complex product ("does not support code generation for complex
+operators", pytorch/torchtitan#15), so compiled it runs about as eager does (model/eager.py).
 `model.fused_kernels = false` issues every op as its own kernel, as eager PyTorch does.
 """
 
@@ -94,3 +100,23 @@ def residual_mask(ops: Any, cfg: Any) -> ContextManager[None]:
 def softmax_backward(ops: Any, cfg: Any, probs: Any) -> ContextManager[None]:
     """Around the scores' gradient P * (dP - rowsum(dO * O)): one kernel."""
     return _kernel(ops, cfg, "scale_mask_softmax_backward", 3 * _size(probs, cfg), attention=True)
+
+
+def swiglu(ops: Any, cfg: Any, f1: Any, f3: Any) -> Any:
+    """silu(f1) * f3, one kernel: reads f1 and f3, writes the product (Megatron-Core's bias_swiglu_impl;
+    torch.compile fuses the two pointwise ops alike). Unfused: silu's kernel, then the product's."""
+    with _kernel(ops, cfg, "swiglu", 3 * _size(f1, cfg)):
+        return ops.mul(ops.silu(f1), f3)
+
+
+def swiglu_backward(ops: Any, cfg: Any, dg: Any, f1: Any, f3: Any) -> tuple[Any, Any]:
+    """(df1, df3) of g = silu(f1) * f3, one kernel: reads dg, f1 and f3, writes df1 and df3, silu(f1) made
+    again on chip (Megatron-Core's SwiGLU backward; torch.compile's fusion of autograd's pointwise ops).
+    Unfused, as autograd runs it: the two products and silu's backward, a kernel each, silu(f1) read from
+    what the forward kept (model/activations.py: "silu output"), not made again."""
+    with _kernel(ops, cfg, "swiglu_backward", 5 * _size(f1, cfg)):
+        with nullcontext() if cfg.fused_kernels else ops.fused(None):
+            s = ops.silu(f1)
+        df3 = ops.mul(dg, s)
+        df1 = ops.silu_backward(ops.mul(dg, f3), f1)
+    return df1, df3

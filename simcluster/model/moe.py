@@ -44,6 +44,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from simcluster.model import fusion
 from simcluster.model.moe_dispatch import Local
 from simcluster.numerics.ops import Mode, Ops
 from simcluster.numerics.tensor import MetaTensor, Partial
@@ -234,8 +235,10 @@ class MoELayer:
     weights (DeepSeek-V3's auxiliary-loss-free balancing: a buffer the training loop moves, no gradient)
     is added to the scores for choosing the experts only."""
 
-    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, dispatcher: Any = None) -> None:
+    def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, dispatcher: Any = None,
+                 cfg: Any = None) -> None:
         self.ops, self.moe, self.pre, self.skew = ops, moe, prefix, skew
+        self.cfg = cfg  # the model's config: what its SwiGLU costs (fusion.py); None: unfused
         self.meta = ops.mode is Mode.META  # (routed as `stated` says, with `skew`: there are no numbers)
         # how the rows reach their experts and come back (moe_dispatch.py): on this rank (`Local`), or
         # expert parallelism's all-to-all or all-gather (parallel/expert_parallel.py)
@@ -326,7 +329,7 @@ class MoELayer:
             g = ops.gelu(f)
             return {"f": f, "g": g}, ops.matmul(g, w_out)
         up = ops.matmul(x, w_up)
-        g = ops.mul(ops.silu(f), up)
+        g = fusion.swiglu(ops, self.cfg, f, up) if self.cfg is not None else ops.mul(ops.silu(f), up)
         return {"f": f, "up": up, "g": g}, ops.matmul(g, w_out)
 
     def _shared_backward(self, p: dict[str, Any], x: Any, act: dict[str, Any], dout: Any,
@@ -356,8 +359,11 @@ class MoELayer:
             df = ops.gelu_backward(dg, act["f"])
             put("in", ops.einsum("th,tf->hf", x, df, partial=True))
             return ops.matmul(df, ops.transpose(w_in))
-        d_up = ops.mul(dg, ops.silu(act["f"]))
-        df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
+        if self.cfg is not None:
+            df, d_up = fusion.swiglu_backward(ops, self.cfg, dg, act["f"], act["up"])
+        else:
+            d_up = ops.mul(dg, ops.silu(act["f"]))
+            df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
         put("in", ops.einsum("th,tf->hf", x, df, partial=True))
         put("up", ops.einsum("th,tf->hf", x, d_up, partial=True))
         return ops.add(ops.matmul(df, ops.transpose(w_in)), ops.matmul(d_up, ops.transpose(w_up)))

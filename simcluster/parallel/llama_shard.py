@@ -23,7 +23,7 @@ from typing import Any, Generator
 
 import numpy as np
 
-from simcluster.model import eager
+from simcluster.model import eager, fusion
 from simcluster.model.gpt import Slice
 from simcluster.numerics.ops import Mode
 from simcluster.numerics.tensor import MetaTensor
@@ -176,7 +176,7 @@ class LlamaShard(TransformerShard):
         else:
             c, made = yield from self.gather_matmuls(c_mine, [p[pre + "mlp." + n] for n in ("w1", "w3")[bool(saved):]])
             f1, f3 = (sv["f1"], made[0]) if saved else made  # (b, s/cp, F/tp)
-            g = ops.mul(ops.silu(f1), f3)
+            g = fusion.swiglu(ops, self.m, f1, f3)
             mlp = {"f1": f1, "f3": f3, "g": g}
             if saved:  # (w2's product and what follows it the backward needs no more of: torch stops here)
                 return None, {"x": x, "a": a, "a_mine": a_mine, "n1": n1, "q": q, "k": k, "v": v, "core": core,
@@ -212,8 +212,7 @@ class LlamaShard(TransformerShard):
             _, (dg,) = yield from self.gather_matmuls(  # (b, s/cp, F/tp)
                 self.drop(dx2, c["keep_m"]), [ops.transpose(p[pre + "mlp.w2"])],
                 then=lambda dz: weight_grad(pre + "mlp.w2", lambda: ops.einsum("bsf,bsh->fh", c["g"], dz, partial=True)))
-            df3 = ops.mul(dg, ops.silu(c["f1"]))
-            df1 = ops.silu_backward(ops.mul(dg, c["f3"]), c["f1"])
+            df1, df3 = fusion.swiglu_backward(ops, self.m, dg, c["f1"], c["f3"])
 
             def mlp_grads(whole: Any) -> None:
                 weight_grad(pre + "mlp.w1", lambda: ops.einsum("bsh,bsf->hf", whole, df1, partial=True))

@@ -45,7 +45,7 @@ class Experts:
     def experts(self, i: int) -> MoELayer:
         """Block i's mixture of experts (model/moe.py) on this rank: every expert, or with expert parallelism
         this rank's share of them, the tokens dispatched over the ep group (parallel/expert_parallel.py)."""
-        layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew)
+        layer = MoELayer(self.ops, self.m.moe, f"layers.{i}.moe.", self.m.moe_skew, cfg=self.m)
         if self.ctx.mesh.ep.size > 1:  # this rank holds its share of the experts: tokens go to theirs and back
             layer.dispatcher = self.dispatcher(self.ctx, layer)
         if self.spread is not None:  # a sequence's tokens over cp and tp ranks: the balance loss sums them,
