@@ -81,10 +81,9 @@ class ModelSection(Section):
     attention_kernel: Literal["flash", "unfused"] = key(
         "flash", "the attention core's time and memory: one FlashAttention kernel, or a kernel a step, the s x s in memory")
     fused_kernels: bool = key(
-        True, "cost a block's elementwise work as the fused kernels of Megatron-LM (bias in the GEMM; bias+GELU; bias+"
-        "dropout+residual; scale+mask+softmax; SwiGLU) and torch.compile (RMSNorm and SwiGLU in one kernel each way); "
-        "false: as eager PyTorch launches it, a kernel an op (the Llama's RMSNorm and rotary embedding with fp32 "
-        "upcasts, model/eager.py)")
+        True, "cost a block's elementwise work as Megatron-LM's fused kernels (bias in the GEMM; bias+GELU; bias+dropout+"
+        "residual; scale+mask+softmax; SwiGLU) and torch.compile's (RMSNorm, SwiGLU: a kernel each way); false: as eager "
+        "PyTorch launches it, a kernel an op (the Llama's RMSNorm and rotary embedding with fp32 upcasts, model/eager.py)")
     loss_kernel: Literal["unfused", "fused"] = key(
         "unfused", "the cross-entropy: unfused, passes over the logits upcast to fp32 and kept (Megatron-LM's, torch's); "
         "fused, a kernel a pass over the 16-bit logits, which it keeps with a log-sum-exp a row (flash-attn's, LLM "
