@@ -32,9 +32,21 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 from simcluster.numerics.tensor import ITEMSIZE
+
+
+@dataclass(frozen=True)
+class Unfused:
+    """What these functions read of a model's config, for ops costed with no model's (a layer built alone, as its
+    tests build one): every op its own kernel."""
+    fused_kernels: bool = False
+    dtype: str = "fp32"
+
+
+UNFUSED = Unfused()
 
 
 def _size(x: Any, cfg: Any) -> int:

@@ -238,7 +238,7 @@ class MoELayer:
     def __init__(self, ops: Ops, moe: MoE, prefix: str = "moe.", skew: float = 0.0, dispatcher: Any = None,
                  cfg: Any = None) -> None:
         self.ops, self.moe, self.pre, self.skew = ops, moe, prefix, skew
-        self.cfg = cfg  # the model's config: what its SwiGLU costs (fusion.py); None: unfused
+        self.cfg = cfg if cfg is not None else fusion.UNFUSED  # the model's config: what its SwiGLU costs (fusion.py)
         self.meta = ops.mode is Mode.META  # (routed as `stated` says, with `skew`: there are no numbers)
         # how the rows reach their experts and come back (moe_dispatch.py): on this rank (`Local`), or
         # expert parallelism's all-to-all or all-gather (parallel/expert_parallel.py)
@@ -329,7 +329,7 @@ class MoELayer:
             g = ops.gelu(f)
             return {"f": f, "g": g}, ops.matmul(g, w_out)
         up = ops.matmul(x, w_up)
-        g = fusion.swiglu(ops, self.cfg, f, up) if self.cfg is not None else ops.mul(ops.silu(f), up)
+        g = fusion.swiglu(ops, self.cfg, f, up)
         return {"f": f, "up": up, "g": g}, ops.matmul(g, w_out)
 
     def _shared_backward(self, p: dict[str, Any], x: Any, act: dict[str, Any], dout: Any,
@@ -359,11 +359,7 @@ class MoELayer:
             df = ops.gelu_backward(dg, act["f"])
             put("in", ops.einsum("th,tf->hf", x, df, partial=True))
             return ops.matmul(df, ops.transpose(w_in))
-        if self.cfg is not None:
-            df, d_up = fusion.swiglu_backward(ops, self.cfg, dg, act["f"], act["up"])
-        else:
-            d_up = ops.mul(dg, ops.silu(act["f"]))
-            df = ops.silu_backward(ops.mul(dg, act["up"]), act["f"])
+        df, d_up = fusion.swiglu_backward(ops, self.cfg, dg, act["f"], act["up"])
         put("in", ops.einsum("th,tf->hf", x, df, partial=True))
         put("up", ops.einsum("th,tf->hf", x, d_up, partial=True))
         return ops.add(ops.matmul(df, ops.transpose(w_in)), ops.matmul(d_up, ops.transpose(w_up)))
