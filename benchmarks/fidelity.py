@@ -108,7 +108,10 @@ TABLES = {
                               ratios=((1, 2), (3, 4), (5, 6), (7, 8))),
     # Dubey et al. 2024 (arXiv 2407.21783), Table 4: Llama 3 405B, TFLOP/s per GPU.
     "llama3-2024": Table("llama3_2024.toml", "model_tflops", (430, 400, 380), modern=True, ratios=((1, 2),),
-                         unstated=(("the gradients summed by the weight-gradient GEMMs (Megatron-LM's fusion)",
+                         unstated=(("the gradients whole in fp32 until one reduce-scatter a step (ZeRO-1, where the "
+                                    "paper's FSDP 'shards optimizer states and gradients': no row fits)",
+                                    {"parallel.zero": 1}),
+                                   ("the gradients written by the weight-gradient GEMMs (Megatron-LM's fusion)",
                                     {"parallel.grad_accumulation_fusion": True}),
                                    ("FlashAttention-2 at PyTorch SDPA's rate (329.5 TFLOP/s, tritonbench: no document "
                                     "mask)", {"cluster.attention_efficiency": FA2_SDPA}),

@@ -10,6 +10,9 @@ peak memory (the process's maximum resident set, interpreter and imports include
 - the same at d = 64 with more micro-batches a step (m = 128 .. 4,096 per replica), whose pipeline
   rounds are simulated twice (simcluster/run/pipeline_steady.py), and m = 128 with every micro-batch
   simulated, for comparison.
+The Llama's gradients are taken whole until one reduce-scatter a step (ZeRO-1), for its rounds to repeat: the
+scenario's ZeRO-2 (the paper's FSDP shards them) reduce-scatters every micro-batch's, which fall further behind
+each round, and are all simulated.
 Folded and unfolded runs, and rounds simulated twice or all, give the same report (tests/test_fold.py,
 tests/test_pipeline_steady.py); only the cost differs.
 
@@ -57,7 +60,7 @@ def gpt(dp: int) -> list[str]:
 
 
 def llama(dp: int, per_replica: int) -> list[str]:
-    return [f"parallel.dp={dp}", f"cluster.nodes={16 * dp}", f"model.global_batch={per_replica * dp}"]
+    return [f"parallel.dp={dp}", f"cluster.nodes={16 * dp}", f"model.global_batch={per_replica * dp}", "parallel.zero=1"]
 
 
 def row(label: str, m: dict) -> None:

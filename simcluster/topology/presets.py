@@ -273,7 +273,7 @@ PRESETS: dict[str, ClusterSpec] = {
                             # other row was fitted. (0.82 until each kernel moved its tensors' own bytes and Megatron's
                             # gradient accumulation fusion was modelled: both took time off that run's step.) With it,
                             # torchtitan's two tables come within -5 to +4 %, where they were 14 to 25 % fast, Llama 3's
-                            # rows within -4 to -3 % (its attention FlashAttention-2's), Megatron-Core's pipelined
+                            # rows within -8 to -3 % (its attention FlashAttention-2's), Megatron-Core's pipelined
                             # rows within -1 to +6 %, and one stack's speedup from A100s to H100s on the same
                             # configurations (LLM Foundry's 2023 MPT table) within -7 to +8 %
                             # (benchmarks/fidelity.py). The likely cause, not measured here: the clock under a long
