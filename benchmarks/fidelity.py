@@ -40,7 +40,8 @@ every row within 10 %.
 table's GPU, the kernels run at the measured rates instead of the preset's datasheet-and-MAMF figures.
 `--breakdown` prints under each row what the busiest rank's predicted step is made of (GEMMs, fused attention,
 other kernels, the communication left exposed; ms a step), to hold beside a published profile.
-`--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
+A row predicted not to fit its GPUs' memory is marked OOM, and the table says so after its errors: every row
+ran, so such a row points at a reading of its source to look at again. `--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
 names them; the file says how it reads each), read the other way: what the errors hinge on, in one line each.
 """
 
@@ -197,7 +198,7 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str], d
     print(f"\n{name} ({table.file}; {unit} per GPU{'' if table.modern else '; an older stack'}): {sc.description}")
     print(f"{'row':>3} {'GPUs (TPxPPxDP)':<20} {'predicted':>9} {'published':>9} {'error':>7} {'gap ms':>7} {'MFU':>6} "
           f"{'memory/GPU':>10} {'sim s':>6} {'sim GB':>7}")
-    errors, got_by_row, memory = [], {}, []
+    errors, got_by_row, memory, over = [], {}, [], []
     for i in chosen:
         _, v = sc.variants[i - 1]
         t = time.perf_counter()
@@ -214,6 +215,8 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str], d
             memory.append((i, r["memory"]["peak_bytes"] / 2**30, table.memory[i - 1]))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         fits = "" if r["memory"]["fits"] else " OOM"
+        if not r["memory"]["fits"]:
+            over.append(i)
         fitted = "  (fitted: sustained_compute)" if i in table.fitted else ""
         # the published step less the predicted one: every figure is a step's work over its time
         gap = r["step_time_ns"] * error / 1e6
@@ -228,6 +231,9 @@ def run_table(name: str, table: Table, rows: str | None, overrides: list[str], d
                    "  (goal met)" if mean <= 0.05 and worst <= 0.10 else "  (goal: mean 5 %, max 10 %: not met)")
         fitted = " (of the rows not fitted)" if table.fitted else ""
         print(f"mean |error|{fitted} {100 * mean:.1f} %, max |error| {100 * worst:.1f} %{verdict}")
+    if over:  # (every row ran: a layout predicted not to fit is a reading of its source to look at again)
+        print(f"row{'s' * (len(over) > 1)} {', '.join(map(str, over))} predicted out of memory, where the publication "
+              f"ran {'them' if len(over) > 1 else 'it'}")
     for i, mine, theirs in memory:
         print(f"row {i} peak memory: predicted {mine:.1f} GiB of tensors, published {theirs:.1f} GiB reserved "
               f"({100 * (mine / theirs - 1):+.1f} %)")

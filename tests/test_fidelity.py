@@ -230,6 +230,20 @@ def test_the_breakdown_under_a_row_is_its_busiest_ranks_compute_by_kind_and_expo
     assert step == pytest.approx(report["step_time_ns"] / 1e6, abs=0.1)
 
 
+def test_a_row_predicted_out_of_memory_is_named_after_the_tables_errors(capsys):
+    """Every row of a table ran, so a row the model says would not fit its GPUs is a reading to look at again
+    (Llama 3's rows did not fit while its gradients were read whole, where the paper's FSDP shards them)."""
+    from fidelity import main
+
+    main(["--table", "llama3-2024", "--rows", "2"])
+    assert "out of memory" not in capsys.readouterr().out
+    main(["--table", "llama3-2024", "--rows", "2", "--set", "parallel.zero=1"])
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  2 16384") and "GB OOM" in line for line in out)
+    assert out[-1] == "row 2 predicted out of memory, where the publication ran it"
+    assert out[-2].startswith("mean |error|")
+
+
 def test_an_override_a_row_refuses_when_it_runs_ends_the_script_with_one_line():
     """An override that builds but that a row refuses when it runs (Llama 3's interleaved pipeline takes a micro-batch
     group of 16 to 32) ends fidelity.py with the reason, as one refused when the table is built does: no traceback."""
