@@ -99,7 +99,7 @@ TABLES = {
                                        ratios=((1, 2),), fitted=(1,)),
     # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (bf16 rows).
     "torchtitan-2024": Table("torchtitan_2024.toml", "tokens_per_gpu", (5762, 6667, 5605, 6514), modern=True,
-                             ratios=((1, 2), (3, 4)), memory=(82.4, 77.0, 67.0, 62.0)),
+                             ratios=((1, 2), (3, 4), (1, 3), (2, 4)), memory=(82.4, 77.0, 67.0, 62.0)),
     # torchtitan's benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, its bfloat16 rows.
     "torchtitan-2025": Table("torchtitan_2025_async_tp.toml", "tokens_per_gpu", (4378, 4809.4, 597.3, 652.4),
                              modern=True, ratios=((1, 2), (3, 4))),
