@@ -41,7 +41,8 @@ table's GPU, the kernels run at the measured rates instead of the preset's datas
 `--breakdown` prints under each row what the busiest rank's predicted step is made of (GEMMs, fused attention,
 other kernels, the communication left exposed; ms a step), to hold beside a published profile.
 A row predicted not to fit its GPUs' memory is marked OOM, and the table says so after its errors: every row
-ran, so such a row points at a reading of its source to look at again. `--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
+ran, so such a row points at a reading of its source to look at again.
+`--unstated` runs each table again for each choice its source leaves unstated that moves it most (TABLES
 names them; the file says how it reads each), read the other way: what the errors hinge on, in one line each.
 """
 
